@@ -1,0 +1,361 @@
+"""Measurements the planner's cost model needs: per-layer time and bytes, and host-link bandwidth.
+
+:func:`measure_layers` runs the model once (no grad) only to capture every layer's inputs, then runs each
+layer's forward and backward alone, timing them (CUDA events on GPU, ``time.perf_counter`` on CPU) and
+counting the unique storages it saves for backward through ``torch.autograd.graph.saved_tensors_hooks``.
+Backward uses ``torch.autograd.grad``, which returns gradients instead of accumulating them into
+``.grad``. The model is left as found: every module's training flag, every buffer (e.g. BatchNorm's
+running statistics and ``num_batches_tracked``), every parameter's ``.grad`` object and the CPU and CUDA
+RNG states are saved before and restored after, also when profiling raises.
+
+:func:`measure_bandwidth` times pinned D2H and H2D copies on a side stream, once per device (cached).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._cost_model import LayerMeasurement, LinkBandwidth
+
+__all__ = ["measure_layers", "measure_bandwidth", "discover_layers"]
+
+_BANDWIDTH_CACHE: dict[str, LinkBandwidth] = {}
+
+
+def discover_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks: children of an ``nn.ModuleList``/``nn.Sequential`` sharing one class.
+
+    Of all such containers (at least two children, all of one class) the one with the most children
+    wins; ties go to the first in ``model.named_modules()`` order.
+
+    Returns:
+        list[tuple[str, nn.Module]]: ``(qualified name, layer)`` in forward (container) order.
+
+    Raises:
+        ValueError: no such container; pass ``layers=`` explicitly.
+    """
+    best: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2 or len({type(c) for _, c in children}) != 1 or len(children) <= len(best):
+            continue
+        prefix = f"{name}." if name else ""
+        best = [(prefix + child_name, child) for child_name, child in children]
+    if not best:
+        raise ValueError(
+            f"plan_offload: found no repeated layers in {type(model).__name__} (no nn.ModuleList or nn.Sequential "
+            "with two or more children of one class); pass layers=[...] with the blocks to plan."
+        )
+    return best
+
+
+def _as_args(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(
+        "plan_offload: example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword "
+        f"inputs, got {type(example_inputs).__name__}; pass e.g. example_inputs=(x,)."
+    )
+
+
+class _ModelState:
+    """Everything profiling may change, saved so it can be put back (see the module docstring)."""
+
+    __slots__ = ("model", "training", "buffers", "grads", "cpu_rng", "cuda_rng")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.training = [(m, m.training) for m in model.modules()]
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.grads = [(p, p.grad) for p in model.parameters()]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        for module, flag in self.training:
+            module.training = flag
+        with torch.no_grad():
+            for buf, saved in self.buffers:
+                buf.copy_(saved)
+        for param, grad in self.grads:
+            param.grad = grad
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kwargs: dict) -> list:
+    captured: list = [None] * len(layers)
+
+    def make_hook(index: int):
+        def hook(_module, hook_args, hook_kwargs):
+            if captured[index] is None:
+                detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
+                captured[index] = (tree_map(detach, hook_args), tree_map(detach, hook_kwargs))
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [i for i, c in enumerate(captured) if c is None]
+    if missing:
+        raise ValueError(
+            f"plan_offload: layers {missing} were not called by model(*example_inputs); pass layers= with only the "
+            "blocks the forward runs, or example_inputs that reach them."
+        )
+    return captured
+
+
+def _unique_storage_bytes(tensors, skip: set) -> int:
+    seen: set = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        if storage.data_ptr() in skip or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+class _Timer:
+    __slots__ = ("cuda", "start", "stop", "t0", "t1")
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.stop = torch.cuda.Event(enable_timing=True)
+
+    def __enter__(self):
+        if self.cuda:
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.stop.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def ms(self) -> float:
+        if self.cuda:
+            self.stop.synchronize()
+            return self.start.elapsed_time(self.stop)
+        return (self.t1 - self.t0) * 1e3
+
+
+def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device) -> tuple[float, float, int, int]:
+    args, kwargs = captured
+
+    def fresh(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.clone().requires_grad_(True)
+        return x
+
+    args, kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
+    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    ckpt_bytes = _unique_storage_bytes(inputs, param_ptrs)
+    wrt = [x for x in inputs if x.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with _Timer(device) as fwd, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(*args, **kwargs)
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    saved_bytes = _unique_storage_bytes(saved, param_ptrs)
+    saved.clear()
+    with _Timer(device) as bwd:
+        if outs:
+            torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+    return fwd.ms(), bwd.ms(), saved_bytes, ckpt_bytes
+
+
+def _device_of(layer: nn.Module, captured) -> torch.device:
+    for x in tree_flatten(captured)[0]:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    for p in layer.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def measure_layers(
+    model: nn.Module,
+    layers: Sequence[nn.Module] | None,
+    example_inputs: Any,
+    *,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> tuple[LayerMeasurement, ...]:
+    """Profile one forward and backward of each layer, in training mode, leaving the model as found.
+
+    Args:
+        model (nn.Module): the model; ``model(*example_inputs)`` must run every layer once.
+        layers (Sequence[nn.Module] | None): the layers to plan, in forward order; ``None`` discovers
+            the repeated blocks (:func:`discover_layers`).
+        example_inputs: a tensor, a tuple/list of positional inputs or a dict of keyword inputs, at the
+            shapes of a training step (their batch and sequence decide the bytes).
+        warmup (int): untimed runs per layer before timing. Default: ``1``.
+        repeats (int): timed runs per layer; the median is kept. Default: ``3``.
+
+    Returns:
+        tuple[LayerMeasurement, ...]: per layer, forward/backward ms (medians), saved bytes (unique
+        storages saved for backward, parameters excluded) and checkpoint-input bytes (unique storages
+        of its tensor inputs).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or bad ``example_inputs``.
+        ValueError: a layer is not a submodule of ``model`` or is not called by the forward;
+            ``warmup < 0`` or ``repeats < 1``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"measure_layers: model must be an nn.Module, got {type(model).__name__}.")
+    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"measure_layers: {name} must be an int >= {low}, got {value!r}.")
+    names = {id(m): n for n, m in model.named_modules()}
+    if layers is None:
+        named = discover_layers(model)
+    else:
+        layers = list(layers)
+        if not layers:
+            raise ValueError("measure_layers: layers is empty; pass the model's blocks or None to discover them.")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module) or id(layer) not in names:
+                raise ValueError(
+                    f"measure_layers: layers[{i}] ({type(layer).__name__}) is not a submodule of the model; pass "
+                    "modules from model.modules()."
+                )
+        named = [(names[id(layer)], layer) for layer in layers]
+    args, kwargs = _as_args(example_inputs)
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    state = _ModelState(model)
+    try:
+        model.train()
+        captured = _capture_inputs(model, [m for _, m in named], args, kwargs)
+        result = []
+        for (name, layer), inputs in zip(named, captured):
+            device = _device_of(layer, inputs)
+            runs = [_profile_layer(layer, inputs, param_ptrs, device) for _ in range(warmup + repeats)][warmup:]
+            result.append(
+                LayerMeasurement(
+                    forward_ms=statistics.median(r[0] for r in runs),
+                    backward_ms=statistics.median(r[1] for r in runs),
+                    saved_bytes=max(r[2] for r in runs),
+                    checkpoint_input_bytes=runs[0][3],
+                    name=name,
+                )
+            )
+        return tuple(result)
+    finally:
+        state.restore()
+
+
+def _device_key(device: Any) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"measure_bandwidth: device={device!r} is not a torch device; pass e.g. 'cuda:0'.") from exc
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"measure_bandwidth: device={device!r} is not supported; pass a 'cuda' or 'cpu' device.")
+    return dev
+
+
+def _time_copies(dst: torch.Tensor, src: torch.Tensor, repeats: int, stream) -> float:
+    """Median ms of ``dst.copy_(src)`` over ``repeats`` after one warm-up copy."""
+    times = []
+    if stream is None:
+        dst.copy_(src)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        for _ in range(repeats):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _measure_link(dev: torch.device, nbytes: int, repeats: int) -> LinkBandwidth:
+    if dev.type == "cpu":
+        a = torch.ones(nbytes, dtype=torch.uint8)
+        b = torch.empty_like(a)
+        ms = _time_copies(b, a, repeats, None)
+        gbps = nbytes / (ms * 1e6)
+        return LinkBandwidth(gbps, gbps, source=f"cpu memcpy of {nbytes >> 20} MiB (no host link; stands in for D2H/H2D)")
+    stream = torch.cuda.Stream(dev)
+    gpu = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    torch.cuda.current_stream(dev).synchronize()
+    d2h = _time_copies(host, gpu, repeats, stream)
+    h2d = _time_copies(gpu, host, repeats, stream)
+    return LinkBandwidth(
+        nbytes / (d2h * 1e6), nbytes / (h2d * 1e6), source=f"measured {dev} pinned, {nbytes >> 20} MiB, side stream"
+    )
+
+
+def measure_bandwidth(device: Any = None, *, nbytes: int | None = None, repeats: int = 5) -> LinkBandwidth:
+    """Pinned D2H and H2D bandwidth of ``device``'s host link, GB/s, measured once per device.
+
+    Args:
+        device: a CUDA device (``"cuda"``, ``"cuda:1"``, ``torch.device``) or ``"cpu"``; ``None`` means
+            the current CUDA device if there is one, else CPU. On CPU the figure is a host memcpy,
+            labelled as such in ``source``.
+        nbytes (int | None): bytes per copy. Default: 256 MiB on CUDA, 64 MiB on CPU.
+        repeats (int): timed copies per direction; the median is kept. Default: ``5``.
+
+    Returns:
+        LinkBandwidth: the measured bandwidths; later calls for the same device return the same object.
+
+    Raises:
+        ValueError: an unsupported device, ``nbytes < 1`` or ``repeats < 1``.
+    """
+    dev = _device_key(device)
+    cached = _BANDWIDTH_CACHE.get(str(dev))
+    if cached is not None:
+        return cached
+    if nbytes is None:
+        nbytes = 256 << 20 if dev.type == "cuda" else 64 << 20
+    for name, value in (("nbytes", nbytes), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"measure_bandwidth: {name} must be an int >= 1, got {value!r}.")
+    result = _measure_link(dev, nbytes, repeats)
+    _BANDWIDTH_CACHE[str(dev)] = result
+    return result
