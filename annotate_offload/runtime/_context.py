@@ -1,0 +1,265 @@
+"""``get_cpu_offload_context``: the TransformerEngine-compatible entry point.
+
+Port TE code by changing one import::
+
+    from annotate_offload import get_cpu_offload_context
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=N, model_layers=L)
+    for layer in layers:
+        with ctx:
+            x = layer(x)
+        x = sync(x)
+    loss_fn(x).backward()
+
+Behaviour follows TE's V2 ``cpu_offload.get_cpu_offload_context`` (te_offload.md §1.8): same
+signature and positional order, same returns, same validation. Differences, all additive: the
+D2H copies start at save time, the schedule accepts ``release_lag`` / ``prefetch_layers``, the
+selection policy and device backend are keyword options, and with grad disabled (``no_grad``,
+``inference_mode``: eval passes) the context passes straight through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..errors import OffloadError
+from ._synchronizer import (
+    DefaultOffloadSynchronizer,
+    ManualOffloadSynchronizer,
+    OffloadSynchronizer,
+    _active_synchronizer,
+)
+
+__all__ = ["get_cpu_offload_context", "is_cpu_offload_enabled"]
+
+
+def is_cpu_offload_enabled() -> bool:
+    """True while a layer's offload scope is open on this thread (modules sample it in forward)."""
+    return _active_synchronizer() is not None
+
+
+def _identity(tensor: Any) -> Any:
+    return tensor
+
+
+class _CpuOffloadContext(contextlib.ContextDecorator):
+    """Reusable per-layer context: entered once per layer, followed by the sync function.
+
+    Attributes:
+        offload_synchronizer (OffloadSynchronizer): the synchronizer driving the copies.
+        inside_context (bool): True between ``__enter__`` and ``__exit__`` (Megatron reads it).
+        current_layer (int | None): index of the layer last entered in this forward.
+    """
+
+    def __init__(self, synchronizer: OffloadSynchronizer) -> None:
+        self.offload_synchronizer = synchronizer
+        self.inside_context = False
+        self.current_layer: Optional[int] = None
+        self._entered_with_grad = False
+        self._awaiting_sync = False
+
+    def __enter__(self) -> "_CpuOffloadContext":
+        sync = self.offload_synchronizer
+        if self.inside_context:
+            raise OffloadError(
+                "get_cpu_offload_context: the offload context was entered again while inside it; "
+                "use one `with ctx:` per layer, not nested"
+            )
+        if not sync._scope_ready():
+            # no_grad / inference_mode (eval) or a checkpoint recompute: pass straight through
+            self._entered_with_grad = False
+            self.inside_context = True
+            return self
+        if self._awaiting_sync:
+            raise OffloadError(
+                "get_cpu_offload_context: the context was re-entered without calling the "
+                "synchronization function on the previous layer's output; write "
+                "`with ctx: x = layer(x)` then `x = sync_fn(x)` for every layer"
+            )
+        self.current_layer = sync.fwd_step()
+        self._entered_with_grad = True
+        self.inside_context = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.inside_context = False
+        if not self._entered_with_grad:
+            return None
+        self._entered_with_grad = False
+        sync = self.offload_synchronizer
+        if exc_type is not None:
+            sync.abort()
+            self._awaiting_sync = False
+            self.current_layer = None
+            return None
+        sync.exit_layer()
+        self._awaiting_sync = True
+        return None
+
+    def synchronization_function(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The layer-boundary commit: call on each layer's output, outside the context.
+
+        Returns ``tensor`` itself. With grad disabled it returns its input and does nothing.
+
+        Raises:
+            OffloadError: if called inside the context, or before any layer was entered.
+            TypeError: if ``tensor`` is not a tensor.
+            ValueError: if ``tensor`` does not require grad (its backward could not be tracked).
+        """
+        sync = self.offload_synchronizer
+        if not sync._scope_ready():
+            return tensor
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"synchronization function: expected the layer's output tensor, got "
+                f"{type(tensor).__name__}"
+            )
+        if self.inside_context:
+            raise OffloadError(
+                "synchronization function called inside the offload context; call it after the "
+                "`with ctx:` block: `with ctx: x = layer(x)` then `x = sync_fn(x)`"
+            )
+        if not self._awaiting_sync or self.current_layer is None:
+            raise OffloadError(
+                "synchronization function called before any layer ran inside the offload "
+                "context; enter the context for a layer first"
+            )
+        if not tensor.requires_grad:
+            raise ValueError(
+                "synchronization function: the tensor does not require grad, so the layer's "
+                "backward cannot be tracked; pass the layer's output (with requires_grad=True), "
+                "or run the pass under torch.no_grad() where the function is a no-op"
+            )
+        self._awaiting_sync = False
+        sync._mark_boundary(tensor, self.current_layer)
+        return tensor
+
+    def __repr__(self) -> str:
+        return (
+            f"_CpuOffloadContext(inside_context={self.inside_context}, "
+            f"current_layer={self.current_layer}, offload_synchronizer={self.offload_synchronizer!r})"
+        )
+
+
+def get_cpu_offload_context(
+    enabled: bool = False,
+    num_layers: Optional[int] = 1,
+    model_layers: int = 1,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+    manual_synchronization: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+    offload_stream: Optional[Any] = None,
+    *,
+    release_lag: Optional[int] = None,
+    prefetch_layers: Optional[int] = None,
+    policy: Optional[str] = None,
+    min_offload_numel: Optional[int] = None,
+    device: Any = None,
+) -> tuple:
+    """Activation offloading context and sync function, drop-in for TransformerEngine's.
+
+    Args:
+        enabled (bool): when ``False`` returns ``(nullcontext(), identity)`` (plus ``None`` in
+            manual mode) without validating anything else. Default: ``False``.
+        num_layers (int): layers to offload, ``0 <= num_layers <= model_layers - 1`` (the first
+            ``num_layers`` layers; ignored in manual mode). Default: ``1``.
+        model_layers (int): layer scopes per forward (number of ``with ctx:`` entries).
+        offload_activations (bool): offload activations saved for backward. Default: ``True``.
+        offload_weights (bool): deprecated, as in TE: warns and offloads no weights.
+        double_buffering (bool): accepted for compatibility; it has no effect (as in TE V2).
+        manual_synchronization (bool): return a :class:`ManualOffloadSynchronizer` as third item;
+            the user calls its ``start_offload_layer`` / ``release_activation_forward_gpu_memory``
+            / ``start_reload_layer``.
+        retain_pinned_cpu_buffers (bool): see :class:`OffloadSynchronizer`.
+        offload_stream: a CUDA stream for the copies; manual mode only (as in TE).
+        release_lag (int), prefetch_layers (int): schedule knobs beyond TE, see
+            :class:`DefaultOffloadSynchronizer`. ``None`` reproduces TE's schedule.
+        policy (str): ``"opt_out"`` (default) or ``"opt_in"``; ``None`` follows
+            ``NVTE_CPU_OFFLOAD_V1``.
+        min_offload_numel (int): size threshold in logical elements. Default: 262144.
+        device: ``"cuda"``, ``"cpu"`` (CPU backend, for machines without a GPU) or ``None``.
+
+    Returns:
+        ``(context, sync_fn)``, or ``(context, sync_fn, synchronizer)`` in manual mode.
+
+    Raises:
+        ValueError: nothing selected to offload; ``num_layers > model_layers - 1``;
+            ``offload_stream`` without manual mode; values out of range.
+        TypeError: arguments of the wrong type.
+
+    Warns:
+        UserWarning: ``num_layers == model_layers - 1`` (TE's schedule cannot overlap copies with
+            compute then; pass ``prefetch_layers=1`` and ``release_lag=1`` to overlap anyway).
+        DeprecationWarning: ``offload_weights=True``.
+    """
+    if not enabled:
+        return (contextlib.nullcontext(), _identity, None) if manual_synchronization else (
+            contextlib.nullcontext(),
+            _identity,
+        )
+    if not offload_activations and not offload_weights:
+        raise ValueError(
+            "CPU Offloading is enabled while it is not mentioned what to offload (weights/"
+            "activations): offload_activations=False and offload_weights=False; pass "
+            "offload_activations=True or enabled=False"
+        )
+    if offload_weights:
+        warnings.warn(
+            "Offloading weights is deprecated. Using offload_weights=True does not have any effect.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if not offload_activations:
+            return (contextlib.nullcontext(), _identity, None) if manual_synchronization else (
+                contextlib.nullcontext(),
+                _identity,
+            )
+    if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
+        raise ValueError(f"model_layers={model_layers!r}: must be an int >= 1 (layers per forward)")
+    if offload_stream is not None and not manual_synchronization:
+        raise ValueError(
+            "offload_stream is only supported with manual_synchronization=True; drop "
+            "offload_stream or pass manual_synchronization=True"
+        )
+    common = dict(policy=policy, min_offload_numel=min_offload_numel, device=device)
+    if manual_synchronization:
+        sync: OffloadSynchronizer = ManualOffloadSynchronizer(
+            model_layers, retain_pinned_cpu_buffers, offload_stream, **common
+        )
+    else:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+            raise TypeError(f"num_layers={num_layers!r}: expected an int")
+        if num_layers < 0:
+            raise ValueError(f"num_layers={num_layers}: must be >= 0")
+        if num_layers > model_layers - 1:
+            raise ValueError(
+                f"Cannot offload {num_layers} layers of {model_layers}: the last layer is not "
+                f"offloaded. num_layers={num_layers} must be <= model_layers - 1 = "
+                f"{model_layers - 1}"
+            )
+        if num_layers == model_layers - 1 and num_layers > 0 and prefetch_layers is None:
+            warnings.warn(
+                f"Offloading num_layers={num_layers} of model_layers={model_layers}: with "
+                "TransformerEngine's schedule no overlap of copies and compute is possible. "
+                "annotate_offload can overlap anyway: pass prefetch_layers=1 and release_lag=1.",
+                UserWarning,
+                stacklevel=2,
+            )
+        sync = DefaultOffloadSynchronizer(
+            model_layers,
+            num_layers,
+            retain_pinned_cpu_buffers,
+            None,
+            release_lag=release_lag,
+            prefetch_layers=prefetch_layers,
+            **common,
+        )
+    ctx = _CpuOffloadContext(sync)
+    if manual_synchronization:
+        return ctx, ctx.synchronization_function, sync
+    return ctx, ctx.synchronization_function

@@ -1,0 +1,351 @@
+"""One layer's saved tensors in one step: storage units, their host copies and reloads.
+
+Note [Offload lifetime]. A layer state is owned by the step that created it (until the
+synchronizer releases the step) *and* by every pack handle autograd holds. Device memory is
+released explicitly by the schedule (forward copies once their D2H is done, reloaded buffers once
+their layer's backward is done); host buffers go back to the pool only when the last handle dies,
+i.e. when autograd frees the saved tensors (after backward without ``retain_graph``, or when the
+graph is garbage-collected). So ``retain_graph=True`` and graphs whose backward never runs cannot
+corrupt the next step: a later unpack reloads from the host copy on demand.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from ..errors import OffloadError
+from ._device import _Backend
+from ._pinned_pool import PinnedBufferPool, _HostBuffer
+from ._stats import OffloadStats
+from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _view_meta, _ViewMeta
+
+__all__: list[str] = []
+
+# TE's default threshold: 256K logical elements (te_offload.md §1.4, TE PR #2535).
+DEFAULT_MIN_OFFLOAD_NUMEL = 256 * 1024
+
+_CAST_NODES = frozenset(
+    {
+        "ToCopyBackward0",
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+        "AliasBackward0",
+        "UnsafeViewBackward0",
+    }
+)
+
+
+def _is_param_alias(t: torch.Tensor) -> bool:
+    """A parameter, a view of one, or a cast/view chain of a trainable parameter (autocast)."""
+    if isinstance(t, torch.nn.Parameter):
+        return True
+    base = t._base
+    if base is not None and isinstance(base, torch.nn.Parameter):
+        return True
+    node = t.grad_fn
+    for _ in range(4):
+        if node is None or type(node).__name__ not in _CAST_NODES:
+            return False
+        nxt = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(nxt) != 1:
+            return False
+        node = nxt[0]
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            return isinstance(variable, torch.nn.Parameter)
+    return False
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return False
+    name = type(t).__name__
+    return name in ("FakeTensor", "FunctionalTensor")
+
+
+class _Entry:
+    """One storage unit of a layer: device bytes ``[lo, lo+nbytes)`` and its host copy."""
+
+    __slots__ = (
+        "src", "key", "nbytes", "version", "host", "d2h_queued", "ready", "reloaded", "h2d_event"
+    )
+
+    def __init__(self, src: torch.Tensor, key: tuple, nbytes: int, version: int):
+        self.src: Optional[torch.Tensor] = src  # flat uint8 alias of the device storage
+        self.key = key
+        self.nbytes = nbytes
+        self.version = version
+        self.host: Optional[_HostBuffer] = None
+        self.d2h_queued = False
+        self.ready: Any = None  # ready event parked until start_offload (manual mode)
+        self.reloaded: Optional[torch.Tensor] = None
+        self.h2d_event: Any = None
+
+
+class _Kept:
+    """Pack handle for a tensor left on the device; keeps autograd's in-place check alive."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.version = tensor._version
+
+
+class _Packed:
+    """Pack handle for an offloaded tensor: its layer, unit and how to rebuild it."""
+
+    __slots__ = ("layer", "entry", "meta", "version", "ref", "base_ref", "__weakref__")
+
+    def __init__(self, layer: "_LayerState", entry: _Entry, meta: _ViewMeta, t: torch.Tensor):
+        self.layer = layer
+        self.entry = entry
+        self.meta = meta
+        self.version = t._version
+        self.ref = weakref.ref(t)
+        base = t._base
+        self.base_ref = weakref.ref(base) if base is not None else None
+
+
+def _version_error(t: torch.Tensor, expected: int) -> OffloadError:
+    return OffloadError(
+        "annotate_offload: one of the variables needed for gradient computation has been "
+        f"modified by an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+        f"{t._version}; expected version {expected} instead. The tensor was saved for backward "
+        "(and offloaded to host memory) before the in-place change. Fix: clone the tensor before "
+        "modifying it, or make the operation out-of-place."
+    )
+
+
+def check_kept_version(handle: _Kept) -> torch.Tensor:
+    t = handle.tensor
+    if t._version != handle.version:
+        raise _version_error(t, handle.version)
+    return t
+
+
+def check_packed_version(handle: _Packed) -> None:
+    for ref in (handle.ref, handle.base_ref):
+        obj = ref() if ref is not None else None
+        if obj is not None and obj._version != handle.version:
+            raise _version_error(obj, handle.version)
+
+
+class _LayerState:
+    """Saved tensors of one layer in one step (see Note [Offload lifetime]).
+
+    States (checked by the manual synchronizer): ``not_offloaded`` -> ``offload_started`` ->
+    ``offload_finished`` (device copies released) -> ``reload_started``.
+    """
+
+    __slots__ = (
+        "index",
+        "backend",
+        "pool",
+        "stats",
+        "eager_d2h",
+        "entries",
+        "by_storage",
+        "state",
+        "d2h_done",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        backend: _Backend,
+        pool: PinnedBufferPool,
+        stats: OffloadStats,
+        eager_d2h: bool,
+    ):
+        self.index = index
+        self.backend = backend
+        self.pool = pool
+        self.stats = stats
+        self.eager_d2h = eager_d2h
+        self.entries: list[_Entry] = []
+        self.by_storage: dict[int, list[_Entry]] = {}
+        self.state = "not_offloaded"
+        self.d2h_done: Any = None
+
+    # -- forward ----------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor, ready_event: Any = None) -> Any:
+        """Record ``t`` (already judged eligible) and return its pack handle."""
+        whole = bool(getattr(t, "offload_base_tensor", False))
+        rng = _unit_range(t, whole)
+        if rng is None:
+            self.stats._keep("unsupported", t.numel() * t.element_size())
+            return _Kept(t)
+        entry = self._entry_for(t, rng, ready_event)
+        self.stats.tensors_offloaded += 1
+        return _Packed(self, entry, _view_meta(t, entry.key[1]), t)
+
+    def _entry_for(self, t: torch.Tensor, rng: tuple, ready_event: Any) -> _Entry:
+        storage = t.untyped_storage()
+        sid = storage._cdata
+        lo, hi = rng
+        version = t._version
+        for e in self.by_storage.get(sid, ()):
+            elo, ehi = e.key[1], e.key[1] + e.nbytes
+            if elo <= lo and hi <= ehi and e.version == version:
+                self.stats.tensors_deduplicated += 1
+                if not e.d2h_queued and ready_event is not None:
+                    e.ready = ready_event  # an aliased unit waits for its latest ready event
+                return e
+        entry = _Entry(_flat_bytes(t, lo, hi), (sid, lo), hi - lo, version)
+        self.entries.append(entry)
+        self.by_storage.setdefault(sid, []).append(entry)
+        self.stats._resident(entry.nbytes)
+        if self.eager_d2h:
+            self._enqueue_d2h(entry, ready_event)
+            self.state = "offload_started"
+        else:
+            entry.ready = ready_event if ready_event is not None else self._ready_now()
+        return entry
+
+    def _ready_now(self) -> Any:
+        return self.backend.record(self.backend.current_stream())
+
+    def _enqueue_d2h(self, entry: _Entry, ready_event: Any) -> None:
+        backend = self.backend
+        host = self.pool.acquire(entry.nbytes)
+        d2h = backend.d2h_stream
+        if ready_event is not None:
+            d2h.wait_event(ready_event)
+        else:
+            d2h.wait_stream(backend.current_stream())
+        if host.last_read_event is not None:
+            d2h.wait_event(host.last_read_event)
+            host.last_read_event = None
+        with backend.stream_ctx(d2h):
+            host.tensor.copy_(entry.src, non_blocking=host.pinned)
+        entry.host = host
+        entry.d2h_queued = True
+        self.stats.bytes_offloaded += entry.nbytes
+        per_layer = self.stats.bytes_offloaded_per_layer
+        per_layer[self.index] = per_layer.get(self.index, 0) + entry.nbytes
+        self.stats.pinned_bytes = self.pool.cached_bytes
+        self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, self.pool.peak_bytes)
+
+    def start_offload(self) -> None:
+        """Enqueue the D2H of every unit not yet copied (manual mode, or units added late)."""
+        for e in self.entries:
+            if not e.d2h_queued and e.src is not None:
+                ready, e.ready = e.ready, None
+                self._enqueue_d2h(e, ready)
+        self.state = "offload_started"
+
+    def finish_forward(self) -> None:
+        """Record the event that marks the end of this layer's D2H copies."""
+        if any(e.d2h_queued for e in self.entries):
+            self.d2h_done = self.backend.record(self.backend.d2h_stream)
+
+    def d2h_complete(self) -> bool:
+        if self.d2h_done is None:
+            return not any(e.d2h_queued and e.src is not None for e in self.entries)
+        return self.backend.is_done(self.d2h_done)
+
+    def release_forward(self) -> None:
+        """Drop the device copies after the compute stream has waited for their D2H."""
+        held = [e for e in self.entries if e.src is not None and e.d2h_queued]
+        if not held:
+            return
+        if self.d2h_done is None:
+            self.finish_forward()
+        self.backend.current_stream().wait_event(self.d2h_done)
+        for e in held:
+            e.src = None
+            self.stats._resident(-e.nbytes)
+        self.state = "offload_finished"
+
+    # -- backward ---------------------------------------------------------------------------
+    def start_reload(self) -> None:
+        """Enqueue the H2D of every released unit (buffers allocated on the compute stream)."""
+        todo = [e for e in self.entries if e.src is None and e.reloaded is None and e.host]
+        self.state = "reload_started"
+        if not todo:
+            return
+        backend = self.backend
+        compute = backend.current_stream()
+        buffers = [torch.empty(e.nbytes, dtype=torch.uint8, device=backend.device) for e in todo]
+        h2d = backend.h2d_stream
+        h2d.wait_stream(compute)
+        h2d.wait_stream(backend.d2h_stream)
+        with backend.stream_ctx(h2d):
+            for e, buf in zip(todo, buffers):
+                buf.copy_(e.host.tensor, non_blocking=e.host.pinned)
+                e.reloaded = buf
+                e.h2d_event = backend.record(h2d)
+                self.stats.bytes_reloaded += e.nbytes
+                self.stats._resident(e.nbytes)
+
+    def release_reloaded(self) -> None:
+        """Drop reloaded device buffers (the compute stream first waits for their H2D)."""
+        compute = self.backend.current_stream()
+        for e in self.entries:
+            if e.reloaded is not None:
+                compute.wait_event(e.h2d_event)
+                e.reloaded = None
+                self.stats._resident(-e.nbytes)
+
+    def release_all(self) -> None:
+        self.release_forward()
+        self.release_reloaded()
+        # units recorded but never copied (manual mode without start_offload_layer): drop refs
+        for e in self.entries:
+            if e.src is not None:
+                e.src = None
+                self.stats._resident(-e.nbytes)
+
+    def unpack(self, handle: _Packed, allow_on_demand: bool = True) -> torch.Tensor:
+        check_packed_version(handle)
+        e = handle.entry
+        flat = e.src
+        if flat is None:
+            if e.reloaded is None:
+                if not allow_on_demand:
+                    raise OffloadError(
+                        f"annotate_offload: layer {self.index}'s saved tensors are in host memory "
+                        f"(state {self.state!r}) but were not reloaded; call "
+                        f"start_reload_layer({self.index}) before its backward runs"
+                    )
+                if e.host is None:
+                    raise OffloadError(
+                        f"annotate_offload: a saved tensor of layer {self.index} was released "
+                        "before it was copied to host memory; call start_offload_layer before "
+                        "release_activation_forward_gpu_memory"
+                    )
+                self.stats.on_demand_reloads += 1
+                self.start_reload()
+            self.backend.current_stream().wait_event(e.h2d_event)
+            flat = e.reloaded
+        return _rebuild(flat, handle.meta)
+
+    def offloaded_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.d2h_queued)
+
+    def __del__(self) -> None:
+        try:
+            for e in self.entries:
+                if e.src is not None and e.d2h_queued and self.d2h_done is not None:
+                    self.backend.current_stream().wait_event(self.d2h_done)
+                e.src = None
+                if e.host is not None:
+                    self.pool.release(e.host, e.h2d_event)
+                    e.host = None
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"_LayerState(index={self.index}, state={self.state!r}, units={len(self.entries)}, "
+            f"offloaded_bytes={self.offloaded_bytes()})"
+        )

@@ -1,0 +1,131 @@
+"""Per-tensor marks read by the offload runtime, and the selection policy switch.
+
+Marks are plain Python attributes on the tensor object, as in TransformerEngine: a different alias
+of the same storage (``detach()``, a view) does not inherit them.
+
+* ``mark_not_offload(*t)`` sets ``_TE_do_not_offload = True`` (TE's attribute, so tensors marked
+  by TE modules or Megatron are honoured too). Megatron's ``_do_not_offload`` is honoured as well.
+* ``mark_activation_offload(*t)`` sets ``activation_offloading = True``: the opt-in mark of TE's
+  legacy (V1) runtime, Megatron's tensor-parallel layers and Megatron Bridge's PEFT adapters.
+* ``start_offload(*t, offload_base_tensor=False)`` says "this tensor is final": it records a ready
+  event on the current stream (attribute ``start_reload_event``, TE's name) and, inside an offload
+  scope, starts the D2H copy at once.
+
+Selection policy: ``"opt_out"`` (default: every eligible tensor unless marked not to) or ``"opt_in"``
+(only tensors marked ``activation_offloading=True``). ``NVTE_CPU_OFFLOAD_V1=1`` in the environment
+selects opt-in for the whole process; like TE it is read once, at import.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "mark_activation_offload",
+    "mark_not_offload",
+    "start_offload",
+    "default_policy",
+]
+
+Policy = Literal["opt_out", "opt_in"]
+
+# Read once at import time, as TransformerEngine does (te_offload.md §1.1).
+_NVTE_CPU_OFFLOAD_V1: bool = os.environ.get("NVTE_CPU_OFFLOAD_V1", "0") == "1"
+
+_POLICIES = ("opt_out", "opt_in")
+
+
+def default_policy() -> Policy:
+    """``"opt_in"`` when ``NVTE_CPU_OFFLOAD_V1=1`` was set at import, else ``"opt_out"``."""
+    return "opt_in" if _NVTE_CPU_OFFLOAD_V1 else "opt_out"
+
+
+def check_policy(policy: object) -> Policy:
+    """Validate a policy value; ``None`` means :func:`default_policy`."""
+    if policy is None:
+        return default_policy()
+    if policy not in _POLICIES:
+        raise ValueError(
+            f"policy={policy!r} is not a selection policy; use 'opt_out' (offload every eligible "
+            "tensor unless mark_not_offload) or 'opt_in' (only tensors marked with "
+            "mark_activation_offload / activation_offloading=True)"
+        )
+    return policy  # type: ignore[return-value]
+
+
+def _tensors(args: tuple, fn: str):
+    for t in args:
+        if t is None:
+            continue
+        if isinstance(t, (list, tuple)):
+            yield from _tensors(tuple(t), fn)
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{fn}() takes tensors, got {type(t).__name__}; pass the tensors themselves "
+                "(lists and tuples of tensors are accepted)"
+            )
+        yield t
+
+
+def mark_not_offload(*tensors: torch.Tensor) -> None:
+    """Keep these tensors on the device even when they are saved inside an offload scope.
+
+    Use it for tensors the model keeps alive anyway (layer outputs, residuals, caches, weight
+    copies): copying them costs link bandwidth and frees nothing.
+
+    Args:
+        *tensors: tensors (or lists/tuples of tensors; ``None`` is skipped).
+
+    Raises:
+        TypeError: for an argument that is not a tensor.
+    """
+    for t in _tensors(tensors, "mark_not_offload"):
+        t._TE_do_not_offload = True
+
+
+def mark_activation_offload(*tensors: torch.Tensor) -> None:
+    """Select these tensors for offloading under the opt-in policy (``activation_offloading``).
+
+    Under the default opt-out policy every eligible tensor is offloaded anyway, so the mark is
+    harmless there; it matters for ``policy="opt_in"`` / ``NVTE_CPU_OFFLOAD_V1=1``.
+
+    Raises:
+        TypeError: for an argument that is not a tensor.
+    """
+    for t in _tensors(tensors, "mark_activation_offload"):
+        t.activation_offloading = True
+
+
+def start_offload(*tensors: torch.Tensor, offload_base_tensor: bool = False) -> None:
+    """Declare tensors final so their D2H copy can start now, before autograd saves them.
+
+    Records a ready event on the current stream (attribute ``start_reload_event``) together with
+    the tensor's version; inside an offload scope of an offloaded layer the copy is enqueued at
+    once on the D2H stream behind that event. If the tensor is later modified in place, the mark
+    is ignored and the copy is redone at save time.
+
+    Args:
+        *tensors: tensors (lists/tuples accepted, ``None`` skipped).
+        offload_base_tensor (bool): for views (e.g. q/k/v slices of one fused QKV buffer), offload
+            the whole base storage once instead of each view. Default: ``False``.
+
+    Raises:
+        TypeError: for an argument that is not a tensor.
+    """
+    from ._synchronizer import _active_synchronizer  # local: avoid an import cycle
+
+    sync = _active_synchronizer()
+    for t in _tensors(tensors, "start_offload"):
+        if offload_base_tensor and t._base is not None:
+            t.offload_base_tensor = True
+        if t.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(t.device))
+            t.start_reload_event = event
+            t._ao_ready_version = t._version
+        if sync is not None:
+            sync._start_offload_now(t)
