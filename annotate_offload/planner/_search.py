@@ -34,6 +34,7 @@ Note [Planner search]
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -137,20 +138,27 @@ def candidate_plans(
     """Every candidate plan with its prediction, independent of any budget (Note [Planner search]).
 
     Returns:
-        (dict, str): plan -> prediction, and the mode (``"exhaustive"`` or ``"heuristic"``).
+        (dict, str): plan -> prediction (a fresh dict), and the mode (``"exhaustive"`` or ``"heuristic"``).
     """
+    _validate(layers, ("keep",) * len(layers), release_lag, prefetch_layers)
+    items, mode = _candidates(tuple(layers), bandwidth, release_lag, prefetch_layers, exhaustive_limit)
+    return dict(items), mode
+
+
+@functools.lru_cache(maxsize=8)
+def _candidates(layers, bandwidth, release_lag, prefetch_layers, exhaustive_limit):
+    # Cached on the (frozen, hashable) measurements: planning several budgets for one model is cheap.
     n = len(layers)
-    _validate(layers, ("keep",) * n, release_lag, prefetch_layers)
     options = [allowed_choices(i, n, release_lag) for i in range(n)]
     cache: dict[tuple[str, ...], Prediction] = {}
     if math.prod(len(o) for o in options) <= exhaustive_limit:
         for plan in itertools.product(*options):
             _predict_cached(plan, layers, bandwidth, release_lag, prefetch_layers, cache)
-        return cache, "exhaustive"
+        return tuple(cache.items()), "exhaustive"
     for plan in _families(n, release_lag):
         _predict_cached(plan, layers, bandwidth, release_lag, prefetch_layers, cache)
     _greedy_path(layers, bandwidth, release_lag, prefetch_layers, cache)
-    return cache, "heuristic"
+    return tuple(cache.items()), "heuristic"
 
 
 def search(

@@ -1,0 +1,124 @@
+"""Cost model: hand-computed step times and peaks for small plans (Notes [Planner time/memory model])."""
+
+import pytest
+
+from annotate_offload.planner import LayerMeasurement, LinkBandwidth, predict
+
+GB = 10**9
+
+
+def layers(n, f=10.0, b=20.0, a=GB, c=GB // 10):
+    return [LayerMeasurement(f, b, a, c, name=f"l{i}") for i in range(n)]
+
+
+FAST = LinkBandwidth(1000.0, 1000.0)  # 1 GB in 1 ms
+SLOW = LinkBandwidth(50.0, 50.0)  # 1 GB in 20 ms
+
+
+def test_keep_all_is_sum_of_compute_and_of_saved_bytes():
+    p = predict(layers(3), ["keep"] * 3, FAST)
+    assert p.step_ms == 90.0
+    assert p.peak_bytes == 3 * GB
+    assert p.d2h_stall_ms == (0.0, 0.0, 0.0) and p.copy_ms == (0.0, 0.0, 0.0)
+
+
+def test_hidden_offload_costs_no_time_and_frees_one_layer():
+    p = predict(layers(4), ["offload", "keep", "keep", "keep"], FAST)
+    assert p.step_ms == 120.0  # 1 ms copies hide behind 10 ms forward / 20 ms backward
+    # F_1 = a0 (in flight until the entry of layer 2) + a1; F_3 = a1 + a2 + a3; B_1 = reloaded a0 + a1
+    assert p.peak_bytes == 3 * GB
+    assert p.copy_ms[0] == pytest.approx(2.0)
+
+
+def test_d2h_that_cannot_hide_delays_forward_at_the_release_point():
+    p = predict(layers(4), ["offload", "keep", "keep", "keep"], SLOW)
+    # fwd: layer 0 ends at 10, D2H to 30; entry of layer 2 at 20 waits to 30; forward ends at 50.
+    # bwd: 70, 90; entry of layer 1 starts H2D 90 -> 110; layer 1 ends at 110; layer 0 waits 0; ends 130.
+    assert p.d2h_stall_ms[0] == pytest.approx(10.0)
+    assert p.h2d_stall_ms[0] == 0.0
+    assert p.step_ms == pytest.approx(130.0)
+
+
+def test_h2d_that_cannot_hide_delays_backward():
+    m = [LayerMeasurement(40.0, 5.0, GB, 0) for _ in range(4)]
+    p = predict(m, ["offload", "keep", "keep", "keep"], SLOW)
+    # fwd 160 (D2H of 20 ms hides behind layer 1); bwd 165, 170; entry of layer 1 at 170: H2D to 190;
+    # layer 1 ends 175; layer 0 waits to 190 and ends at 195.
+    assert p.d2h_stall_ms[0] == 0.0
+    assert p.h2d_stall_ms[0] == pytest.approx(15.0)
+    assert p.step_ms == pytest.approx(195.0)
+
+
+def test_copies_queue_on_one_stream():
+    m = [LayerMeasurement(10.0, 100.0, GB, 0) for _ in range(5)]
+    p = predict(m, ["offload", "offload", "keep", "keep", "keep"], LinkBandwidth(100.0, 1000.0))
+    # D2H 10 ms each: layer 0 copy 10-20, layer 1 copy queues 20-30 (its forward ended at 20).
+    # Entry of layer 2 (t=20) waits for layer 0 (20): no stall; entry of layer 3 (t=30) waits for 30: none.
+    assert p.d2h_stall_ms[:2] == (0.0, 0.0)
+    p2 = predict(m, ["offload", "offload", "keep", "keep", "keep"], LinkBandwidth(50.0, 1000.0))
+    # D2H 20 ms: layer 0 copy 10-30; layer 2 waits from 20 to 30 (stall 10); layer 1 copy queues 30-50;
+    # layer 3 enters at 40, waits to 50 (stall 10).
+    assert p2.d2h_stall_ms[:2] == (pytest.approx(10.0), pytest.approx(10.0))
+
+
+def test_recompute_adds_forward_to_backward_and_holds_the_input():
+    p = predict(layers(3), ["recompute", "keep", "keep"], FAST)
+    assert p.step_ms == 100.0
+    # F_2 = c0 + a1 + a2 is the peak; B_0 = a0 + c0 is smaller
+    assert p.peak_bytes == GB // 10 + 2 * GB
+
+
+def test_recomputing_the_last_layer_does_not_lower_the_peak():
+    keep = predict(layers(3), ["keep"] * 3, FAST)
+    last = predict(layers(3), ["keep", "keep", "recompute"], FAST)
+    assert last.peak_bytes == keep.peak_bytes + GB // 10  # B_2 = a0 + a1 + (a2 + c2)
+    assert last.step_ms == keep.step_ms + 10.0
+
+
+def test_recompute_offload_moves_only_the_input():
+    p = predict(layers(4), ["recompute_offload", "keep", "keep", "keep"], SLOW)
+    # input copy 0.1 GB = 2 ms hides; backward adds f0
+    assert p.step_ms == 130.0
+    assert p.peak_bytes == 3 * GB
+    assert p.copy_ms[0] == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    "choices, match",
+    [
+        (["keep"] * 3, "3 entries for 4 layers"),
+        (["keep", "drop", "keep", "keep"], r"choices\[1\]='drop'"),
+        (["keep", "keep", "keep", "offload"], r"choices\[3\]='offload'.*keep or recompute"),
+        (["keep", "keep", "recompute_offload", "keep"], r"choices\[2\]"),  # release at layer 4 > last
+    ],
+)
+def test_bad_plans_are_rejected(choices, match):
+    with pytest.raises(ValueError, match=match):
+        predict(layers(4), choices, FAST)
+
+
+def test_release_lag_zero_allows_one_more_layer_and_exposes_the_copy():
+    p = predict(layers(4), ["keep", "keep", "offload", "keep"], SLOW, release_lag=0)
+    assert p.d2h_stall_ms[2] == pytest.approx(20.0)  # released at the entry of layer 3, right after its copy starts
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(forward_ms=-1.0), "forward_ms must be >= 0"),
+        (dict(saved_bytes=float("nan")), "saved_bytes must be a finite number"),
+        (dict(backward_ms=True), "backward_ms must be a finite number"),
+    ],
+)
+def test_measurement_fields_are_validated(kwargs, match):
+    base = dict(forward_ms=1.0, backward_ms=1.0, saved_bytes=1, checkpoint_input_bytes=1)
+    base.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        LayerMeasurement(**base)
+
+
+def test_bandwidth_must_be_positive():
+    with pytest.raises(ValueError, match="d2h_gbps must be > 0"):
+        LinkBandwidth(0.0, 1.0)
+    with pytest.raises(ValueError, match="prefetch_layers must be an int >= 1"):
+        predict(layers(3), ["keep"] * 3, FAST, prefetch_layers=0)
