@@ -1,0 +1,764 @@
+"""``HybridDeviceOptimizer``: a fraction of the parameters is stepped on the host (private module).
+
+See Note [Host step lifecycle] in ``_slots.py`` for the per-parameter pipeline, Note [Host slabs]
+in ``_host.py`` for pinned memory and Note [Thread budget] in ``_threads.py`` for CPU threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from ..errors import OffloadError
+from . import _state
+from ._clip import _host_scale, clip_hybrid
+from ._device import pick_side
+from ._host import carve
+from ._slots import Chunk, DevSlot, HostSlot
+from ._split import Placement, choose_offloaded, local_grad, local_tensor, make_chunks
+from ._threads import CpuWorker, num_threads, thread_budget
+
+__all__ = ["HybridDeviceOptimizer"]
+
+# Implementation switches of torch optimizers: passed to the constructors, never kept in param_groups.
+_IMPL_KEYS = ("foreach", "capturable", "differentiable", "fused")
+# Our own constructor options; they live in ``defaults`` (so ``cls(params, **opt.defaults)`` rebuilds
+# the optimizer) but are never pushed into the sub-optimizers nor taken from a loaded state dict.
+_STRUCTURAL_KEYS = (
+    "offload_fraction", "param_update_in_fp32", "pin_cpu_grads", "pin_cpu_params",
+    "overlap_cpu_optimizer_d2h_h2d", "offload_gradients", "step_in_backward",
+    "delayed_param_update", "use_torch_optimizer_for_cpu_offload", "cpu_threads", "chunk_bytes",
+)
+# Known accelerator-only optimizer implementations: they do not run on host tensors (and TE's
+# FusedAdam silently corrupts them, NVIDIA-NeMo/RL #3544).
+_GPU_ONLY_MODULES = ("apex", "transformer_engine", "deepspeed.ops.adam.fused_adam", "deepspeed.ops.lamb")
+
+
+def _hyper_defaults(cls: type) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, prm in inspect.signature(cls.__init__).parameters.items():
+        if name in ("self", "params") or name in _IMPL_KEYS or prm.default is inspect.Parameter.empty:
+            continue
+        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
+            continue
+        out[name] = prm.default
+    return out
+
+
+def _check_cls(cls: Any, name: str, *, host: bool) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"HybridDeviceOptimizer: {name} must be a torch.optim.Optimizer subclass, got {cls!r}; "
+            "pass e.g. torch.optim.AdamW."
+        )
+    if host and (cls.__module__.startswith(_GPU_ONLY_MODULES) or (cls.__name__.startswith("Fused") and not cls.__module__.startswith("torch."))):
+        raise TypeError(
+            f"HybridDeviceOptimizer: {name}={cls.__module__}.{cls.__name__} only runs on the GPU, but it would step "
+            "host (CPU) tensors here (TE FusedAdam does so silently and corrupts the state, NVIDIA-NeMo/RL #3544). "
+            "Use torch.optim.AdamW/Adam (fused on CPU) or torch.optim.SGD for the host part."
+        )
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"HybridDeviceOptimizer: {name} must be a bool, got {value!r}.")
+    return value
+
+
+class _GradHook:
+    """Post-accumulate-grad hook of one host slot; holds the optimizer weakly (no cycle through C++)."""
+
+    __slots__ = ("opt", "slot")
+
+    def __init__(self, opt: "HybridDeviceOptimizer", slot: HostSlot) -> None:
+        self.opt = weakref.ref(opt)
+        self.slot = slot
+
+    def __call__(self, param: torch.Tensor) -> None:
+        opt = self.opt()
+        if opt is not None:
+            opt._on_grad(self.slot)
+
+
+class HybridDeviceOptimizer(torch.optim.Optimizer):
+    """Adam(W)/SGD with a fraction of the parameters stepped on the host, pipelined with the GPU.
+
+    Megatron-Core's ``HybridDeviceOptimizer`` signature and meaning. The first ``offload_fraction``
+    of the trainable parameters (by numel, whole tensors, param-group order; see ``placements``)
+    get host masters, host gradient buffers and host optimizer state, and are stepped by
+    ``cpu_optimizer_cls`` (torch's fused CPU AdamW by default); the rest are stepped on the GPU by
+    ``gpu_optimizer_cls`` (fused AdamW by default), concurrently. With the default overlap, the
+    gradient D2H of each host-stepped parameter starts in backward (post-accumulate-grad hook),
+    the host step runs per chunk (``chunk_bytes`` of masters) in a worker thread, and each chunk's
+    updated weights go back H2D in the model's dtype while later chunks are stepped. ``step()``
+    returns once the compute stream waits on the last H2D, so the next forward reads new weights.
+
+    Numerics are those of ``cpu_optimizer_cls``/``gpu_optimizer_cls`` on the same inputs: on a
+    CPU-only machine both halves run torch's fused CPU kernel and results are bit-identical to
+    ``torch.optim.AdamW(params, fused=True)``; on a GPU the CPU and CUDA kernels differ in the
+    last bits (tests use ``rtol=1e-5, atol=1e-6`` on fp32 weights after 10 steps).
+
+    Args:
+        params (iterable): parameters or param-group dicts, as for any torch optimizer. CUDA
+            parameters (one device) are split; CPU parameters are always stepped on the host. On a
+            machine without CUDA the "GPU side" is CPU tensors (the test backend).
+        offload_fraction (float): share of the trainable device numel stepped on the host,
+            ``0 <= f <= 1``. Default: ``0.5``.
+        cpu_optimizer_cls (type | None): host optimizer class. Default: ``torch.optim.AdamW``
+            (``fused=True`` unless ``fused`` is passed). Accelerator-only classes are refused.
+        gpu_optimizer_cls (type | None): device optimizer class. Default: the host class
+            (``fused=True`` for Adam/AdamW).
+        param_update_in_fp32 (bool): keep fp32 masters for non-fp32 params (on the host for
+            offloaded ones, on the GPU otherwise); weights go back in the model dtype (bf16
+            H2D: half the bytes, same rounding). Default: ``False``.
+        pin_cpu_grads (bool): page-lock host gradient buffers. Default: ``True``.
+        pin_cpu_params (bool): page-lock host masters (also when created from bf16 params) and
+            the bf16 staging. Default: ``True``.
+        overlap_cpu_optimizer_d2h_h2d (bool): the pipelined path described above. ``False`` is a
+            true serial path for A/B runs: all D2H at ``step()`` on the compute stream, a host
+            sync, the host step, all H2D on the compute stream. Default: ``True``.
+        offload_gradients (bool): free each host-stepped parameter's GPU gradient in backward once
+            it is copied (GPU peak drops by their gradient bytes). The gradient then lives on the
+            host until ``zero_grad()``: accumulation over micro-batches adds on the host (exact,
+            but not hidden), and ``clip_grad_norm_`` of this optimizer sees it. Tools that read
+            ``p.grad`` directly (``torch.nn.utils.clip_grad_norm_``, ``GradScaler``) do not.
+            Needs overlap on. Default: ``False``.
+        step_in_backward (bool): start each chunk's host step as soon as its gradients land in
+            backward. Limits: one backward per step (no accumulation, no tied/shared parameters
+            among host-stepped ones), no gradient clipping or unscaling across parameters (a
+            gradient modified after its chunk was stepped raises ``OffloadError`` at ``step()``);
+            the learning rate used is the one set before backward. Default: ``False``.
+        delayed_param_update (bool): ZeRO-Offload's one-step-delayed update of the host part: the
+            host step of step ``t`` runs during forward/backward of ``t+1`` and its weights are
+            applied at ``step()`` ``t+1``, so the model trains on weights one update stale (changes
+            numerics; the GPU part is not delayed). Host gradients are not carried past ``step()``.
+            ``flush()`` applies the pending update. Default: ``False``.
+        use_torch_optimizer_for_cpu_offload (bool): use the host (torch) class for the GPU part
+            too, ignoring ``gpu_optimizer_cls`` (Megatron's meaning). Default: ``False``.
+        cpu_threads (int | None): threads for the host step; default per Note [Thread budget]
+            (usable cores / ``LOCAL_WORLD_SIZE``, minus one when >= 4), independent of
+            ``OMP_NUM_THREADS``.
+        chunk_bytes (int): host master bytes per pipelined chunk. Default: 64 MiB.
+        **kwargs: hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ...) for both
+            halves; ``fused``/``foreach``/``capturable``/``differentiable`` go to the constructors.
+
+    Raises:
+        ValueError: a fraction outside ``[0, 1]``, conflicting modes, a bad ``chunk_bytes`` or
+            ``cpu_threads``, parameters on several devices.
+        TypeError: a non-bool flag, a class that is not a torch optimizer, or an accelerator-only
+            class for the host part.
+
+    ``defaults`` holds only plain values (no classes), so ``state_dict()`` loads with
+    ``torch.load(weights_only=True)``. ``state[p]`` holds ``exp_avg``, ``exp_avg_sq``, ``step``
+    and, where a separate master exists, ``master_param``; it *is* the sub-optimizer's state
+    (one structure), and tensors moved elsewhere by the user are moved back before the next step.
+
+    Example::
+
+        opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, lr=3e-4,
+                                    offload_gradients=True)
+        loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        offload_fraction: float = 0.5,
+        cpu_optimizer_cls: Optional[type] = None,
+        gpu_optimizer_cls: Optional[type] = None,
+        param_update_in_fp32: bool = False,
+        pin_cpu_grads: bool = True,
+        pin_cpu_params: bool = True,
+        overlap_cpu_optimizer_d2h_h2d: bool = True,
+        *,
+        offload_gradients: bool = False,
+        step_in_backward: bool = False,
+        delayed_param_update: bool = False,
+        use_torch_optimizer_for_cpu_offload: bool = False,
+        cpu_threads: Optional[int] = None,
+        chunk_bytes: int = 64 << 20,
+        **kwargs: Any,
+    ) -> None:
+        # ---- validate everything before touching the model --------------------------------
+        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not 0 <= offload_fraction <= 1:
+            raise ValueError(
+                f"HybridDeviceOptimizer: offload_fraction must be a number in [0, 1], got {offload_fraction!r}; "
+                "0 keeps every parameter on the GPU, 1 steps all of them on the host."
+            )
+        flags = dict(
+            param_update_in_fp32=param_update_in_fp32, pin_cpu_grads=pin_cpu_grads, pin_cpu_params=pin_cpu_params,
+            overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d, offload_gradients=offload_gradients,
+            step_in_backward=step_in_backward, delayed_param_update=delayed_param_update,
+            use_torch_optimizer_for_cpu_offload=use_torch_optimizer_for_cpu_offload,
+        )
+        for k, v in flags.items():
+            _flag(k, v)
+        if not overlap_cpu_optimizer_d2h_h2d:
+            for k in ("offload_gradients", "step_in_backward", "delayed_param_update"):
+                if flags[k]:
+                    raise ValueError(
+                        f"HybridDeviceOptimizer: {k}=True needs overlap_cpu_optimizer_d2h_h2d=True (it works through the "
+                        "backward hooks and the worker thread of the overlapped path); got overlap_cpu_optimizer_d2h_h2d=False."
+                    )
+        if step_in_backward and delayed_param_update:
+            raise ValueError(
+                "HybridDeviceOptimizer: step_in_backward=True and delayed_param_update=True are exclusive; pick one "
+                "(delayed_param_update already hides the whole host step)."
+            )
+        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1):
+            raise ValueError(f"HybridDeviceOptimizer: cpu_threads must be None or a positive int, got {cpu_threads!r}.")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ValueError(f"HybridDeviceOptimizer: chunk_bytes must be a positive int (bytes), got {chunk_bytes!r}; default 64 MiB.")
+        cpu_cls = torch.optim.AdamW if cpu_optimizer_cls is None else cpu_optimizer_cls
+        _check_cls(cpu_cls, "cpu_optimizer_cls", host=True)
+        if use_torch_optimizer_for_cpu_offload or gpu_optimizer_cls is None:
+            gpu_cls = cpu_cls
+        else:
+            gpu_cls = gpu_optimizer_cls
+            _check_cls(gpu_cls, "gpu_optimizer_cls", host=False)
+        impl = {k: kwargs.pop(k) for k in _IMPL_KEYS if k in kwargs}
+        defaults = _hyper_defaults(cpu_cls)
+        defaults.update(kwargs)
+        defaults.update(flags, offload_fraction=float(offload_fraction), cpu_threads=cpu_threads, chunk_bytes=chunk_bytes)
+
+        self._built = False
+        super().__init__(params, defaults)
+        self._built = True
+        self.state = defaultdict(dict)
+        self._cpu_cls, self._gpu_cls = cpu_cls, gpu_cls
+        self._fraction = float(offload_fraction)
+        self._overlap = overlap_cpu_optimizer_d2h_h2d
+        self._fp32 = param_update_in_fp32
+        self._offload_grads = offload_gradients
+        self._in_backward = step_in_backward
+        self._delayed = delayed_param_update
+        self._threads = thread_budget(cpu_threads)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        self._side = pick_side([local_tensor(p) for p in all_params])
+
+        # ---- split ---------------------------------------------------------------------------
+        side = self._side
+        on_dev = lambda p: side.owns(local_tensor(p))  # noqa: E731
+        chosen = choose_offloaded([g["params"] for g in self.param_groups], self._fraction, on_dev)
+        host: list[HostSlot] = []
+        self._dev_slots: list[DevSlot] = []
+        for gi, g in enumerate(self.param_groups):
+            for pi, p in enumerate(g["params"]):
+                loc = local_tensor(p)
+                if chosen[gi][pi]:
+                    host.append(HostSlot(p, gi, pi, loc))
+                else:
+                    needs_master = self._fp32 and loc.dtype != torch.float32 and loc.is_floating_point()
+                    inner = loc.detach().float() if needs_master else (p if loc is p else loc.detach())
+                    self._dev_slots.append(DevSlot(p, gi, pi, loc, inner))
+        host.reverse()  # backward produces the last parameters' gradients first
+        self._host_slots = host
+        self._build_host(host, impl)
+        self._build_dev(impl)
+        self._slot_of: dict[int, Any] = {id(s.param): s for s in (*host, *self._dev_slots)}
+
+        # ---- streams, hooks, worker ----------------------------------------------------------
+        self._d2h = side.new_stream() if self._overlap else None
+        self._h2d = side.new_stream() if self._overlap else None
+        self._buf = 0  # which gradient buffer this step's D2H fills (two in delayed mode)
+        self._begun = False
+        self._hooks: list[Any] = []
+        if self._overlap:
+            for s in host:
+                if s.param.requires_grad:
+                    self._hooks.append(s.param.register_post_accumulate_grad_hook(_GradHook(self, s)))
+            self._worker: Optional[CpuWorker] = CpuWorker(self._threads, side.bind_thread)
+            weakref.finalize(self, CpuWorker.close, self._worker)
+        else:
+            self._worker = None
+
+    # ------------------------------------------------------------------ construction helpers
+    def _build_host(self, host: list[HostSlot], impl: dict[str, Any]) -> None:
+        pin_p = self.defaults["pin_cpu_params"] and self._side.can_pin
+        pin_g = self.defaults["pin_cpu_grads"] and self._side.can_pin
+        mdt = [torch.float32 if (self._fp32 and s.local.is_floating_point()) else s.local.dtype for s in host]
+        numels = [s.local.numel() for s in host]
+        masters, self._masters_pinned = self._carve_mixed(numels, mdt, pin_p)
+        nbuf = 2 if self._delayed else 1
+        bufs = [self._carve_mixed(numels, mdt, pin_g)[0] for _ in range(nbuf)]
+        staged = [i for i, s in enumerate(host) if mdt[i] != s.local.dtype]
+        stage_views, _ = self._carve_mixed([numels[i] for i in staged], [host[i].local.dtype for i in staged], pin_p)
+        for i, s in enumerate(host):
+            shape = s.local.shape
+            s.master = masters[i].view(shape)
+            s.grad_bufs = [b[i].view(shape) for b in bufs]
+        for j, i in enumerate(staged):
+            host[i].staging = stage_views[j].view(host[i].local.shape)
+        with torch.no_grad():
+            for s in host:
+                s.master.copy_(s.local)
+                s.p_ver = s.param._version
+        host_impl = dict(impl)
+        if self._cpu_cls in (torch.optim.Adam, torch.optim.AdamW):
+            host_impl.setdefault("fused", True)
+            host_impl.pop("capturable", None)
+        order = make_chunks([s.master.numel() * s.master.element_size() for s in host], self.defaults["chunk_bytes"])
+        self._chunks: list[Chunk] = []
+        for ci, idx in enumerate(order):
+            slots = [host[i] for i in idx]
+            by_group: dict[int, list[HostSlot]] = {}
+            for s in slots:
+                s.chunk = ci
+                by_group.setdefault(s.group, []).append(s)
+            groups = [self._sub_group(gi, [s.master for s in ss]) for gi, ss in by_group.items()]
+            opt = self._cpu_cls(groups, **host_impl)
+            links = self._links(opt, list(by_group))
+            for s in slots:
+                self.state[s.param] = opt.state[s.master]
+            self._chunks.append(Chunk(slots, opt, links))
+
+    def _carve_mixed(self, numels: list[int], dtypes: list[torch.dtype], pin: bool) -> tuple[list[torch.Tensor], bool]:
+        out: list[Optional[torch.Tensor]] = [None] * len(numels)
+        ok = True
+        for dt in dict.fromkeys(dtypes):
+            idx = [i for i, d in enumerate(dtypes) if d == dt]
+            views, pinned = carve([numels[i] for i in idx], dt, pin=pin, what=f"{dt} host buffers")
+            ok &= pinned or not pin
+            for i, v in zip(idx, views):
+                out[i] = v
+        return out, ok  # type: ignore[return-value]
+
+    def _build_dev(self, impl: dict[str, Any]) -> None:
+        dev_impl = dict(impl)
+        if self._gpu_cls in (torch.optim.Adam, torch.optim.AdamW) and "foreach" not in dev_impl:
+            dev_impl.setdefault("fused", True)
+        by_group: dict[int, list[DevSlot]] = {}
+        for s in self._dev_slots:
+            by_group.setdefault(s.group, []).append(s)
+        self._gpu_opt: Optional[torch.optim.Optimizer] = None
+        self._gpu_links: list[tuple[dict, dict, tuple]] = []
+        if not by_group:
+            return
+        self._gpu_opt = self._gpu_cls([self._sub_group(gi, [s.inner for s in ss]) for gi, ss in by_group.items()], **dev_impl)
+        self._gpu_links = self._links(self._gpu_opt, list(by_group))
+        for s in self._dev_slots:
+            self.state[s.param] = self._gpu_opt.state[s.inner]
+            s.p_ver = s.param._version
+
+    def _sub_group(self, gi: int, tensors: list[torch.Tensor]) -> dict[str, Any]:
+        g = self.param_groups[gi]
+        d = {k: v for k, v in g.items() if k != "params" and k not in _STRUCTURAL_KEYS}
+        d["params"] = tensors
+        return d
+
+    def _links(self, opt: torch.optim.Optimizer, gis: list[int]) -> list[tuple[dict, dict, tuple]]:
+        out = []
+        for sub, gi in zip(opt.param_groups, gis):
+            g = self.param_groups[gi]
+            keys = tuple(k for k in sub if k != "params" and k in g and k not in _STRUCTURAL_KEYS)
+            out.append((sub, g, keys))
+        return out
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_built", False):
+            raise OffloadError(
+                "HybridDeviceOptimizer: add_param_group after construction is not supported (the host/GPU split, "
+                "pinned buffers and hooks are fixed at construction); build a new HybridDeviceOptimizer with all groups."
+            )
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def placements(self) -> list[Placement]:
+        """Where each parameter is stepped, in ``param_groups`` order (see :class:`Placement`)."""
+        rows = [Placement(s.group, s.index, tuple(s.local.shape), s.local.numel(), "cpu", s.chunk) for s in self._host_slots]
+        rows += [Placement(s.group, s.index, tuple(s.local.shape), s.local.numel(), "gpu", -1) for s in self._dev_slots]
+        return sorted(rows, key=lambda r: (r.group, r.index))
+
+    @property
+    def sub_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The host optimizers (one per chunk) then the device optimizer, if any."""
+        return [c.opt for c in self._chunks] + ([self._gpu_opt] if self._gpu_opt is not None else [])
+
+    @property
+    def offloaded_numel(self) -> int:
+        """Elements stepped on the host."""
+        return sum(s.local.numel() for s in self._host_slots)
+
+    @property
+    def thread_budget(self) -> int:
+        """Threads used by the host step (Note [Thread budget] in ``_threads.py``)."""
+        return self._threads
+
+    def __repr__(self) -> str:
+        return (
+            f"HybridDeviceOptimizer(offload_fraction={self._fraction}, host_params={len(self._host_slots)}, "
+            f"host_numel={self.offloaded_numel}, gpu_params={len(self._dev_slots)}, chunks={len(self._chunks)}, "
+            f"overlap={self._overlap}, threads={self._threads}, side={self._side!r})"
+        )
+
+    # ------------------------------------------------------------------ per-step bookkeeping
+    def _sync_hyper(self) -> None:
+        for c in self._chunks:
+            for sub, g, keys in c.links:
+                for k in keys:
+                    sub[k] = g[k]
+        for sub, g, keys in self._gpu_links:
+            for k in keys:
+                sub[k] = g[k]
+
+    def _begin(self) -> None:
+        """Once per step, before any host step: hyper-params, state placement, external weight loads."""
+        if self._begun:
+            return
+        self._begun = True
+        self._sync_hyper()
+        self.move_state_to_right_device()
+        self._resync_changed()
+
+    def _resync_changed(self) -> None:
+        # O03: weights written into the model after construction (load_state_dict copies in place and
+        # bumps the version) re-seed the masters instead of being overwritten by stale copies.
+        with torch.no_grad():
+            for s in self._host_slots:
+                if s.param._version != s.p_ver:
+                    s.master.copy_(s.local)
+                    s.p_ver = s.param._version
+                    c = self._chunks[s.chunk]
+                    if s in c.pending:
+                        c.pending.remove(s)
+            for d in self._dev_slots:
+                if d.has_master and d.param._version != d.p_ver:
+                    d.inner.copy_(d.local)
+                    d.p_ver = d.param._version
+
+    def move_state_to_right_device(self) -> None:
+        """Re-attach and re-place optimizer state after user code moved or replaced it.
+
+        RL frameworks move ``opt.state`` tensors to the host and back between rollouts; tensors found
+        on the wrong device are moved back (host-stepped params: CPU; others: their GPU), a replaced
+        ``state[p]`` dict becomes the sub-optimizer's state again, and a replaced ``master_param`` is
+        copied into the pinned master. Called automatically at every step.
+        """
+        for s in self._host_slots:
+            opt = self._chunks[s.chunk].opt
+            self._adopt(s.param, s.master, opt, s.master)
+        for d in self._dev_slots:
+            assert self._gpu_opt is not None
+            self._adopt(d.param, d.inner, self._gpu_opt, d.inner if d.has_master else None)
+
+    def _adopt(self, p: torch.Tensor, inner: torch.Tensor, opt: torch.optim.Optimizer, master: Optional[torch.Tensor]) -> None:
+        st = self.state[p]
+        if opt.state.get(inner) is not st:
+            opt.state[inner] = st
+        _state.place(st, inner, master, fused=_state.wants_device_step(opt))
+
+    def _copy_grad(self, s: HostSlot, g: torch.Tensor, stream: Any, *, accumulate: bool) -> None:
+        side = self._side
+        buf = s.grad_bufs[self._buf]
+        with side.use(stream):
+            if accumulate:
+                if s.scratch is None:
+                    s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=side.can_pin and self.defaults["pin_cpu_grads"])
+                s.scratch.copy_(g, non_blocking=True)
+                side.synchronize(side.record(stream))
+                side.synchronize(s.d2h_ev)
+                if buf.dtype == g.dtype:
+                    buf.add_(s.scratch)
+                else:
+                    buf.copy_(buf.to(g.dtype).add_(s.scratch))
+                s.d2h_ev = None
+            else:
+                buf.copy_(g, non_blocking=True)
+                s.d2h_ev = side.record(stream)
+        s.grad_ref = weakref.ref(g)
+        s.grad_ver = g._version
+        s.valid = True
+        if self._offload_grads:
+            side.record_stream(g, stream)
+            s.param.grad = None
+
+    def _on_grad(self, s: HostSlot) -> None:
+        g = local_grad(s.param)
+        if g is None:
+            return
+        with torch.no_grad():
+            if self._in_backward:
+                if s.submitted:
+                    raise OffloadError(
+                        "HybridDeviceOptimizer: step_in_backward=True saw a second gradient for a host-stepped "
+                        f"parameter {tuple(s.local.shape)} after its chunk was already stepped (gradient accumulation, or "
+                        "a parameter used twice such as tied embeddings). Use step_in_backward=False for this model."
+                    )
+                self._begin()
+            side = self._side
+            ready = side.record(side.current_stream())
+            side.wait_event(self._d2h, ready)
+            self._copy_grad(s, g, self._d2h, accumulate=self._offload_grads and s.valid)
+            s.ready_ev = ready
+            if self._in_backward:
+                s.use = True
+                c = self._chunks[s.chunk]
+                c.landed += 1
+                if c.landed == c.trainable:
+                    self._submit(s.chunk)
+
+    def _collect(self, stream: Any) -> None:
+        """Decide, per host slot, whether it steps now; copy gradients the hooks did not (or that changed)."""
+        for s in self._host_slots:
+            if s.submitted:
+                g = local_grad(s.param)
+                if g is not None and not s.copied(g):
+                    raise OffloadError(
+                        "HybridDeviceOptimizer: a gradient was modified (clipping, unscaling, accumulation) after "
+                        "step_in_backward=True had already stepped its parameter in backward. step_in_backward does not "
+                        "support cross-parameter gradient transforms; use the default mode for this training loop."
+                    )
+                continue
+            g = local_grad(s.param)
+            if g is None:
+                s.use = s.valid and self._offload_grads
+                if not s.use:
+                    s.valid = False
+                continue
+            if not s.copied(g):
+                self._copy_grad(s, g, stream, accumulate=self._offload_grads and s.valid)
+            s.use = True
+
+    def _plan(self, ci: int) -> list[tuple[HostSlot, Any, list]]:
+        """What one chunk steps, captured now: the worker may run after the slots move on."""
+        return [(s, s.d2h_ev, list(s.scales)) for s in self._chunks[ci].slots if s.use]
+
+    def _submit(self, ci: int) -> None:
+        for s in self._chunks[ci].slots:
+            s.submitted = True
+        assert self._worker is not None
+        self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed))
+
+    def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool) -> None:
+        """Host step of one chunk (worker thread, or the training thread on the serial path)."""
+        side = self._side
+        c = self._chunks[ci]
+        with torch.no_grad():
+            if self._delayed:
+                side.synchronize(c.h2d_ev)  # the previous update's H2D reads masters/staging we overwrite
+            for s in c.slots:
+                s.master.grad = None
+            for s, d2h_ev, scales in plan:
+                side.synchronize(d2h_ev)
+                buf = s.grad_bufs[bi]
+                for coef, ev in scales:
+                    side.synchronize(ev)
+                    _host_scale(buf, s.local.dtype, coef)
+                s.master.grad = buf
+            if plan:
+                c.opt.step()
+            stepped = [s for s, _, _ in plan]
+            for s in stepped:
+                s.master.grad = None
+                if s.staging is not None:
+                    s.staging.copy_(s.master)
+            if copy_back:
+                self._h2d_chunk(c, stepped, stream)
+            else:
+                c.pending = stepped
+
+    def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any) -> None:
+        side = self._side
+        with torch.no_grad(), side.use(stream):
+            for s in slots:
+                side.wait_event(stream, s.ready_ev)
+                s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
+                s.p_ver = s.param._version
+            c.h2d_ev = side.record(stream)
+
+    def _gpu_step(self) -> None:
+        if self._gpu_opt is None:
+            return
+        masters = [d for d in self._dev_slots if d.inner is not d.param]
+        for d in masters:
+            g = local_grad(d.param)
+            d.inner.grad = None if g is None else g.to(d.inner.dtype)
+        self._gpu_opt.step()
+        for d in masters:
+            if d.inner.grad is not None:
+                d.inner.grad = None
+                if d.has_master:
+                    d.local.copy_(d.inner)
+                d.p_ver = d.param._version
+
+    def _end_step(self) -> None:
+        keep = self._offload_grads and not self._delayed
+        for s in self._host_slots:
+            s.reset_step(keep)
+            if not keep:
+                s.d2h_ev = None
+        for c in self._chunks:
+            c.landed = 0
+        self._begun = False
+        for s in self._host_slots:
+            st = self.state[s.param]
+            if st and "master_param" not in st:
+                st["master_param"] = s.master
+        for d in self._dev_slots:
+            st = self.state[d.param]
+            if d.has_master and st and "master_param" not in st:
+                st["master_param"] = d.inner
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One optimizer step of both halves. Returns the closure's loss (called once) or ``None``.
+
+        Raises:
+            OffloadError: with ``step_in_backward=True``, a gradient changed after its chunk was
+                stepped in backward.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        side = self._side
+        if self._worker is not None and not self._in_backward:
+            self._worker.drain()  # delayed mode: the previous host step
+        try:
+            self._begin()
+            cur = side.current_stream()
+            if not self._overlap:
+                self._serial_step(cur)
+                return loss
+            start = side.record(cur)
+            side.wait_event(self._d2h, start)
+            side.wait_event(self._h2d, start)
+            if self._delayed:
+                for c in self._chunks:
+                    if c.pending:
+                        self._h2d_chunk(c, c.pending, self._h2d)
+                        c.pending = []
+            self._collect(self._d2h)
+            for ci, c in enumerate(self._chunks):
+                if not c.slots[0].submitted:
+                    self._submit(ci)
+            self._gpu_step()
+            if self._delayed:
+                self._buf ^= 1
+            else:
+                assert self._worker is not None
+                self._worker.drain()
+            side.wait_event(cur, side.record(self._h2d))
+            return loss
+        finally:
+            self._end_step()
+
+    def _serial_step(self, cur: Any) -> None:
+        side = self._side
+        for s in self._host_slots:
+            g = local_grad(s.param)
+            s.use = g is not None
+            if g is not None:
+                with side.use(cur):
+                    s.grad_bufs[0].copy_(g, non_blocking=True)
+        self._gpu_step()
+        side.synchronize(side.record(cur))
+        with num_threads(self._threads):
+            for ci in range(len(self._chunks)):
+                self._run_chunk(ci, self._plan(ci), 0, cur, True)
+
+    def flush(self) -> None:
+        """Finish host work in flight; in delayed mode also apply the pending update to the model.
+
+        After it returns the model weights equal the host masters (cast to the model dtype).
+        """
+        if self._worker is not None:
+            self._worker.drain()
+        if self._delayed:
+            side = self._side
+            cur = side.current_stream()
+            side.wait_event(self._h2d, side.record(cur))
+            for c in self._chunks:
+                if c.pending:
+                    self._h2d_chunk(c, c.pending, self._h2d)
+                    c.pending = []
+            side.wait_event(cur, side.record(self._h2d))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients of every parameter, including the host-held ones of ``offload_gradients``."""
+        super().zero_grad(set_to_none=set_to_none)
+        for s in self._host_slots:
+            if s.valid and self._offload_grads and not set_to_none and local_grad(s.param) is None:
+                self._side.synchronize(s.d2h_ev)
+                s.grad_bufs[self._buf].zero_()
+                s.grad_ref = None
+                continue
+            s.valid = False
+            s.grad_ref = None
+            s.scales = []
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+        """Clip the gradients of all parameters of this optimizer, wherever they live.
+
+        Same computation as ``torch.nn.utils.clip_grad_norm_`` over the parameters in
+        ``param_groups`` order. Gradients already copied to the host (and, with
+        ``offload_gradients``, freed on the GPU) are included: their norms are computed on the host
+        and the coefficient is applied to the host copy (the fp32 product equals the GPU's).
+
+        Returns:
+            torch.Tensor: the total norm (0-dim, on the device of the first gradient).
+
+        Raises:
+            OffloadError: with ``step_in_backward=True`` (chunks are already stepped in backward).
+        """
+        if self._in_backward:
+            raise OffloadError(
+                "HybridDeviceOptimizer.clip_grad_norm_: not supported with step_in_backward=True, whose host chunks "
+                "are stepped before the global norm exists; use the default mode to clip."
+            )
+        return clip_hybrid(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def reload_model_params(self) -> None:
+        """Re-seed every master (host and GPU) from the model's current weights.
+
+        Call after writing weights in a way that bypasses the version counter (``p.data.copy_``);
+        ``model.load_state_dict`` is detected automatically at the next step.
+        """
+        self.flush()
+        with torch.no_grad():
+            for s in self._host_slots:
+                s.master.copy_(s.local)
+                s.p_ver = s.param._version
+            for d in self._dev_slots:
+                if d.has_master:
+                    d.inner.copy_(d.local)
+                    d.p_ver = d.param._version
+
+    update_fp32_param_by_new_param = reload_model_params
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict (masters included as separate tensors); ``weights_only``-loadable."""
+        self.flush()
+        sd = super().state_dict()
+        sd["state"] = {k: _state.detach_views(v) for k, v in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from any ``HybridDeviceOptimizer`` (any fraction) or a torch Adam(W).
+
+        State tensors are placed where this optimizer steps each parameter, in the inner dtype
+        (fp32 masters and moments are never down-cast to the model dtype); ``master_param`` is
+        copied into the existing (pinned) masters; hyper-parameters come from the state dict,
+        structural options (fraction, modes) stay this optimizer's.
+
+        Raises:
+            ValueError: the number of groups or of parameters per group differs.
+        """
+        self.flush()
+        _state.load(self, state_dict, _STRUCTURAL_KEYS)
+
+    def close(self) -> None:
+        """Finish pending work, remove the backward hooks and stop the worker thread (idempotent)."""
+        self.flush()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._worker is not None:
+            self._worker.close()

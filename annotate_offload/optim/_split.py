@@ -1,0 +1,102 @@
+"""Which parameters :class:`HybridDeviceOptimizer` steps on the host, and in which chunks (private).
+
+Split rule (Megatron-Core's, reference/optimizer_offload.md §1.3): whole tensors; the budget is
+``offload_fraction x`` the total numel of trainable device-resident parameters; walk the
+param groups in order, then each group in order, and offload a parameter while the numel
+offloaded so far is below the budget (the last one may overshoot by one tensor). ``0`` offloads
+nothing, ``1`` everything. Parameters already on the host always go to the host side and do not
+count; frozen parameters (``requires_grad=False``) are never offloaded and do not count.
+
+Distributed seam: every place that needs "the tensor this rank owns" goes through
+:func:`local_tensor` / :func:`local_grad`. For a plain tensor that is the tensor itself; for a
+DTensor (FSDP2 shard) it is ``to_local()``, so per-rank offload of shards only has to be
+finished here and in the placement of results, not spread through the optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+__all__: list[str] = []
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for parameter ``p`` (``p`` itself, or a DTensor's local shard)."""
+    return p.to_local() if _is_dtensor(p) else p
+
+
+def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """The local part of ``p.grad`` (``None`` when the parameter has no gradient)."""
+    g = p.grad
+    if g is None:
+        return None
+    return g.to_local() if _is_dtensor(g) else g
+
+
+class Placement(NamedTuple):
+    """Where one parameter is stepped (``HybridDeviceOptimizer.placements``).
+
+    Attributes:
+        group (int): index in ``param_groups``.
+        index (int): index in that group's ``params``.
+        shape (tuple[int, ...]): local shape.
+        numel (int): local element count.
+        side (str): ``"cpu"`` (host optimizer) or ``"gpu"`` (device optimizer).
+        chunk (int): host chunk index, ``-1`` on the device side.
+    """
+
+    group: int
+    index: int
+    shape: tuple
+    numel: int
+    side: str
+    chunk: int
+
+
+def choose_offloaded(
+    groups: list[list[torch.Tensor]], fraction: float, on_device: Callable[[torch.Tensor], bool]
+) -> list[list[bool]]:
+    """Per group, per param: ``True`` where the parameter is stepped on the host."""
+    total = sum(local_tensor(p).numel() for g in groups for p in g if p.requires_grad and on_device(p))
+    budget = fraction * total
+    done = 0
+    out: list[list[bool]] = []
+    for g in groups:
+        row = []
+        for p in g:
+            if not p.requires_grad:
+                row.append(False)
+            elif not on_device(p):
+                row.append(True)
+            elif done < budget:
+                done += local_tensor(p).numel()
+                row.append(True)
+            else:
+                row.append(False)
+        out.append(row)
+    return out
+
+
+def make_chunks(sizes_bytes: list[int], chunk_bytes: int) -> list[list[int]]:
+    """Group consecutive items (already in step order) into chunks of at most ``chunk_bytes``.
+
+    A single item larger than ``chunk_bytes`` forms its own chunk (tensors are never split).
+    """
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    cur_bytes = 0
+    for i, b in enumerate(sizes_bytes):
+        if cur and cur_bytes + b > chunk_bytes:
+            chunks.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += b
+    if cur:
+        chunks.append(cur)
+    return chunks
