@@ -1,0 +1,134 @@
+"""The two calls a layer boundary makes into the runtime, shared by the fx path and the hook path.
+
+``enter(i, x)`` before layer ``i`` opens its offload scope (and declares the layer input final
+with ``start_offload`` when the layer is offloaded); ``commit(out, i)`` after it closes the scope.
+Both are no-ops when autograd is off (eval, ``no_grad``, ``inference_mode``) and during backward
+(activation-checkpoint recompute re-runs layer forwards; they must not open scopes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from annotate_offload.errors import OffloadError
+
+__all__ = ["LayerBoundary", "in_backward"]
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread (e.g. checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if isinstance(x, dict):
+        for v in x.values():
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+class LayerBoundary:
+    """Routes layer boundaries to one runtime synchronizer and remembers which scope is open.
+
+    Args:
+        sync: a ``DefaultOffloadSynchronizer`` (see docs/runtime_api.md).
+        offloaded (frozenset[int]): indices of offloaded layers (they get ``start_offload`` on their input).
+    """
+
+    __slots__ = ("sync", "offloaded", "open_layer", "last_entered", "_measured", "_plan", "estimating")
+
+    def __init__(self, sync: Any, offloaded: frozenset[int], plan: Any = None) -> None:
+        self.sync = sync
+        self.offloaded = offloaded
+        self.open_layer: int | None = None
+        self.last_entered = -1
+        self._measured = False
+        self._plan = plan
+        self.estimating = False  # set while _estimate runs the forward with a counting stand-in
+
+    # -- the two calls ---------------------------------------------------------------------
+    def active(self) -> bool:
+        """Whether a boundary call should reach the runtime now (grad on, not in backward)."""
+        return torch.is_grad_enabled() and not in_backward()
+
+    def enter(self, index: int, x: Any = None) -> Any:
+        """Open layer ``index``'s scope; return ``x`` unchanged (the fx graph threads it to the layer)."""
+        if not self.active():
+            return x
+        if self.open_layer is not None:
+            # The previous layer never committed: its call raised inside code that caught the error,
+            # or one layer ran inside another. Scopes must not nest; drop the step and say so.
+            still_open, self.open_layer = self.open_layer, None
+            self.sync.abort()
+            raise OffloadError(
+                f"offload_transform: layer {index} started while layer {still_open} had not finished "
+                "(an exception inside it was caught, or one layer calls another); this step's offload "
+                "state was dropped. Re-run the forward; if one layer calls another, declare only the "
+                "outer one a layer (layer_types= or filter_fn=)."
+            )
+        self.sync.enter_layer(index)
+        self.open_layer = index
+        self.last_entered = index
+        if index in self.offloaded:
+            t = _first_tensor(x)
+            if t is not None and t.requires_grad:
+                from annotate_offload.runtime import start_offload
+
+                start_offload(t)
+        return x
+
+    def commit(self, out: Any, index: int) -> Any:
+        """Close layer ``index``'s scope (if this boundary opened it); return ``out`` unchanged."""
+        if self.open_layer != index:
+            return out
+        self.open_layer = None
+        return self.sync.commit_layer(out, index)
+
+    def keep(self, x: Any) -> Any:
+        """``mark_not_offload`` on the tensors of ``x`` (the model returns them; offloading frees nothing)."""
+        if self.active():
+            from annotate_offload.runtime import mark_not_offload
+
+            ts = _tensors(x)
+            if ts:
+                mark_not_offload(*ts)
+        return x
+
+    def abort(self) -> None:
+        """After an exception in forward: close the open scope and drop this step's runtime state."""
+        self.open_layer = None
+        self.sync.abort()
+
+    # -- plan bytes, measured on the first training step -------------------------------------
+    def forward_done(self) -> None:
+        """After a training forward: the first time, copy the per-layer D2H bytes into the plan.
+
+        Every offloaded layer's copy has been issued by then (layer ``i``'s starts when layer
+        ``i + 1`` is entered, and the last layer is never offloaded).
+        """
+        if self._measured or self.estimating or self._plan is None or self.last_entered < 0:
+            return
+        self._measured = True
+        if self._plan.bytes_source == "pending":
+            self._plan._with_bytes(dict(self.sync.stats.bytes_offloaded_per_layer), "measured")

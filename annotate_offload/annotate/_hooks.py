@@ -1,0 +1,92 @@
+"""The hook path, for models fx cannot trace (Hugging Face models): the same two boundary calls
+made by forward pre/post hooks on the layers.
+
+A layer that runs inside ``torch.utils.checkpoint`` (a checkpoint *around* the layer, e.g. Hugging
+Face ``gradient_checkpointing_enable()``) cannot be offloaded from module hooks: the checkpoint
+saves its inputs before the layer's pre-hook runs, and a scope opened inside the checkpoint would
+replace the checkpoint's own saved-tensor hooks. Such a layer is refused with an ``OffloadError``
+when it is meant to be offloaded (and left alone when it is kept), never silently offloaded for
+nothing. Checkpoints *inside* a layer, and the recompute ``offload_transform`` itself installs,
+are fine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from annotate_offload.errors import OffloadError
+
+from ._boundary import LayerBoundary, in_backward
+from ._discover import LayerRef
+
+__all__ = ["install_hooks", "inside_checkpoint"]
+
+
+def inside_checkpoint() -> bool:
+    """True while the innermost saved-tensor hooks are those of a non-reentrant checkpoint's forward."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    return getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+
+
+class _LayerHooks:
+    """Pre/post forward hooks of one layer (a small object, not closures, so it has a readable repr)."""
+
+    __slots__ = ("boundary", "index", "ref", "state")
+
+    def __init__(self, boundary: LayerBoundary, index: int, ref: LayerRef, state: "HookState") -> None:
+        self.boundary, self.index, self.ref, self.state = boundary, index, ref, state
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if in_backward():
+            return  # checkpoint recompute in backward: never a new layer scope
+        offloaded = self.index in self.boundary.offloaded
+        if not torch.is_grad_enabled():
+            if self.state.forward_grad and offloaded:
+                self._refuse("runs with autograd disabled inside a training forward, as "
+                             "torch.utils.checkpoint(use_reentrant=True) runs it")
+            return
+        if inside_checkpoint():
+            if offloaded:
+                self._refuse("runs inside torch.utils.checkpoint(use_reentrant=False)")
+            return
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        self.boundary.enter(self.index, x)
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self.boundary.commit(output, self.index)
+
+    def _refuse(self, what: str) -> None:
+        raise OffloadError(
+            f"offload_transform (hook path): layer {self.index} ({self.ref.fqn}) {what}; its checkpoint "
+            "saves the layer input before the layer's hooks run, so nothing would be offloaded. Fix: remove "
+            "the checkpoint around the layer (for Hugging Face: model.gradient_checkpointing_disable()) "
+            "and pass recompute=True to offload_transform, which checkpoints the layers itself and "
+            "offloads what the checkpoint saves; or make the model fx-traceable."
+        )
+
+    def __repr__(self) -> str:
+        return f"_LayerHooks(index={self.index}, fqn={self.ref.fqn!r})"
+
+
+class HookState:
+    """Whether the current model forward started with autograd enabled (set by the forward wrapper)."""
+
+    __slots__ = ("forward_grad",)
+
+    def __init__(self) -> None:
+        self.forward_grad = False
+
+
+def install_hooks(layers: list[LayerRef], boundary: LayerBoundary, state: HookState) -> list[Any]:
+    """Register the pre/post hooks on each layer (layer ``i`` is ``layers[i]``); returns the handles."""
+    handles = []
+    for i, ref in enumerate(layers):
+        h = _LayerHooks(boundary, i, ref, state)
+        handles.append(ref.module.register_forward_pre_hook(h.pre, with_kwargs=True))
+        handles.append(ref.module.register_forward_hook(h.post))
+    return handles

@@ -1,0 +1,107 @@
+"""``OffloadPlan``: what ``offload_transform`` did to a model, attached as ``model.offload_plan``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+__all__ = ["LayerPlan", "OffloadPlan"]
+
+Choice = Literal["keep", "offload", "recompute", "recompute_offload"]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer of the plan.
+
+    Attributes:
+        index (int): the layer's index in the graph (execution order); the runtime's layer id.
+        fqn (str): the module's fully qualified name in the model.
+        module_type (str): the module's class name.
+        choice (str): ``"keep"``, ``"offload"``, ``"recompute"`` or ``"recompute_offload"``.
+        declared_keep (bool): ``@offload_layer(offload=False)`` keeps it on the GPU whatever ``num_layers`` says.
+        bytes_per_step (int | None): bytes of saved activations this layer moves to host per
+            training step (for a kept layer: the bytes it would move). ``None`` until known.
+    """
+
+    index: int
+    fqn: str
+    module_type: str
+    choice: Choice
+    declared_keep: bool = False
+    bytes_per_step: int | None = None
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the layer's saved activations go to host memory."""
+        return self.choice in ("offload", "recompute_offload")
+
+
+@dataclass
+class OffloadPlan:
+    """What ``offload_transform`` did: per layer the choice and its bytes, and the path it took.
+
+    Attributes:
+        layers (tuple[LayerPlan, ...]): every declared layer, in execution order.
+        path (str): ``"fx"`` (the forward runs a transformed ``torch.fx`` graph) or ``"hooks"``
+            (forward pre/post hooks on the layers).
+        fx_failure (str | None): with ``path="hooks"``, one line saying why tracing failed.
+        layer_source (str): how the layers were found (marks, ``layer_types=``, discovery).
+        bytes_source (str): ``"estimate"`` (meta-device run of the example inputs),
+            ``"measured"`` (runtime stats of the first training step) or ``"pending"``.
+        notes (tuple[str, ...]): warnings given while planning, for the record.
+    """
+
+    layers: tuple[LayerPlan, ...]
+    path: Literal["fx", "hooks"]
+    fx_failure: str | None = None
+    layer_source: str = ""
+    bytes_source: str = "pending"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of declared layers ``L``."""
+        return len(self.layers)
+
+    @property
+    def offloaded_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose activations are offloaded."""
+        return tuple(lp.index for lp in self.layers if lp.offloaded)
+
+    @property
+    def bytes_per_step(self) -> int | None:
+        """Bytes offloaded per training step over all offloaded layers, or ``None`` until known."""
+        vals = [lp.bytes_per_step for lp in self.layers if lp.offloaded]
+        return None if any(v is None for v in vals) else sum(vals)  # type: ignore[arg-type]
+
+    def _with_bytes(self, per_layer: dict[int, int], source: str) -> None:
+        self.layers = tuple(replace(lp, bytes_per_step=per_layer.get(lp.index, 0)) for lp in self.layers)
+        self.bytes_source = source
+
+    def __repr__(self) -> str:
+        head = f"OffloadPlan(path={self.path}, layers={self.num_layers}, offloaded={len(self.offloaded_layers)}"
+        total = self.bytes_per_step
+        head += f", bytes/step={_fmt_bytes(total)} [{self.bytes_source}])" if total is not None else ", bytes/step=pending)"
+        lines = [head]
+        if self.fx_failure:
+            lines.append(f"  fx failed: {self.fx_failure}")
+        if self.layer_source:
+            lines.append(f"  layers: {self.layer_source}")
+        rows = [("idx", "layer", "type", "choice", "bytes/step")]
+        for lp in self.layers:
+            choice = lp.choice + (" (declared)" if lp.declared_keep else "")
+            shown = "-" if lp.bytes_per_step is None else _fmt_bytes(lp.bytes_per_step)
+            rows.append((str(lp.index), lp.fqn, lp.module_type, choice, shown))
+        widths = [max(len(r[c]) for r in rows) for c in range(5)]
+        for r in rows:
+            lines.append("  " + "  ".join(v.ljust(w) if c < 4 else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths))))
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,468 @@
+"""``offload_transform`` and ``remove_offload``: validate, choose the layers, apply fx or hooks, attach a plan."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as _cp
+
+from annotate_offload.errors import OffloadError
+
+from ._boundary import LayerBoundary, in_backward
+from ._discover import LayerRef, find_layers
+from ._estimate import estimate_bytes
+from ._fx_pass import FxTraceError, insert_boundaries, ordered_layers, trace_layers
+from ._hooks import HookState, install_hooks
+from ._plan import LayerPlan, OffloadPlan
+
+__all__ = ["offload_transform", "remove_offload"]
+
+_STATE = "_annotate_offload_state"
+_ORIG_CHECKPOINT = _cp.checkpoint
+_PATHS = ("auto", "fx", "hooks")
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass
+class _Settings:
+    num_layers: int | str
+    policy: str | None = None
+    min_offload_numel: int | None = None
+    release_lag: int | None = None
+    prefetch_layers: int | None = None
+    config_layers: int | None = None  # config.num_layers, checked against the model
+    notes: list[str] = field(default_factory=list)
+
+
+def _model_section(config: Any) -> Any:
+    """``Config`` holds the activation fields in ``.model``; a ``ModelConfig`` (or look-alike) has them itself."""
+    if hasattr(config, "cpu_offloading") or hasattr(config, "cpu_offloading_num_layers"):
+        return config
+    model_cfg = getattr(config, "model", None)
+    if model_cfg is not None and (hasattr(model_cfg, "cpu_offloading") or hasattr(model_cfg, "cpu_offloading_num_layers")):
+        return model_cfg
+    raise TypeError(
+        f"offload_transform: config={type(config).__name__} has no activation-offload fields; pass an "
+        "annotate_offload.config.ModelConfig or Config (or an object with Megatron Bridge names: "
+        "cpu_offloading, cpu_offloading_num_layers, ...)."
+    )
+
+
+def _resolve(
+    num_layers: Any, config: Any, release_lag: Any, prefetch_layers: Any, policy: Any, min_offload_numel: Any
+) -> _Settings | None:
+    """Merge keyword arguments and config; ``None`` means the config turns offloading off."""
+    s = _Settings(num_layers=num_layers, policy=policy, min_offload_numel=min_offload_numel,
+                  release_lag=release_lag, prefetch_layers=prefetch_layers)
+    if config is not None:
+        validate = getattr(config, "validate", None)
+        if callable(validate):
+            validate()  # dataclass configs validate in __post_init__; duck-typed ones may offer this
+        cfg = _model_section(config)
+        if getattr(cfg, "cpu_offloading", True) is False:
+            if num_layers is not None:
+                raise ValueError(
+                    f"offload_transform: num_layers={num_layers!r} was given but config.cpu_offloading=False; "
+                    "set model.cpu_offloading=True in the config, or drop num_layers."
+                )
+            return None
+        if getattr(cfg, "cpu_offloading_weights", False):
+            warnings.warn(
+                "offload_transform: config.cpu_offloading_weights=True has no effect: weights are never "
+                "offloaded (as in TransformerEngine), only activations. Use optimizer offload "
+                "(HybridDeviceOptimizer) to move optimizer state off the GPU.",
+                UserWarning,
+                stacklevel=3,
+            )
+            s.notes.append("cpu_offloading_weights=True ignored: weights are never offloaded")
+        if getattr(cfg, "cpu_offloading_double_buffering", False):
+            warnings.warn(
+                "offload_transform: config.cpu_offloading_double_buffering=True has no effect (as in "
+                "TransformerEngine's current runtime); reload look-ahead is set with prefetch_layers.",
+                UserWarning,
+                stacklevel=3,
+            )
+            s.notes.append("cpu_offloading_double_buffering=True has no effect")
+        if not getattr(cfg, "cpu_offloading_activations", True):
+            return None  # nothing to offload (weights-only is a no-op, warned above)
+        cfg_n = getattr(cfg, "cpu_offloading_num_layers", None)
+        if num_layers is None:
+            s.num_layers = cfg_n
+        elif cfg_n is not None and cfg_n != num_layers:
+            raise ValueError(
+                f"offload_transform: num_layers={num_layers!r} differs from config.cpu_offloading_num_layers="
+                f"{cfg_n!r}; give the count once (drop num_layers=, or make them equal)."
+            )
+        for name in ("release_lag", "prefetch_layers", "min_offload_numel"):
+            if getattr(s, name) is None:
+                setattr(s, name, getattr(cfg, name, None))
+        if s.policy is None:
+            p = getattr(cfg, "offload_policy", None)
+            s.policy = getattr(p, "value", p)
+        s.config_layers = getattr(cfg, "num_layers", None)
+    if s.num_layers is None:
+        raise ValueError(
+            "offload_transform: num_layers is required (None given and no config with "
+            "cpu_offloading_num_layers); pass num_layers=N to offload the first N layers, or "
+            "num_layers='auto' with memory_budget= and example_inputs=."
+        )
+    n = s.num_layers
+    if n != "auto" and (isinstance(n, bool) or not isinstance(n, int)):
+        raise TypeError(
+            f"offload_transform: num_layers must be an int or 'auto', got {n!r} ({type(n).__name__}); "
+            "pass e.g. num_layers=4."
+        )
+    for name, low in (("release_lag", 0), ("prefetch_layers", 1)):
+        v = getattr(s, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise ValueError(f"offload_transform: {name} must be None or an int >= {low}, got {v!r}.")
+    return s
+
+
+def _check_count(n: int, eligible: int, total: int) -> None:
+    if not 0 <= n < eligible:
+        kept = f" ({total - eligible} declared @offload_layer(offload=False))" if total != eligible else ""
+        fix = (f"choose 0 <= num_layers <= {eligible - 1} (the first N of the {eligible} offloadable layers{kept} "
+               "are offloaded; the last one never is)") if eligible else "declare at least two offloadable layers"
+        raise ValueError(
+            f"CPU offloading can be done only for layers less than {eligible} (num_layers={n}). Fix: {fix}."
+        )
+
+
+# --------------------------------------------------------------------------- forwards we install
+
+
+class _OffloadedForward:
+    """The model's instance-level forward: runs the transformed graph (fx) or the original forward
+    (hooks), records whether the forward trains, and drops the step's offload state on an exception."""
+
+    def __init__(self, fn: Callable[..., Any], boundary: LayerBoundary, hook_state: HookState, wrapped: Any) -> None:
+        self.fn, self.boundary, self.hook_state = fn, boundary, hook_state
+        functools.update_wrapper(self, wrapped)  # inspect.signature(model.forward) still works
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        training = torch.is_grad_enabled() and not in_backward()
+        prev, self.hook_state.forward_grad = self.hook_state.forward_grad, training
+        try:
+            out = self.fn(*args, **kwargs)
+        except BaseException:
+            if training:
+                self.boundary.abort()
+            raise
+        finally:
+            self.hook_state.forward_grad = prev
+        if training:
+            self.boundary.forward_done()
+        return out
+
+    def __repr__(self) -> str:
+        name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__name__)
+        return f"<offloaded forward of {name}>"
+
+
+class _RecomputeForward:
+    """A layer's instance-level forward for ``recompute``/``recompute_offload``: non-reentrant checkpoint."""
+
+    def __init__(self, fwd: Callable[..., Any]) -> None:
+        self.fwd = fwd
+        functools.update_wrapper(self, fwd)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.fwd(*args, **kwargs)
+        return _ORIG_CHECKPOINT(self.fwd, *args, use_reentrant=False, **kwargs)
+
+
+@dataclass
+class _Applied:
+    """What offload_transform changed, so remove_offload can undo exactly that."""
+
+    boundary: LayerBoundary
+    handles: list[Any]
+    prev_forward: Any  # the instance-level forward before us (usually absent: _MISSING)
+    recompute_layers: list[tuple[nn.Module, Any]]
+    root_attrs: list[str]
+    graph_module: Any
+
+
+_MISSING = object()
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def offload_transform(
+    model: nn.Module,
+    num_layers: int | str | None = None,
+    *,
+    config: Any = None,
+    example_inputs: Any = None,
+    layer_types: type | Sequence[type] | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    release_lag: int | None = None,
+    prefetch_layers: int | None = None,
+    memory_budget: int | None = None,
+    recompute: bool = False,
+    policy: str | None = None,
+    min_offload_numel: int | None = None,
+    path: str = "auto",
+) -> nn.Module:
+    """Offload the saved activations of a model's first ``num_layers`` layers to host memory, in place.
+
+    Finds the layers (``@offload_layer`` marks, ``layer_types=``/``filter_fn=``, or the repeated
+    blocks of an ``nn.ModuleList``/``nn.Sequential``), traces the forward with ``torch.fx`` with
+    the layers as leaves, and inserts around each layer call the two runtime calls that open its
+    offload scope and commit its output (``enter_layer(i)``/``commit_layer(out, i)``, see
+    docs/runtime_api.md). The layer index is a constant in the graph, so eval forwards, skipped
+    layers and repeated forwards cannot desynchronise it. When tracing fails (Hugging Face models),
+    forward pre/post hooks on the layers make the same calls (``plan.path == "hooks"``).
+
+    The model object is changed in place, like torchao's ``quantize_``: same object, class,
+    methods (``generate``), parameters and ``state_dict`` keys; its instance-level ``forward``
+    runs the transformed graph. ``model.offload_plan`` (:class:`OffloadPlan`) shows per layer
+    the choice and the bytes moved per step. ``remove_offload(model)`` undoes it.
+
+    Args:
+        model (nn.Module): the model; its parameters' device picks the runtime backend.
+        num_layers (int | "auto" | None): offload the first ``N`` of the ``L`` offloadable layers,
+            ``0 <= N < L`` (Megatron Bridge's ``cpu_offloading_num_layers``). ``"auto"`` lets
+            ``annotate_offload.planner.plan_offload`` choose keep/offload/recompute per layer for
+            ``memory_budget``. Required unless ``config`` gives ``cpu_offloading_num_layers``.
+        config (ModelConfig | Config | None): activation-offload settings with Megatron Bridge
+            names; ``cpu_offloading=False`` (or ``cpu_offloading_activations=False``) returns the
+            model unchanged. Default: ``None``.
+        example_inputs (Tensor | tuple | dict | None): one training step's inputs; used to
+            estimate bytes per layer on the meta device (and to profile with ``"auto"``). Without
+            them the bytes are measured on the first training step. Default: ``None``.
+        layer_types (type | tuple[type, ...] | None): classes whose outermost instances are the layers.
+        filter_fn (Callable[[nn.Module, str], bool] | None): ``filter_fn(module, fqn)`` picks the layers.
+        release_lag (int | None): runtime release schedule, ``None`` = TransformerEngine's bound.
+        prefetch_layers (int | None): reload look-ahead in layers, ``None`` = TransformerEngine's distance.
+        memory_budget (int | None): bytes of saved activations allowed on the GPU, for ``"auto"``.
+        recompute (bool): checkpoint every layer (non-reentrant ``torch.utils.checkpoint``);
+            offloaded layers then offload the checkpoint's saved inputs. Default: ``False``.
+        policy (str | None): ``"opt_out"`` or ``"opt_in"``; ``None`` = config or runtime default.
+        min_offload_numel (int | None): smaller saved tensors stay on the device; ``None`` = 256K.
+        path (str): ``"auto"`` (fx, else hooks), ``"fx"`` (fail if tracing fails) or ``"hooks"``.
+            Default: ``"auto"``.
+
+    Returns:
+        nn.Module: ``model`` itself.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``num_layers`` not an int or ``"auto"``; a
+            bad ``layer_types``/``filter_fn``/``config``.
+        ValueError: ``num_layers`` missing, out of ``[0, L)``, or different from the config's;
+            no layers found; ``"auto"`` without ``memory_budget``/``example_inputs``; a config
+            rule (raised by the config before the model is touched); bad ``path``.
+        OffloadError: the model was already transformed; ``path="fx"`` and tracing failed.
+
+    Warns:
+        UserWarning: ``num_layers == L - 1`` with TransformerEngine's schedule (no overlap is
+            possible; ``prefetch_layers=``/``release_lag=`` can overlap there);
+            ``cpu_offloading_weights``/``cpu_offloading_double_buffering`` (no effect).
+
+    Example::
+
+        model = GPTStack(GPTConfig(hidden=4096, heads=32, layers=8), device="cuda")
+        offload_transform(model, num_layers=4)
+        print(model.offload_plan)
+        model(x).sum().backward()
+    """
+    # ---- validate everything before touching the model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload_transform: model must be an nn.Module, got {type(model).__name__}.")
+    if _STATE in model.__dict__:
+        raise OffloadError(
+            f"offload_transform: {type(model).__name__} is already transformed (path="
+            f"{model.offload_plan.path}); call remove_offload(model) first to change the plan."
+        )
+    if path not in _PATHS:
+        raise ValueError(f"offload_transform: path must be one of {_PATHS}, got {path!r}.")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"offload_transform: recompute must be a bool, got {recompute!r}.")
+    settings = _resolve(num_layers, config, release_lag, prefetch_layers, policy, min_offload_numel)
+    if settings is None:
+        return model
+    refs, how = find_layers(model, layer_types=layer_types, filter_fn=filter_fn)
+    eligible = sum(r.offload for r in refs)
+    if settings.config_layers is not None and settings.config_layers != len(refs):
+        raise ValueError(
+            f"offload_transform: config.num_layers={settings.config_layers} but the model has {len(refs)} "
+            f"layers ({how}); set model.num_layers={len(refs)} (or None), or select the layers with layer_types=."
+        )
+    auto = settings.num_layers == "auto"
+    if auto:
+        if memory_budget is None or example_inputs is None:
+            raise ValueError(
+                f"offload_transform: num_layers='auto' needs memory_budget= (bytes) and example_inputs= "
+                f"(got memory_budget={memory_budget!r}, example_inputs={'None' if example_inputs is None else 'given'}); "
+                "pass both, e.g. memory_budget=4 * 2**30, example_inputs=(x,)."
+            )
+    else:
+        _check_count(settings.num_layers, eligible, len(refs))  # type: ignore[arg-type]
+
+    # ---- trace (fx) or fall back (hooks)
+    gm, fx_failure = None, None
+    if path != "hooks":
+        try:
+            gm = trace_layers(model, refs)
+            refs = ordered_layers(gm, refs)
+            if gm.meta.get("root_attrs_added") is None:
+                gm.meta["root_attrs_added"] = []
+            if not any(n.op in ("call_module", "call_function") and _calls_layer(n, refs) for n in gm.graph.nodes):
+                raise FxTraceError("the traced graph calls none of the layers")
+        except FxTraceError as e:
+            if gm is not None:
+                _drop_attrs(model, gm.meta.get("root_attrs_added", []))
+            gm, fx_failure = None, str(e)
+            if path == "fx":
+                raise OffloadError(f"offload_transform(path='fx'): tracing failed: {fx_failure}") from e
+    chosen_path = "fx" if gm is not None else "hooks"
+
+    # ---- choose per layer
+    declared_keep = [not r.offload for r in refs]
+    notes = list(settings.notes)
+    if auto:
+        from annotate_offload.planner import plan_offload
+
+        kwargs = {k: v for k, v in (("release_lag", settings.release_lag), ("prefetch_layers", settings.prefetch_layers))
+                  if v is not None}
+        result = plan_offload(model, memory_budget=memory_budget, example_inputs=example_inputs,
+                              layers=[r.module for r in refs], **kwargs)
+        choices = list(result.choices)
+        for i, keep in enumerate(declared_keep):
+            if keep and choices[i] in ("offload", "recompute_offload"):
+                choices[i] = "keep" if choices[i] == "offload" else "recompute"
+                notes.append(f"layer {i}: planner chose offload but it is declared offload=False")
+        settings.release_lag = result.release_lag if settings.release_lag is None else settings.release_lag
+        settings.prefetch_layers = result.prefetch_layers if settings.prefetch_layers is None else settings.prefetch_layers
+        notes.append(f"auto: predicted {result.predicted_step_ms:.2f} ms/step, peak {result.predicted_peak_bytes} B "
+                     f"for budget {result.memory_budget} B")
+    else:
+        n = settings.num_layers
+        eligible_idx = [i for i, r in enumerate(refs) if r.offload][:n]  # type: ignore[misc]
+        choices = ["offload" if i in eligible_idx else "keep" for i in range(len(refs))]
+        if recompute:
+            choices = ["recompute_offload" if c == "offload" else "recompute" for c in choices]
+        if n == eligible - 1 and n > 0 and settings.release_lag is None and settings.prefetch_layers is None:
+            msg = (f"offload_transform: num_layers={n} offloads all but the last of {eligible} layers; with "
+                   "TransformerEngine's schedule no overlap of copies and compute is possible there. Pass "
+                   "prefetch_layers=1 (reload one layer ahead) and/or release_lag=1 to overlap, or offload fewer layers.")
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            notes.append(f"num_layers=L-1={n}: no overlap with TE's schedule (see prefetch_layers/release_lag)")
+    offloaded = frozenset(i for i, c in enumerate(choices) if c in ("offload", "recompute_offload"))
+
+    # ---- build the runtime and the plan (still nothing on the model changed, except fx constants)
+    from annotate_offload.runtime import DefaultOffloadSynchronizer
+
+    device = next((p.device.type for p in model.parameters()), None)
+    sync = DefaultOffloadSynchronizer(
+        num_layers=len(refs), num_offloaded_layers=len(offloaded), offloaded_layers=sorted(offloaded),
+        release_lag=settings.release_lag, prefetch_layers=settings.prefetch_layers, policy=settings.policy,
+        min_offload_numel=settings.min_offload_numel, device=device,
+    )
+    plan = OffloadPlan(
+        layers=tuple(LayerPlan(i, r.fqn, type(r.module).__name__, c, declared_keep[i])  # type: ignore[arg-type]
+                     for i, (r, c) in enumerate(zip(refs, choices))),
+        path=chosen_path, fx_failure=fx_failure, layer_source=how, notes=tuple(notes),
+    )
+    boundary = LayerBoundary(sync, offloaded, plan)
+    hook_state = HookState()
+
+    # ---- apply
+    prev_forward = model.__dict__.get("forward", _MISSING)
+    wrapped = model.forward
+    handles: list[Any] = []
+    if gm is not None:
+        insert_boundaries(gm, refs, boundary, offloaded)
+        fn = functools.partial(type(gm).forward, model)  # generated code resolves attributes on the live model
+    else:
+        handles = install_hooks(refs, boundary, hook_state)
+        fn = wrapped
+    recompute_layers = []
+    for r, c in zip(refs, choices):
+        if c in ("recompute", "recompute_offload"):
+            recompute_layers.append((r.module, r.module.__dict__.get("forward", _MISSING)))
+            r.module.forward = _RecomputeForward(r.module.forward)
+    model.forward = _OffloadedForward(fn, boundary, hook_state, wrapped)
+    model.__dict__[_STATE] = _Applied(boundary, handles, prev_forward, recompute_layers,
+                                      list(gm.meta["root_attrs_added"]) if gm is not None else [], gm)
+    model.offload_plan = plan
+
+    if example_inputs is not None:
+        try:
+            per_layer = estimate_bytes(model, boundary, example_inputs,
+                                       min_numel=_min_numel(settings.min_offload_numel),
+                                       policy=settings.policy or _default_policy())
+            plan._with_bytes(per_layer, "estimate")
+        except Exception as e:  # a forward that cannot run on meta tensors (data-dependent code)
+            first = (str(e).splitlines() or [""])[0][:160]
+            plan.notes = plan.notes + (f"meta estimate failed ({type(e).__name__}: {first}); bytes measured on the first step",)
+    return model
+
+
+def remove_offload(model: nn.Module) -> nn.Module:
+    """Undo :func:`offload_transform`: restore the original forward, remove hooks, plan and runtime state.
+
+    Returns:
+        nn.Module: ``model`` itself.
+
+    Raises:
+        OffloadError: ``model`` was not transformed.
+    """
+    applied = model.__dict__.get(_STATE)
+    if applied is None:
+        raise OffloadError(
+            f"remove_offload: {type(model).__name__} was not transformed by offload_transform (or was restored "
+            "already); nothing to remove."
+        )
+    applied.boundary.abort()
+    for h in applied.handles:
+        h.remove()
+    for module, prev in applied.recompute_layers:
+        _restore_forward(module, prev)
+    _restore_forward(model, applied.prev_forward)
+    _drop_attrs(model, applied.root_attrs)
+    del model.__dict__[_STATE]
+    model.__dict__.pop("offload_plan", None)
+    return model
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _restore_forward(module: nn.Module, prev: Any) -> None:
+    if prev is _MISSING:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = prev
+
+
+def _drop_attrs(model: nn.Module, names: list[str]) -> None:
+    for name in names:
+        model.__dict__.pop(name, None)
+
+
+def _calls_layer(node: Any, refs: list[LayerRef]) -> bool:
+    fqns = {r.fqn for r in refs}
+    if node.op == "call_module":
+        return node.target in fqns
+    return node.target is _ORIG_CHECKPOINT and getattr(node.args[0], "target", None) in fqns
+
+
+def _min_numel(v: int | None) -> int:
+    return 256 * 1024 if v is None else v
+
+
+def _default_policy() -> str:
+    from annotate_offload.runtime._marks import default_policy
+
+    return default_policy()
