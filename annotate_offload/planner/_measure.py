@@ -226,8 +226,8 @@ def measure_layers(
 
     Returns:
         tuple[LayerMeasurement, ...]: per layer, forward/backward ms (medians), saved bytes (unique
-        storages saved for backward, parameters excluded) and checkpoint-input bytes (unique storages
-        of its tensor inputs).
+        storages saved for backward, parameters and buffers excluded) and checkpoint-input bytes
+        (unique storages of its tensor inputs).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or bad ``example_inputs``.
@@ -254,7 +254,8 @@ def measure_layers(
                 )
         named = [(names[id(layer)], layer) for layer in layers]
     args, kwargs = _as_args(example_inputs)
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # parameters and buffers stay on the GPU whatever the plan: not activation memory
+    param_ptrs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     state = _ModelState(model)
     try:
         model.train()

@@ -1,0 +1,192 @@
+"""Measurement: saved/checkpoint bytes, the model left as found, layer discovery, bandwidth cache."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from annotate_offload.planner import LinkBandwidth, measure_bandwidth, measure_layers
+from annotate_offload.planner import _measure
+from annotate_offload.planner._measure import discover_layers
+
+
+class Block(nn.Module):
+    """Linear (saves its input) -> BatchNorm (running stats) -> Dropout (RNG) -> ReLU (saves its output)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width, bias=False)
+        self.bn = nn.BatchNorm1d(width)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return torch.relu(self.drop(self.bn(self.lin(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, width=16, depth=3):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class ThreeViews(nn.Module):
+    """Saves one storage three times (as x, x.t() and x[:2]) plus its weight-free product."""
+
+    def forward(self, x):
+        return (x * x).sum() + (x.t() * x.t()).sum() + (x[:2] * x[:2]).sum()
+
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([ThreeViews(), ThreeViews()])
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x) * torch.ones_like(x))
+
+
+def test_discover_layers_picks_the_repeated_blocks():
+    net = Net(depth=3)
+    found = discover_layers(net)
+    assert [n for n, _ in found] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [m for _, m in found] == list(net.blocks)
+    with pytest.raises(ValueError, match="found no repeated layers in Linear.*pass layers="):
+        discover_layers(nn.Linear(2, 2))
+
+
+def test_saved_bytes_count_unique_storages_without_parameters():
+    width, batch = 16, 8
+    net = Net(width, depth=2)
+    x = torch.randn(batch, width)
+    m = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    act = batch * width * 4  # one float32 activation
+    assert [q.name for q in m] == ["blocks.0", "blocks.1"]
+    assert m[0].checkpoint_input_bytes == act
+    # Linear saves its input; BatchNorm its input and 2 per-channel batch stats; dropout its mask (float32
+    # on CPU) and relu its output. The weight (a parameter) and the running stats (buffers) are not counted.
+    bn_stats = 2 * width * 4
+    assert m[0].saved_bytes == act + act + bn_stats + act + act
+    assert m[0].forward_ms > 0 and m[0].backward_ms > 0
+
+
+def test_views_of_one_storage_count_once():
+    w = Wrapper()
+    x = torch.randn(4, 64)
+    m = measure_layers(w, None, (x,), warmup=0, repeats=1)
+    assert m[0].saved_bytes == 4 * 64 * 4  # x, x.t() and x[:2] share one storage
+
+
+def test_measurement_leaves_the_model_as_found():
+    net = Net(depth=3)
+    net.eval()
+    net.blocks[1].train()  # a mixed training state must survive
+    x = torch.randn(8, 16)
+    net.train()
+    net(x).sum().backward()  # running stats moved away from their init, grads present
+    net.eval()
+    net.blocks[1].train()
+    net.head.weight.grad = None  # a None grad must stay None
+    grads = {n: (p.grad, None if p.grad is None else p.grad.clone()) for n, p in net.named_parameters()}
+    buffers = {n: b.clone() for n, b in net.named_buffers()}
+    modes = {n: m.training for n, m in net.named_modules()}
+    rng = torch.get_rng_state()
+
+    measure_layers(net, list(net.blocks), (x,), warmup=1, repeats=2)
+
+    for n, p in net.named_parameters():
+        obj, value = grads[n]
+        assert p.grad is obj
+        if value is not None:
+            assert torch.equal(p.grad, value)
+    for n, b in net.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+    assert {n: m.training for n, m in net.named_modules()} == modes
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_state_is_restored_when_profiling_raises():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    net = Net(depth=2)
+    net.blocks.append(Block(16))
+    net.unused = Block(16)
+    x = torch.randn(4, 16)
+    rng = torch.get_rng_state()
+    buffers = {n: b.clone() for n, b in net.named_buffers()}
+    net.eval()
+    with pytest.raises(ValueError, match=r"layers \[1\] were not called"):
+        measure_layers(net, [net.blocks[0], net.unused], (x,))
+    net.blocks[2].forward = Boom().forward
+    with pytest.raises(RuntimeError, match="boom"):
+        measure_layers(net, None, (x,))
+    assert not any(m.training for m in net.modules())
+    assert torch.equal(torch.get_rng_state(), rng)
+    for n, b in net.named_buffers():
+        assert torch.equal(b, buffers[n])
+
+
+def test_bad_arguments():
+    net = Net(depth=2)
+    with pytest.raises(ValueError, match=r"layers\[0\] \(Linear\) is not a submodule"):
+        measure_layers(net, [nn.Linear(16, 16)], (torch.randn(2, 16),))
+    with pytest.raises(TypeError, match="example_inputs must be a tensor"):
+        measure_layers(net, None, 3)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        measure_layers(net, None, (torch.randn(2, 16),), repeats=0)
+    with pytest.raises(ValueError, match="layers is empty"):
+        measure_layers(net, [], (torch.randn(2, 16),))
+
+
+def test_bandwidth_is_measured_once_per_device(monkeypatch):
+    monkeypatch.setattr(_measure, "_BANDWIDTH_CACHE", {})
+    calls = []
+    real = _measure._measure_link
+
+    def counting(dev, nbytes, repeats):
+        calls.append(str(dev))
+        return real(dev, nbytes, repeats)
+
+    monkeypatch.setattr(_measure, "_measure_link", counting)
+    first = measure_bandwidth("cpu", nbytes=1 << 20, repeats=2)
+    assert isinstance(first, LinkBandwidth) and first.d2h_gbps > 0
+    assert "cpu memcpy" in first.source
+    assert measure_bandwidth(torch.device("cpu")) is first
+    assert calls == ["cpu"]
+    with pytest.raises(ValueError, match="device='nonsense' is not a torch device"):
+        measure_bandwidth("nonsense")
+
+
+def test_importing_the_planner_does_not_initialise_cuda():
+    code = "import torch, annotate_offload.planner; print(torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.cuda
+def test_cuda_measurement_restores_cuda_rng_and_times_with_events():
+    net = Net(depth=2).cuda()
+    x = torch.randn(64, 16, device="cuda")
+    cuda_rng = torch.cuda.get_rng_state_all()
+    m = measure_layers(net, None, (x,))
+    assert all(q.forward_ms > 0 and q.backward_ms > 0 for q in m)
+    assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), cuda_rng))
+
+
+@pytest.mark.cuda
+def test_cuda_bandwidth_is_pinned_and_cached(monkeypatch):
+    monkeypatch.setattr(_measure, "_BANDWIDTH_CACHE", {})
+    bw = measure_bandwidth("cuda")
+    assert bw.d2h_gbps > 1 and bw.h2d_gbps > 1 and "pinned" in bw.source
+    assert measure_bandwidth(f"cuda:{torch.cuda.current_device()}") is bw
