@@ -185,5 +185,7 @@ def insert_boundaries(
             committed = graph.call_function(boundary.commit, (node, i))
             committed.meta[META_KEY] = {"index": i, "role": "commit"}
         node.replace_all_uses_with(committed, delete_user_cb=lambda u, c=committed: u is not c)
+        if node in returned:
+            returned.add(committed)
     graph.lint()
     gm.recompile()

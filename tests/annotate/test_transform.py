@@ -1,0 +1,329 @@
+"""offload_transform: validation, in-place contract, bit-identical numerics on both paths, plans."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from annotate_offload.annotate import OffloadPlan, offload_layer, offload_transform, remove_offload
+from annotate_offload.config import Config, ModelConfig
+from annotate_offload.errors import OffloadError
+
+from ._models import MLPBlock, Stack, assert_same_step, gpt, run_step, sync_of
+
+L = 4
+X = lambda: torch.randn(2, 32, 64)  # noqa: E731
+
+
+def _transformed(model, n, path, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return offload_transform(model, num_layers=n, path=path, min_offload_numel=0, **kw)
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("path", ["fx", "hooks"])
+@pytest.mark.parametrize("n", [0, 1, L - 1])
+@pytest.mark.parametrize("make", [gpt, Stack], ids=["gpt", "mlp"])
+def test_loss_and_grads_bit_identical(make, n, path):
+    model = make(L)
+    ref = copy.deepcopy(model)
+    _transformed(model, n, path)
+    assert model.offload_plan.path == path
+    x = X()
+    for _ in range(2):  # the second step reuses pinned buffers and a fresh runtime step
+        assert_same_step(run_step(model, x), run_step(ref, x))
+        stats = sync_of(model).stats
+        assert stats.bytes_offloaded_per_layer.keys() == set(range(n))
+        assert all(b > 0 for b in stats.bytes_offloaded_per_layer.values())
+        assert stats.bytes_reloaded == stats.bytes_offloaded
+
+
+def test_autocast_bf16_bit_identical():
+    model = gpt(L)
+    ref = copy.deepcopy(model)
+    _transformed(model, 2, "fx")
+    x = X()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = run_step(model, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        b = run_step(ref, x)
+    assert_same_step(a, b)
+    stats = sync_of(model).stats
+    assert stats.bytes_offloaded > 0 and stats.kept.get("parameter", 0) > 0
+
+
+def test_fx_and_hooks_give_identical_plans_and_bytes():
+    plans, measured = [], []
+    for path in ("fx", "hooks"):
+        torch.manual_seed(0)
+        model = gpt(L)
+        _transformed(model, 2, path, example_inputs=(X(),))
+        plans.append(model.offload_plan)
+        run_step(model, X())
+        measured.append(dict(sync_of(model).stats.bytes_offloaded_per_layer))
+    fx_plan, hook_plan = plans
+    assert fx_plan.layers == hook_plan.layers and fx_plan.bytes_source == "estimate"
+    assert measured[0] == measured[1] and measured[0][0] > 0
+
+
+def test_bytes_measured_on_first_step_without_example_inputs():
+    model = Stack(L)
+    _transformed(model, 2, "fx")
+    assert model.offload_plan.bytes_source == "pending" and model.offload_plan.bytes_per_step is None
+    run_step(model, X())
+    plan = model.offload_plan
+    assert plan.bytes_source == "measured"
+    assert [lp.bytes_per_step for lp in plan.layers][:2] == [sync_of(model).stats.bytes_offloaded_per_layer[i] for i in (0, 1)]
+    assert "measured" in repr(plan)
+
+
+@pytest.mark.parametrize("path", ["fx", "hooks"])
+def test_meta_estimate_matches_runtime_on_attention_free_model(path):
+    model = Stack(L)
+    _transformed(model, 2, path, example_inputs=(X(),))
+    estimate = {lp.index: lp.bytes_per_step for lp in model.offload_plan.layers}
+    run_step(model, X())
+    measured = sync_of(model).stats.bytes_offloaded_per_layer
+    assert estimate == {0: measured[0], 1: measured[1], 2: 0, 3: 0}
+
+
+def test_declared_keep_layers_are_skipped_by_num_layers():
+    model = Stack(L)
+    offload_layer(offload=False)(model.layers[0])
+    for blk in model.layers[1:]:
+        offload_layer(blk)
+    _transformed(model, 2, "fx")
+    plan = model.offload_plan
+    assert [lp.choice for lp in plan.layers] == ["keep", "offload", "offload", "keep"]
+    assert plan.layers[0].declared_keep and "keep (declared)" in repr(plan)
+    run_step(model, X())
+    assert set(sync_of(model).stats.bytes_offloaded_per_layer) == {1, 2}
+
+
+def test_returned_tensor_is_marked_not_offload():
+    class NormBlock(nn.Module):  # LayerNorm saves its input tensor itself (not a view of it)
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return x + self.fc(self.ln(x))
+
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([NormBlock() for _ in range(3)])
+
+        def forward(self, x):
+            h0 = self.layers[0](x)
+            h1 = self.layers[1](h0)
+            return self.layers[2](h1), h0  # h0 is returned: saving it in layer 1 frees nothing
+
+    model = Returns()
+    _transformed(model, 2, "fx")
+    keeps = [n for n in model.__dict__["_annotate_offload_state"].graph_module.graph.nodes
+             if n.meta.get("offload_layer", {}).get("role") == "keep"]
+    assert len(keeps) == 1 and keeps[0].args[0].name == "commit"
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    out, h0 = model(x)
+    assert getattr(h0, "_TE_do_not_offload", False)
+    (out.sum() + h0.sum()).backward()
+    assert sync_of(model).stats.kept.get("marked", 0) >= 1
+
+
+# --------------------------------------------------------------------------- in place
+
+
+def test_in_place_contract_and_remove():
+    model = gpt(L)
+    cls, keys = type(model), list(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    sig = inspect.signature(model.forward)
+    out = _transformed(model, 1, "fx")
+    assert out is model and type(model) is cls
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    assert inspect.signature(model.forward) == sig
+    assert isinstance(model.offload_plan, OffloadPlan)
+    with pytest.raises(OffloadError, match="already transformed.*remove_offload"):
+        offload_transform(model, num_layers=1)
+    assert remove_offload(model) is model
+    assert "forward" not in model.__dict__ and not hasattr(model, "offload_plan")
+    assert model.forward.__func__ is cls.forward
+    with pytest.raises(OffloadError, match="was not transformed"):
+        remove_offload(model)
+    _transformed(model, 2, "hooks")  # transformable again
+    remove_offload(model)
+    assert all(not blk._forward_pre_hooks and not blk._forward_hooks for blk in model.layers)
+
+
+def test_eval_forwards_offload_nothing_and_leave_no_state():
+    model = gpt(L)
+    ref = copy.deepcopy(model)
+    _transformed(model, 2, "fx")
+    sync = sync_of(model)
+    x = X()
+    with torch.no_grad():
+        a = model(x)
+    with torch.inference_mode():
+        b = model(x)
+    assert torch.equal(a, ref(x).detach()) and torch.equal(b, a)
+    assert sync.stats.bytes_offloaded == 0 and sync._step is None and sync._scope is None
+    assert_same_step(run_step(model, x), run_step(ref, x))
+
+
+@pytest.mark.parametrize("path", ["fx", "hooks"])
+def test_exception_mid_forward_aborts_and_next_step_is_clean(path):
+    model = Stack(L)
+    ref = copy.deepcopy(model)
+    _transformed(model, 2, path)
+    calls = {"n": 0}
+
+    def boom(module, args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+
+    h = model.layers[2].register_forward_pre_hook(boom)
+    x = X()
+    with pytest.raises(RuntimeError, match="boom"):
+        run_step(model, x)
+    sync = sync_of(model)
+    assert sync._scope is None and sync._step is None
+    h.remove()
+    assert_same_step(run_step(model, x), run_step(ref, x))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_num_layers_required_and_typed():
+    with pytest.raises(ValueError, match="num_layers is required"):
+        offload_transform(Stack(L))
+    with pytest.raises(TypeError, match="num_layers must be an int or 'auto', got 1.5"):
+        offload_transform(Stack(L), num_layers=1.5)
+    with pytest.raises(TypeError, match="num_layers must be an int or 'auto', got True"):
+        offload_transform(Stack(L), num_layers=True)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        offload_transform("model", num_layers=1)
+
+
+@pytest.mark.parametrize("n", [-1, L, L + 3])
+def test_num_layers_out_of_range(n):
+    model = Stack(L)
+    before = dict(model.__dict__)
+    with pytest.raises(ValueError, match=rf"CPU offloading can be done only for layers less than {L} \(num_layers={n}\)"):
+        offload_transform(model, num_layers=n)
+    assert model.__dict__.keys() == before.keys()  # untouched
+
+
+def test_last_but_one_warns_like_te_and_points_to_prefetch():
+    with pytest.warns(UserWarning, match="no overlap.*prefetch_layers"):
+        offload_transform(Stack(L), num_layers=L - 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload_transform(Stack(L), num_layers=L - 1, prefetch_layers=1, release_lag=1)
+
+
+def test_bad_schedule_and_path_arguments():
+    with pytest.raises(ValueError, match="prefetch_layers must be None or an int >= 1, got 0"):
+        offload_transform(Stack(L), num_layers=1, prefetch_layers=0)
+    with pytest.raises(ValueError, match="release_lag must be None or an int >= 0, got -1"):
+        offload_transform(Stack(L), num_layers=1, release_lag=-1)
+    with pytest.raises(ValueError, match="path must be one of"):
+        offload_transform(Stack(L), num_layers=1, path="jit")
+    with pytest.raises(TypeError, match="recompute must be a bool"):
+        offload_transform(Stack(L), num_layers=1, recompute="yes")
+
+
+def test_auto_needs_budget_and_inputs():
+    with pytest.raises(ValueError, match="num_layers='auto' needs memory_budget= .* and example_inputs="):
+        offload_transform(Stack(L), num_layers="auto", memory_budget=1 << 20)
+
+
+def test_config_gives_num_layers():
+    model = Stack(L)
+    offload_transform(model, config=ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=2, min_offload_numel=0))
+    assert model.offload_plan.offloaded_layers == (0, 1)
+    model = Stack(L)
+    offload_transform(model, config=Config(model=ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=1)))
+    assert model.offload_plan.offloaded_layers == (0,)
+
+
+def test_config_and_num_layers_must_agree():
+    cfg = ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=2)
+    with pytest.raises(ValueError, match=r"num_layers=1 differs from config.cpu_offloading_num_layers=2"):
+        offload_transform(Stack(L), num_layers=1, config=cfg)
+    offload_transform(Stack(L), num_layers=2, config=cfg)  # equal is fine
+
+
+def test_config_num_layers_checked_against_model():
+    cfg = ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=2, num_layers=8)
+    with pytest.raises(ValueError, match=r"config.num_layers=8 but the model has 4 layers"):
+        offload_transform(Stack(L), config=cfg)
+
+
+def test_config_rules_raise_before_the_model_is_touched():
+    # The config validates itself: Megatron's text, the field and the fix.
+    with pytest.raises(ValueError, match="no support for Pipeline parallelism with CPU offloading"):
+        ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=1, pipeline_model_parallel_size=2)
+
+    class Duck:  # a duck-typed config with a validate() that fails
+        cpu_offloading = True
+        cpu_offloading_num_layers = 1
+
+        def validate(self):
+            raise ValueError("CPU offloading does not work when activation recomputation is enabled")
+
+    model = Stack(L)
+    with pytest.raises(ValueError, match="activation recomputation is enabled"):
+        offload_transform(model, config=Duck())
+    assert "forward" not in model.__dict__
+    with pytest.raises(TypeError, match="has no activation-offload fields"):
+        offload_transform(model, config=object())
+
+
+def test_config_off_returns_model_unchanged():
+    model = Stack(L)
+    assert offload_transform(model, config=ModelConfig(cpu_offloading=False)) is model
+    assert "forward" not in model.__dict__
+    with pytest.raises(ValueError, match="num_layers=2 was given but config.cpu_offloading=False"):
+        offload_transform(model, num_layers=2, config=ModelConfig(cpu_offloading=False))
+
+
+def test_config_weights_and_double_buffering_warn():
+    with pytest.warns(UserWarning, match="cpu_offloading_weights=True has no effect"):
+        offload_transform(Stack(L), config=ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=1,
+                                                       cpu_offloading_weights=True))
+    with pytest.warns(UserWarning, match="cpu_offloading_double_buffering=True has no effect"):
+        model = offload_transform(Stack(L), config=ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=1,
+                                                               cpu_offloading_double_buffering=True))
+    assert any("double_buffering" in n for n in model.offload_plan.notes)
+    model = Stack(L)
+    with pytest.warns(UserWarning, match="cpu_offloading_weights"):
+        offload_transform(model, config=ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=1,
+                                                    cpu_offloading_weights=True, cpu_offloading_activations=False))
+    assert "forward" not in model.__dict__  # weights only: nothing to do
+
+
+def test_config_policy_and_threshold_reach_the_runtime():
+    model = Stack(L)
+    offload_transform(model, config=ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=1,
+                                                offload_policy="opt_in", min_offload_numel=7, prefetch_layers=2))
+    sync = sync_of(model)
+    assert (sync.policy, sync.min_offload_numel, sync.prefetch_layers) == ("opt_in", 7, 2)
+
+
+def test_plan_repr_is_a_table():
+    model = gpt(L)
+    _transformed(model, 1, "hooks")
+    text = repr(model.offload_plan)
+    assert text.splitlines()[0].startswith("OffloadPlan(path=hooks, layers=4, offloaded=1")
+    assert "idx  layer" in text and "layers.0  GPTBlock  offload" in text
