@@ -1,0 +1,165 @@
+"""``annotate-offload train | plan | bench``: the command users install this package for.
+
+``train --recipe NAME [section.field=value ...]`` trains a real architecture on real text with
+offloading, then (by default) the same steps without it, from the same seed and data, and prints
+a table: loss per step for both runs, max ``|Δloss|``, peak device memory, step time and bytes
+offloaded per step. Parity (exit status 1 when it fails): with activation offload only, the losses
+must be identical; with optimizer offload, ``|Δloss| < 0.001`` (Megatron Bridge's criterion).
+A baseline that runs out of memory is reported in the table, not raised.
+
+Bad input (unknown recipe, override key or value, missing or empty data file, a recipe that
+cannot run here) prints one line saying what is wrong and what is valid, and exits with status 2
+before anything runs or is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from . import _recipes as _train
+from ._recipes import RECIPES, check_runnable, get_recipe
+from .config import Config, from_overrides
+
+__all__ = ["main"]
+
+PROG = "annotate-offload"
+
+
+class _UsageError(Exception):
+    """Bad user input: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, status 2 (argparse's default prints usage too)
+        raise _UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", default="llama-tiny", metavar="NAME",
+                   help=f"one of: {', '.join(RECIPES)} (default: llama-tiny)")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value",
+                   help="Megatron Bridge style overrides, e.g. model.cpu_offloading_num_layers=2 "
+                        "optimizer.optimizer_offload_fraction=1.0 train.train_iters=50")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda when available, else cpu (default: auto)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``annotate-offload`` (subcommands ``train``, ``plan``, ``bench``)."""
+    parser = _Parser(prog=PROG, description="Activation and optimizer offloading to host memory: train, plan, bench.")
+    sub = parser.add_subparsers(dest="command", metavar="{train,plan,bench}", parser_class=_Parser)
+    sub.required = True
+    recipes = "\n".join(f"  {r.name:<11} {r.summary}" for r in RECIPES.values())
+    train = sub.add_parser("train", help="train a recipe with offloading and compare with a baseline",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description=f"recipes:\n{recipes}")
+    _add_common(train)
+    train.add_argument("--data", metavar="PATH", help="train on this text file (default: CPython's documentation topics)")
+    train.add_argument("--compare-baseline", action=argparse.BooleanOptionalAction, default=True,
+                       help="also run the same steps without offloading and check parity (default: on)")
+    train.add_argument("--plot", metavar="OUT.png", help="draw device memory over one step and both loss curves")
+    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                       help="tqdm progress bar when tqdm is installed (default: on)")
+    train.add_argument("--sdpa-backend", default="efficient", choices=("efficient", "math", "default"),
+                       help="CUDA attention kernel; efficient (default) and math are bit-reproducible, "
+                            "flash/cuDNN (default) are not, so parity needs one of the first two")
+    plan = sub.add_parser("plan", help="print the offload plan and predicted memory without training")
+    _add_common(plan)
+    sub.add_parser("bench", help="run the benchmark suite (annotate_offload.bench)", add_help=False)
+    return parser
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise _UsageError("--device cuda but no CUDA GPU is available; use --device cpu or auto.")
+    return torch.device(name)
+
+
+def _load_config(args: argparse.Namespace) -> tuple[object, Config, torch.device]:
+    try:
+        recipe = get_recipe(args.recipe)
+        cfg = from_overrides(args.overrides, base=recipe.config)
+        device = _resolve_device(args.device)
+        check_runnable(recipe, device)
+    except (ValueError, TypeError) as exc:
+        raise _UsageError(str(exc)) from None
+    return recipe, cfg, device
+
+
+def _check_plot_target(path: Optional[str]) -> None:
+    if path is None:
+        return
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise _UsageError("--plot needs matplotlib; pip install 'annotate-offload[cli]', or drop --plot.")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise _UsageError(f"--plot {path!r}: folder {parent!r} does not exist; create it or choose another path.")
+    if not path.lower().endswith((".png", ".pdf", ".svg")):
+        raise _UsageError(f"--plot {path!r}: use a .png, .pdf or .svg file name.")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    recipe, cfg, device = _load_config(args)
+    try:
+        batches = _train.make_batches(cfg, args.data)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    _check_plot_target(args.plot)
+    report = _train.compare(recipe, cfg, device, batches, baseline=args.compare_baseline,
+                            progress=args.progress, sdpa_backend=args.sdpa_backend)
+    print(report.table())
+    if args.plot:
+        report.plot(args.plot)
+        print(f"wrote {args.plot}")
+    if not report.ok:
+        print(f"{PROG}: parity check failed: {report.verdict}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    recipe, cfg, device = _load_config(args)
+    print(_train.plan_text(recipe, cfg, device))
+    return 0
+
+
+def _cmd_bench(argv: list[str]) -> int:
+    try:
+        from .bench import main as bench_main
+    except ImportError as exc:  # the benchmark package is written separately
+        raise _UsageError(f"the benchmark suite is not available ({exc}); reinstall annotate-offload.") from None
+    return int(bench_main(argv) or 0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``annotate-offload`` and ``python -m annotate_offload``.
+
+    Args:
+        argv (Sequence[str] | None): arguments without the program name. Default: ``sys.argv[1:]``.
+
+    Returns:
+        int: exit status: ``0`` success, ``1`` parity failure (or the offloaded run failed),
+        ``2`` bad input (nothing was run or written).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["bench"]:
+            return _cmd_bench(argv[1:])
+        args = build_parser().parse_args(argv)
+        return _cmd_train(args) if args.command == "train" else _cmd_plan(args)
+    except _UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

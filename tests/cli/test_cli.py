@@ -1,0 +1,179 @@
+"""``annotate-offload train | plan | bench``: parity table, exit status, bad input (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from annotate_offload import _recipes
+from annotate_offload.cli import main
+
+SMALL = ["model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4"]
+
+
+def _train(capsys, *args):
+    code = main(["train", "--no-progress", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _losses(out: str, column: int) -> list[float]:
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \|", out, flags=re.M)
+    return [float(r[column]) for r in rows]
+
+
+def test_llama_tiny_three_steps_both_offloads_with_baseline_and_plot(capsys, tmp_path):
+    png = tmp_path / "run.png"
+    code, out, err = _train(capsys, "train.train_iters=3", "--plot", str(png))
+    assert code == 0, out + err
+    assert "recipe llama-tiny on cpu" in out
+    assert "activations of the first 3 of 4 layers; optimizer: 0.5 of parameters stepped on the host" in out
+    offload, baseline = _losses(out, 1), _losses(out, 2)
+    assert len(offload) == 3 and len(baseline) == 3
+    assert offload[-1] < offload[0]  # it trains
+    assert max(abs(a - b) for a, b in zip(offload, baseline)) < 1e-3
+    assert "criterion: < 0.001 (optimizer offload)) -> PASS" in out
+    peak = re.search(r"\| peak device memory \(CPU: runtime accounting.*\| ([\d.]+) MiB \| ([\d.]+) MiB \|", out)
+    assert peak and float(peak.group(1)) < float(peak.group(2))  # offloading lowered the accounted peak
+    moved = re.search(r"\| bytes offloaded per step \| ([\d.]+) MiB \| 0 B \|", out)
+    assert moved and float(moved.group(1)) > 1
+    assert "OffloadPlan(path=fx" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
+
+
+def test_activation_offload_only_losses_are_identical(capsys):
+    code, out, err = _train(capsys, *SMALL, "train.train_iters=2", "optimizer.optimizer_cpu_offload=False")
+    assert code == 0, out + err
+    assert "-> PASS: identical losses" in out
+    assert _losses(out, 1) == _losses(out, 2)
+    assert "optimizer: on device" in out
+
+
+def test_no_compare_baseline(capsys):
+    code, out, _ = _train(capsys, *SMALL, "train.train_iters=1", "--no-compare-baseline")
+    assert code == 0 and "PASS (no baseline" in out and "loss (baseline)" not in out
+
+
+def test_baseline_out_of_memory_is_reported_not_raised(capsys, monkeypatch):
+    real = _recipes._optimizer
+
+    def optimizer(model, cfg, offload):
+        if not offload:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, cfg, offload)
+
+    monkeypatch.setattr(_recipes, "_optimizer", optimizer)
+    code, out, err = _train(capsys, *SMALL, "train.train_iters=1")
+    assert code == 0, out + err
+    assert "out of memory: CUDA out of memory. Tried to allocate 20.00 GiB" in out
+    assert "PASS (baseline: out of memory" in out
+
+
+def test_parity_failure_exits_1(capsys, monkeypatch):
+    real = _recipes._optimizer
+
+    def optimizer(model, cfg, offload):  # a baseline that trains differently
+        if not offload:
+            return torch.optim.SGD(model.parameters(), lr=0.5)
+        return real(model, cfg, offload)
+
+    monkeypatch.setattr(_recipes, "_optimizer", optimizer)
+    code, out, err = _train(capsys, *SMALL, "train.train_iters=2", "optimizer.optimizer_cpu_offload=False")
+    assert code == 1
+    assert "FAIL: losses differ" in out and "parity check failed" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the hf extra)")
+def test_hf_llama_recipe_takes_the_hooks_path(capsys):
+    code, out, err = _train(capsys, "--recipe", "hf-llama", *SMALL, "train.train_iters=2",
+                            "optimizer.optimizer_cpu_offload=False")
+    assert code == 0, out + err
+    assert "OffloadPlan(path=hooks" in out and "PASS: identical losses" in out
+
+
+def test_gpt_small_recipe_takes_the_fx_path(capsys):
+    code, out, err = _train(capsys, "--recipe", "gpt-small", *SMALL, "train.train_iters=2")
+    assert code == 0, out + err
+    assert "OffloadPlan(path=fx" in out and "-> PASS" in out
+
+
+def test_plan_prints_plan_and_predicted_memory(capsys):
+    code = main(["plan", *SMALL])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "OffloadPlan(path=fx, layers=4, offloaded=3" in out
+    assert re.search(r"\| saved activations of the layers \(one micro-batch\) \| [\d.]+ [KM]iB \| [\d.]+ [KM]iB \|", out)
+    assert "| optimizer state (fp32 Adam moments) |" in out
+
+
+def test_bench_delegates(monkeypatch):
+    import annotate_offload.bench as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
+    assert main(["bench", "--quick", "x"]) == 0
+    assert seen == [["--quick", "x"]]
+
+
+# ------------------------------------------------------------------------- bad input: exit 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--recipe", "llama-7b"], r"unknown recipe 'llama-7b'; valid: llama-tiny, gpt-small, llama-1b, hf-llama\."),
+        (["model.cpu_offload=True"], r"unknown key 'model\.cpu_offload'; did you mean 'model\.cpu_offloading'\?"),
+        (["train.train_iters=many"], r"override train\.train_iters='many': expected an int\."),
+        (["optimizer.optimizer_offload_fraction=2"], r"optimizer_offload_fraction must be in \[0, 1\]"),
+        (["model.pipeline_model_parallel_size=2"], r"Currently there is no support for Pipeline parallelism"),
+        (["cpu_offloading"], r"not of the form section\.field=value"),
+        (["--data", "{tmp}/missing.txt"], r"data file '.*missing\.txt' does not exist"),
+        (["--data", "{tmp}/empty.txt"], r"data file '.*empty\.txt' is empty"),
+        (["--plot", "{tmp}/no/such/dir/out.png"], r"--plot .*folder .* does not exist"),
+        (["--plot", "{tmp}/out.txt"], r"use a \.png, \.pdf or \.svg"),
+        (["--bogus"], r"unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(capsys, tmp_path, args, message):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    before = sorted(os.listdir(tmp_path))
+    argv = [a.format(tmp=tmp_path) for a in args]
+    if "--plot" not in argv:  # ask for a plot too: the error must come before anything is written
+        argv += ["--plot", str(tmp_path / "p.png")]
+    code, out, err = _train(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("annotate-offload: error: ")
+    assert re.search(message, err), err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_llama_1b_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, out, err = _train(capsys, "--recipe", "llama-1b")
+    assert code == 2 and "recipe 'llama-1b' needs a CUDA GPU" in err
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "annotate_offload", "train", "--recipe", "nope"],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
+                              os.path.abspath(__file__))))})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "annotate-offload: error: unknown recipe 'nope'; valid: llama-tiny, gpt-small, llama-1b, hf-llama."
+
+
+@pytest.mark.cuda
+def test_llama_tiny_on_cuda_parity(capsys):
+    code, out, err = _train(capsys, "--device", "cuda", "train.train_iters=3")
+    assert code == 0, out + err
+    assert "torch.cuda.max_memory_allocated" in out and "-> PASS" in out
+    code, out, err = _train(capsys, "--device", "cuda", "train.train_iters=3", "optimizer.optimizer_cpu_offload=False")
+    assert code == 0 and "PASS: identical losses" in out, out + err
