@@ -1,10 +1,9 @@
-"""Helpers for the HybridDeviceOptimizer tests: a tiny two-group model and its torch AdamW twin."""
+"""Shared helpers (not a conftest, to keep fixtures local) for the HybridDeviceOptimizer tests: a tiny two-group model and its torch AdamW twin."""
 
 from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
@@ -32,15 +31,26 @@ def loss_of(model, x):
     return model(x.to(next(model.parameters()).dtype)).float().square().mean()
 
 
-@pytest.fixture
-def pair():
-    """``(model, twin)``: identical fp32 models on the CPU."""
+def pair(dtype=torch.float32, device="cpu"):
+    """``(model, twin)``: two identical models."""
+    m = Tiny(dtype=dtype, device=device)
+    return m, copy.deepcopy(m)
 
-    def make(dtype=torch.float32, device="cpu"):
-        m = Tiny(dtype=dtype, device=device)
-        return m, copy.deepcopy(m)
 
-    return make
+def train(model, opt, xs, *, sched=None, clip=None, micro=1, zero=True):
+    """Run ``len(xs)`` steps; ``clip``: ``None`` | ``"torch"`` | ``"opt"``."""
+    for x in xs:
+        for _ in range(micro):
+            loss_of(model, x).backward()
+        if clip == "torch":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        elif clip == "opt":
+            opt.clip_grad_norm_(0.05)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        if zero:
+            opt.zero_grad()
 
 
 def assert_same(a, b, rtol=0.0, atol=0.0):
