@@ -23,23 +23,26 @@ release_lag=k, prefetch_layers=p)``). Defaults ``k = 1``, ``p = 1``: a layer's c
 forward of the one layer after it, and its reload behind the backward of the one layer after it.
 
 Note [Planner time model]
-    One compute stream and one copy stream, each in order (a copy queues behind earlier copies)::
+    One compute stream, one D2H stream and one H2D stream (the runtime's side streams), each in order::
 
         forward, j = 0..L-1:
             entry of j: for each offloaded i with i + 1 + k == j:   t = max(t, d2h_end[i])   # release waits
-            t += f_j                                               # checkpointed forward costs f_j too
-            if j offloaded: d2h_end[j] = max(t, copy_free) + bytes_j / D2H;  copy_free = d2h_end[j]
+            s = t;  t += f_j                                       # checkpointed forward costs f_j too
+            if j offloaded: d2h_end[j] = max(t, max(s, d2h_free) + bytes_j / D2H);  d2h_free = d2h_end[j]
         backward, j = L-1..0:
             entry of j: for each offloaded i with min(i + p, L-1) == j, from the highest i:
-                h2d_end[i] = max(t, copy_free) + bytes_i / H2D;  copy_free = h2d_end[i]
+                h2d_end[i] = max(t, h2d_free, d2h_end[i]) + bytes_i / H2D;  h2d_free = h2d_end[i]
             if j offloaded: t = max(t, h2d_end[j])                 # reload must have landed
             if j recomputed: t += f_j                              # recompute adds the layer's forward
             t += b_j
         step_ms = t
 
-    with ``bytes_j = a_j`` for ``offload`` and ``c_j`` for ``recompute_offload``. A copy therefore hides
-    behind the compute of other layers and delays the step only by what the compute stream waits
-    for (a D2H that cannot hide delays the forward at the release point; a late H2D delays backward).
+    with ``bytes_j = a_j`` for ``offload`` and ``c_j`` for ``recompute_offload``. The runtime starts each
+    D2H when the tensor is saved; the model takes the saved bytes as produced evenly over the layer's
+    forward, so a layer's D2H ends when its forward ends if the link keeps up, else ``bytes / D2H`` after
+    it could start. A copy therefore hides behind compute (its own layer's and the next ones') and
+    delays the step only by what the compute stream waits for: a D2H that cannot hide delays the
+    forward at the release point, a late H2D delays the backward.
 
 Note [Planner memory model]
     Saved-for-backward bytes resident at the end of forward of layer ``j`` (``F_j``) and during the
@@ -57,8 +60,9 @@ Note [Planner memory model]
     copy frees nothing at the forward/backward turn where the peak is; such layers may only be kept or
     recomputed (:func:`allowed_choices`).
 
-Assumptions (what the model leaves out, so its error bars): copies start when the layer's forward ends
-(the runtime may start earlier, so offload is predicted slightly pessimistic); copies do not slow
+Assumptions (what the model leaves out, so its error bars): saved bytes are produced evenly over a
+layer's forward; the runtime also releases a layer early when its D2H is done, which only lowers the
+real peak below the predicted one; copies do not slow
 compute (they use copy engines, but also HBM bandwidth); activation gradients, temporaries and
 workspace are not activation memory here (only saved-for-backward bytes); the checkpoint input is
 counted apart from the recomputed activations (an upper bound when the layer also saves its input);
@@ -235,7 +239,7 @@ def predict(
 
     # --- time (Note [Planner time model]) ---
     t = 0.0
-    copy_free = 0.0
+    d2h_free = h2d_free = 0.0
     d2h_end = [0.0] * n
     h2d_end = [0.0] * n
     d2h_stall = [0.0] * n
@@ -245,18 +249,19 @@ def predict(
         if i >= 0 and off[i] and d2h_end[i] > t:
             d2h_stall[i] = d2h_end[i] - t
             t = d2h_end[i]
+        start = t
         t += layers[j].forward_ms
         if off[j]:
-            copy_free = max(t, copy_free) + bandwidth.d2h_ms(moved[j])
-            d2h_end[j] = copy_free
+            d2h_free = max(t, max(start, d2h_free) + bandwidth.d2h_ms(moved[j]))
+            d2h_end[j] = d2h_free
     reload_at: dict[int, list[int]] = {}
     for i in range(n - 1, -1, -1):
         if off[i]:
             reload_at.setdefault(min(i + prefetch_layers, n - 1), []).append(i)
     for j in range(n - 1, -1, -1):
         for i in reload_at.get(j, ()):
-            copy_free = max(t, copy_free) + bandwidth.h2d_ms(moved[i])
-            h2d_end[i] = copy_free
+            h2d_free = max(t, h2d_free, d2h_end[i]) + bandwidth.h2d_ms(moved[i])
+            h2d_end[i] = h2d_free
         if off[j] and h2d_end[j] > t:
             h2d_stall[j] = h2d_end[j] - t
             t = h2d_end[j]

@@ -31,34 +31,46 @@ def test_hidden_offload_costs_no_time_and_frees_one_layer():
 
 
 def test_d2h_that_cannot_hide_delays_forward_at_the_release_point():
-    p = predict(layers(4), ["offload", "keep", "keep", "keep"], SLOW)
-    # fwd: layer 0 ends at 10, D2H to 30; entry of layer 2 at 20 waits to 30; forward ends at 50.
-    # bwd: 70, 90; entry of layer 1 starts H2D 90 -> 110; layer 1 ends at 110; layer 0 waits 0; ends 130.
-    assert p.d2h_stall_ms[0] == pytest.approx(10.0)
+    p = predict(layers(4), ["offload", "keep", "keep", "keep"], LinkBandwidth(25.0, 1000.0))
+    # fwd: layer 0 runs 0-10 and its D2H (40 ms, starting with the layer) ends at 40; the entry of
+    # layer 2 at 20 waits to 40; forward ends at 60. bwd: 80, 100; entry of layer 1 starts H2D (1 ms);
+    # layer 1 ends at 120; layer 0 does not wait; ends at 140.
+    assert p.d2h_stall_ms[0] == pytest.approx(20.0)
     assert p.h2d_stall_ms[0] == 0.0
-    assert p.step_ms == pytest.approx(130.0)
+    assert p.step_ms == pytest.approx(140.0)
+
+
+def test_a_d2h_shorter_than_its_layer_plus_the_next_hides():
+    # 20 ms of D2H starts with layer 0 and ends at 20, exactly when layer 2 enters: no stall
+    p = predict(layers(4), ["offload", "keep", "keep", "keep"], SLOW)
+    assert p.d2h_stall_ms[0] == 0.0 and p.step_ms == pytest.approx(120.0)
 
 
 def test_h2d_that_cannot_hide_delays_backward():
     m = [LayerMeasurement(40.0, 5.0, GB, 0) for _ in range(4)]
     p = predict(m, ["offload", "keep", "keep", "keep"], SLOW)
-    # fwd 160 (D2H of 20 ms hides behind layer 1); bwd 165, 170; entry of layer 1 at 170: H2D to 190;
-    # layer 1 ends 175; layer 0 waits to 190 and ends at 195.
+    # fwd 160 (D2H of 20 ms hides behind layer 0 itself); bwd 165, 170; entry of layer 1 at 170: H2D to
+    # 190; layer 1 ends 175; layer 0 waits to 190 and ends at 195.
     assert p.d2h_stall_ms[0] == 0.0
     assert p.h2d_stall_ms[0] == pytest.approx(15.0)
     assert p.step_ms == pytest.approx(195.0)
 
 
-def test_copies_queue_on_one_stream():
+def test_d2h_copies_queue_on_one_stream():
     m = [LayerMeasurement(10.0, 100.0, GB, 0) for _ in range(5)]
-    p = predict(m, ["offload", "offload", "keep", "keep", "keep"], LinkBandwidth(100.0, 1000.0))
-    # D2H 10 ms each: layer 0 copy 10-20, layer 1 copy queues 20-30 (its forward ended at 20).
-    # Entry of layer 2 (t=20) waits for layer 0 (20): no stall; entry of layer 3 (t=30) waits for 30: none.
-    assert p.d2h_stall_ms[:2] == (0.0, 0.0)
-    p2 = predict(m, ["offload", "offload", "keep", "keep", "keep"], LinkBandwidth(50.0, 1000.0))
-    # D2H 20 ms: layer 0 copy 10-30; layer 2 waits from 20 to 30 (stall 10); layer 1 copy queues 30-50;
-    # layer 3 enters at 40, waits to 50 (stall 10).
-    assert p2.d2h_stall_ms[:2] == (pytest.approx(10.0), pytest.approx(10.0))
+    p = predict(m, ["offload", "offload", "keep", "keep", "keep"], LinkBandwidth(25.0, 1000.0))
+    # D2H 40 ms each: layer 0's copy 0-40; layer 1's copy queues behind it, 40-80 (alone it would end at
+    # 50). Layer 2 enters at 20 and waits to 40 (stall 20), runs 40-50; layer 3 waits from 50 to 80.
+    assert p.d2h_stall_ms[:2] == (pytest.approx(20.0), pytest.approx(30.0))
+
+
+def test_h2d_waits_for_its_own_d2h():
+    m = [LayerMeasurement(10.0, 1.0, GB, 0) for _ in range(3)]
+    p = predict(m, ["offload", "keep", "keep"], LinkBandwidth(25.0, 1000.0), release_lag=0)
+    # release_lag=0: layer 1 enters at 10 and waits for the D2H to 40; fwd ends at 60; bwd 61, then the
+    # reload (1 ms) at the entry of layer 1: 62 + 0 stall; total 63.
+    assert p.d2h_stall_ms[0] == pytest.approx(30.0)
+    assert p.step_ms == pytest.approx(63.0)
 
 
 def test_recompute_adds_forward_to_backward_and_holds_the_input():
@@ -99,7 +111,7 @@ def test_bad_plans_are_rejected(choices, match):
 
 def test_release_lag_zero_allows_one_more_layer_and_exposes_the_copy():
     p = predict(layers(4), ["keep", "keep", "offload", "keep"], SLOW, release_lag=0)
-    assert p.d2h_stall_ms[2] == pytest.approx(20.0)  # released at the entry of layer 3, right after its copy starts
+    assert p.d2h_stall_ms[2] == pytest.approx(10.0)  # the 20 ms copy starts with layer 2, released after 10
 
 
 @pytest.mark.parametrize(
