@@ -1,0 +1,144 @@
+"""The --tiny activation benchmark on CPU: it runs every method end to end and its numbers are consistent."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from annotate_offload.bench import main
+from annotate_offload.bench._report import format_report, targets
+from annotate_offload.bench._timing import Bandwidth, StepTimes
+from annotate_offload.bench.activations import MethodResult, WorkloadReport, run_workload
+from annotate_offload.bench._workloads import TINY_WORKLOADS, WORKLOADS
+
+_HAS_RUNTIME = importlib.util.find_spec("annotate_offload.runtime._synchronizer") is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_w1():
+    return run_workload(
+        TINY_WORKLOADS["W1"],
+        device=torch.device("cpu"),
+        tiny=True,
+        command="pytest",
+        warmup=0,
+        steps=1,
+        release_lags=[1],
+        prefetch_layers=[1],
+        log=None,
+    )
+
+
+def test_workloads_match_issue_7():
+    w1, w2 = WORKLOADS["W1"], WORKLOADS["W2"]
+    assert (w1.layers, w1.hidden, w1.heads, w1.batch, w1.seq, w1.offload) == (8, 4096, 32, 2, 4096, 7)
+    assert (w2.layers, w2.hidden, w2.heads, w2.batch, w2.seq, w2.offload) == (8, 8192, 64, 1, 4096, 2)
+
+
+def test_every_method_has_a_row_and_baselines_are_exact(tiny_w1):
+    names = [r.name for r in tiny_w1.results]
+    assert names[0] == "baseline"
+    assert {"save_on_cpu", "checkpoint (3 layers)", "OffloadActivations"} <= set(names)
+    for r in tiny_w1.results:
+        if r.kind in ("baseline", "peer") and r.error is None:
+            assert r.exact == "yes", r  # offload/recompute on CPU must reproduce baseline bits
+        if r.error is not None:
+            assert r.error.startswith(("not importable", "failed")), r.error
+    for name in ("baseline", "save_on_cpu", "checkpoint (3 layers)"):
+        row = next(r for r in tiny_w1.results if r.name == name)
+        assert row.times is not None and row.times.step > 0
+
+
+def test_saved_bytes_count_is_plausible(tiny_w1):
+    w = tiny_w1.workload
+    layer_input = w.batch * w.seq * w.hidden * 4  # fp32 on CPU
+    # every offloaded layer saves at least its LayerNorm input and the 4x-wide MLP activation
+    assert tiny_w1.saved_bytes >= w.offload * 5 * layer_input
+
+
+@pytest.mark.skipif(not _HAS_RUNTIME, reason="annotate_offload runtime not landed yet")
+def test_ours_rows_offload_and_are_bit_exact(tiny_w1):
+    ours = [r for r in tiny_w1.results if r.kind == "ours"]
+    assert len(ours) == 2
+    for r in ours:
+        assert r.error is None, r.error
+        assert r.exact == "yes"
+        assert 0 < r.offloaded_bytes <= tiny_w1.saved_bytes
+    assert tiny_w1.floor_bytes_source.startswith("annotate_offload")
+
+
+def test_markdown_lists_ratios_floor_and_context(tiny_w1):
+    text = format_report(tiny_w1)
+    header = next(line for line in text.splitlines() if line.startswith("| method"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    assert cols[1:4] == ["step / baseline", "step / floor", "act. mem / baseline"]  # ratios first
+    assert "copy floor = max(T_fwd, bytes/BW_d2h) + max(T_bwd, bytes/BW_h2d)" in text
+    assert "torch " + torch.__version__ in text and "command: `pytest`" in text
+    assert "no timing claims" in text
+
+
+def _fake_report(name, base_ms, base_fwd, base_bwd, rows, nbytes, bw_gbps=50.0, tiny=False):
+    base = MethodResult("baseline", "baseline", times=StepTimes([base_fwd], [base_bwd], [base_ms], 100))
+    return WorkloadReport(
+        workload=WORKLOADS[name],
+        device="fake",
+        torch_version="x",
+        command="c",
+        tiny=tiny,
+        bandwidth=Bandwidth(bw_gbps, bw_gbps, 1 << 30, True),
+        saved_bytes=nbytes,
+        floor_bytes=nbytes,
+        floor_bytes_source="test",
+        results=[base] + rows,
+        peers=[],
+    )
+
+
+def test_floor_formula_uses_max_of_compute_and_copy_each_way():
+    # 5e9 bytes at 50 GB/s = 100 ms each way; fwd 40 ms, bwd 150 ms -> floor = 100 + 150
+    rep = _fake_report("W1", 190.0, 40.0, 150.0, [], 5_000_000_000)
+    assert rep.floor_terms() == pytest.approx((40.0, 100.0, 150.0, 100.0))
+    assert rep.floor_ms == pytest.approx(250.0)
+
+
+def test_targets_w1_pass_and_fail():
+    ours = MethodResult("annotate_offload x", "ours", times=StepTimes([1], [1], [270.0], 40))
+    trl = MethodResult("OffloadActivations", "peer", detail="trl", times=StepTimes([1], [1], [400.0], 50))
+    rep = _fake_report("W1", 190.0, 40.0, 150.0, [ours, trl], 5_000_000_000)
+    verdicts = [ok for _, ok in targets(rep)]
+    assert verdicts == [True, True, True]  # 270/250 = 1.08; 400/270 = 1.48; 40 <= 50
+    ours.times = StepTimes([1], [1], [300.0], 60)
+    assert [ok for _, ok in targets(rep)] == [False, False, False]
+
+
+def test_targets_w2_memory_rule():
+    ours = MethodResult("annotate_offload x", "ours", times=StepTimes([1], [1], [101.0], 77))
+    rep = _fake_report("W2", 100.0, 30.0, 70.0, [ours], 10)
+    # need 0.9 * 2/8 * 100 = 22.5 bytes saved; 23 saved; 1.01x <= 1.02
+    assert [ok for _, ok in targets(rep)] == [True, True]
+    ours.times = StepTimes([1], [1], [103.0], 78)
+    assert [ok for _, ok in targets(rep)] == [False, False]
+
+
+def test_tiny_targets_are_not_judged():
+    rep = _fake_report("W1", 1.0, 0.5, 0.5, [], 10, tiny=True)
+    assert [ok for _, ok in targets(rep)] == [None]
+
+
+def test_main_tiny_writes_markdown_png_and_profile(tmp_path, capsys):
+    rc = main(
+        ["activations", "--tiny", "--workloads", "W2", "--warmup", "0", "--steps", "1",
+         "--release-lag", "1", "--prefetch-layers", "2", "--profile", "--out", str(tmp_path)]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# annotate_offload activation benchmark")
+    assert "## W2 compute-bound (tiny)" in out
+    files = set(os.listdir(tmp_path))
+    assert (tmp_path / "activations.md").read_text().strip() == out.strip()
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "activations.png").stat().st_size > 1000
+    if _HAS_RUNTIME:
+        assert {"W2_profile.txt", "W2_profile_trace.json.gz"} <= files
+        assert "one step of annotate_offload" in (tmp_path / "W2_profile.txt").read_text()
