@@ -1,0 +1,212 @@
+"""Opt-in modes (step_in_backward, delayed_param_update), validation, split, threads, host slabs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _hdo_util import Tiny, assert_same, loss_of, pair, train
+from annotate_offload.errors import OffloadError
+from annotate_offload.optim import HybridDeviceOptimizer
+from annotate_offload.optim._host import carve
+from annotate_offload.optim._threads import CpuWorker, thread_budget
+
+
+def _xs(n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 8, generator=g) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- step_in_backward
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_step_in_backward_is_exact_without_clipping(f):
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, step_in_backward=True, chunk_bytes=512, lr=1e-2)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    assert len(opt._chunks) > 1
+    xs = _xs(6)
+    train(m, opt, xs)
+    train(r, ref, xs)
+    assert_same(m, r)
+
+
+def test_step_in_backward_steps_during_backward():
+    m, _ = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, step_in_backward=True, lr=1e-2)
+    before = m.l3.weight.detach().clone()
+    loss_of(m, _xs(1)[0]).backward()
+    opt._worker.drain()
+    assert not torch.equal(m.l3.weight, before)  # already updated before step()
+    opt.step()
+
+
+def test_step_in_backward_refuses_accumulation_and_clipping():
+    m, _ = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, step_in_backward=True, lr=1e-2)
+    x = _xs(1)[0]
+    loss_of(m, x).backward()
+    opt._worker.drain()  # the chunks of the first backward have written the weights
+    with pytest.raises(OffloadError, match="second gradient"):
+        loss_of(m, x).backward()
+    m2, _ = pair()
+    opt2 = HybridDeviceOptimizer(m2.parameters(), offload_fraction=1.0, step_in_backward=True, lr=1e-2)
+    loss_of(m2, x).backward()
+    with pytest.raises(OffloadError, match="step_in_backward"):
+        opt2.clip_grad_norm_(1.0)
+    torch.nn.utils.clip_grad_norm_(m2.parameters(), 1e-3)
+    with pytest.raises(OffloadError, match="modified"):
+        opt2.step()
+
+
+# ---------------------------------------------------------------- delayed_param_update
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_delayed_param_update_is_one_step_stale(f):
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, delayed_param_update=True, lr=1e-2)
+    ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
+    host = {id(s.param) for s in opt._host_slots}
+    g = torch.Generator().manual_seed(4)
+    grads = [[torch.randn(p.shape, generator=g) for p in m.parameters()] for _ in range(5)]
+    history = []
+    for gs in grads:
+        for p, q, gg in zip(m.parameters(), r.parameters(), gs):
+            p.grad, q.grad = gg.clone(), gg.clone()
+        opt.step()
+        ref.step()
+        history.append([q.detach().clone() for q in r.parameters()])
+        opt.zero_grad()
+        ref.zero_grad()
+        for i, (p, q) in enumerate(zip(m.parameters(), r.parameters())):
+            if id(p) in host:  # host part: one update behind
+                want = history[-2][i] if len(history) > 1 else None
+                if want is not None:
+                    assert torch.equal(p, want)
+            else:
+                assert torch.equal(p, q)
+    opt.flush()
+    assert_same(m, r)
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5", float("nan")])
+def test_bad_fraction(bad):
+    m = Tiny()
+    with pytest.raises(ValueError, match="offload_fraction"):
+        HybridDeviceOptimizer(m.parameters(), offload_fraction=bad)
+
+
+def test_bad_flags_and_modes():
+    m = Tiny()
+    with pytest.raises(TypeError, match="pin_cpu_grads"):
+        HybridDeviceOptimizer(m.parameters(), pin_cpu_grads=1)
+    with pytest.raises(ValueError, match="overlap_cpu_optimizer_d2h_h2d"):
+        HybridDeviceOptimizer(m.parameters(), overlap_cpu_optimizer_d2h_h2d=False, offload_gradients=True)
+    with pytest.raises(ValueError, match="exclusive"):
+        HybridDeviceOptimizer(m.parameters(), step_in_backward=True, delayed_param_update=True)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        HybridDeviceOptimizer(m.parameters(), cpu_threads=0)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        HybridDeviceOptimizer(m.parameters(), chunk_bytes=-1)
+
+
+def test_gpu_only_class_refused_for_host():
+    FusedAdam = type("FusedAdam", (torch.optim.Optimizer,), {"__module__": "transformer_engine.pytorch.optimizers"})
+    m = Tiny()
+    with pytest.raises(TypeError, match="only runs on the GPU"):
+        HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=FusedAdam)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer subclass"):
+        HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=dict)
+
+
+def test_add_param_group_after_construction_raises():
+    m = Tiny()
+    opt = HybridDeviceOptimizer([m.l1.weight], lr=1e-2)
+    with pytest.raises(OffloadError, match="add_param_group"):
+        opt.add_param_group({"params": [m.l2.weight]})
+
+
+def test_load_state_dict_mismatch_raises():
+    m = Tiny()
+    opt = HybridDeviceOptimizer(m.groups(), lr=1e-2)
+    other = HybridDeviceOptimizer(m.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="param groups"):
+        opt.load_state_dict(other.state_dict())
+
+
+# ---------------------------------------------------------------- split
+def test_split_rule_matches_megatron():
+    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 50, 30, 20)]  # total 200
+    opt = HybridDeviceOptimizer([{"params": ps[:2]}, {"params": ps[2:]}], offload_fraction=0.6)
+    sides = [pl.side for pl in opt.placements]
+    assert sides == ["cpu", "cpu", "gpu", "gpu"]  # 100 < 120 -> offload next; 150 >= 120 stop
+    assert opt.offloaded_numel == 150
+    assert [pl.side for pl in HybridDeviceOptimizer(ps, offload_fraction=0.0).placements] == ["gpu"] * 4
+    assert [pl.side for pl in HybridDeviceOptimizer(ps, offload_fraction=1.0).placements] == ["cpu"] * 4
+    first = HybridDeviceOptimizer(ps, offload_fraction=0.01)
+    assert [pl.side for pl in first.placements] == ["cpu", "gpu", "gpu", "gpu"]
+
+
+def test_use_torch_optimizer_for_cpu_offload_overrides_gpu_class():
+    m = Tiny()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, cpu_optimizer_cls=torch.optim.Adam,
+                                gpu_optimizer_cls=torch.optim.SGD, use_torch_optimizer_for_cpu_offload=True, lr=1e-2)
+    assert all(type(o) is torch.optim.Adam for o in opt.sub_optimizers)
+
+
+def test_sgd_both_halves():
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, cpu_optimizer_cls=torch.optim.SGD, lr=1e-2, momentum=0.9)
+    ref = torch.optim.SGD(r.groups(), lr=1e-2, momentum=0.9)
+    train(m, opt, _xs(4))
+    train(r, ref, _xs(4))
+    assert_same(m, r)
+
+
+# ---------------------------------------------------------------- threads and host memory
+def test_thread_budget_ignores_omp_and_splits_per_rank(monkeypatch):
+    monkeypatch.setattr("annotate_offload.optim._threads.usable_cpus", lambda: 16)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert thread_budget() == 15
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert thread_budget() == 7
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert thread_budget() == 2
+    assert thread_budget(5) == 5
+
+
+def test_worker_uses_its_own_thread_count():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seen = []
+        w = CpuWorker(3, lambda: None)
+        w.submit(lambda: seen.append(torch.get_num_threads()))
+        w.drain()
+        w.close()
+        assert seen == [3] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_worker_reraises_task_errors():
+    w = CpuWorker(1, lambda: None)
+    w.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        w.drain()
+    w.close()
+
+
+def test_carve_packs_into_power_of_two_slabs_without_overlap():
+    numels = [10, 3, 1 << 20, 7, 5 << 20]
+    views, pinned = carve(numels, torch.float32, pin=False, what="test")
+    assert not pinned
+    spans = []
+    for v, n in zip(views, numels):
+        assert v.numel() == n and v.data_ptr() % 64 == 0
+        nbytes = v.untyped_storage().nbytes()
+        assert nbytes & (nbytes - 1) == 0  # slabs are powers of two
+        spans.append((v.untyped_storage().data_ptr(), v.data_ptr(), v.data_ptr() + 4 * n))
+    for i, a in enumerate(spans):
+        for b in spans[i + 1:]:
+            assert a[0] != b[0] or a[2] <= b[1] or b[2] <= a[1]
