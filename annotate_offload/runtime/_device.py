@@ -180,7 +180,12 @@ def get_backend(device: "str | torch.device | None" = None) -> _Backend:
             device = env
         else:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device={str(device)!r} is not a device torch knows ({exc}); use 'cuda' or 'cpu'"
+        ) from None
     if dev.type == "cpu":
         key = "cpu"
     elif dev.type == "cuda":

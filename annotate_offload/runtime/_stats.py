@@ -11,7 +11,7 @@ __all__ = ["OffloadStats", "KEEP_REASONS"]
 KEEP_REASONS = (
     "layer_not_offloaded",  # the layer's activations are kept by the schedule
     "too_small",  # fewer than min_offload_numel logical elements
-    "parameter",  # an nn.Parameter, a view of one, or a cast of one (autocast weight copies)
+    "parameter",  # a parameter (or view/cast of one) or another leaf that requires grad
     "marked",  # mark_not_offload / _TE_do_not_offload / _do_not_offload
     "not_selected",  # opt-in policy and no activation_offloading=True mark
     "not_on_device",  # lives on another device (e.g. a CPU tensor in a CUDA model)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 import warnings
 from typing import Any, Iterable, Optional
 
@@ -79,7 +80,7 @@ class _Step:
 
     def __init__(self, index: int):
         self.index = index
-        self.layers: dict[int, _LayerState] = {}
+        self.layers: Any = {}  # dict[int, _LayerState]; weak values once backward ended
         self.bwd_active = False
         self.bwd_seen: set[int] = set()
 
@@ -180,8 +181,8 @@ class OffloadSynchronizer:
             return "too_small"
         if _is_fake(t):
             return "fake"
-        if _is_param_alias(t):
-            return "parameter"
+        if _is_param_alias(t) or (t.is_leaf and t.requires_grad):
+            return "parameter"  # weights and other leaves the user holds: copying frees nothing
         if getattr(t, "_TE_do_not_offload", False) or getattr(t, "_do_not_offload", False):
             return "marked"
         if self.policy == "opt_in" and not getattr(t, "activation_offloading", False):
@@ -364,7 +365,7 @@ class OffloadSynchronizer:
         self._step = _Step(self.stats.step)
 
     def _release_step(self, step: _Step) -> None:
-        for state in step.layers.values():
+        for state in list(step.layers.values()):
             state.release_all()
         self.stats.pinned_bytes = self.pool.cached_bytes
 
@@ -384,7 +385,7 @@ class OffloadSynchronizer:
             return
         step.bwd_seen.add(index)
         self.current_layer_id = index
-        for j, state in step.layers.items():
+        for j, state in list(step.layers.items()):
             if j > index and j in step.bwd_seen:
                 state.release_all()
         self._prefetch(step, index)
@@ -393,8 +394,12 @@ class OffloadSynchronizer:
         """Schedule hook: start reloads when backward reaches layer ``index``."""
 
     def _on_backward_end(self, step: _Step) -> None:
-        for state in step.layers.values():
+        for state in list(step.layers.values()):
             state.release_all()
+        # From now on only autograd's handles keep the layer states (and their host buffers)
+        # alive: a graph freed by this backward returns its buffers to the pool at once, and a
+        # retained graph can still be prefetched in its next backward.
+        step.layers = weakref.WeakValueDictionary(step.layers)
         step.bwd_active = False
         step.bwd_seen.clear()
         if step is self._step and self._scope is None:
@@ -557,9 +562,10 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
 
     def _prefetch(self, step: _Step, index: int) -> None:
         low = index - self.prefetch_layers
-        for j in sorted(step.layers, reverse=True):
-            if low <= j <= index:
-                step.layers[j].start_reload()
+        for j in sorted(step.layers.keys(), reverse=True):
+            state = step.layers.get(j)
+            if state is not None and low <= j <= index:
+                state.start_reload()
 
     def schedule(self) -> dict:
         """The schedule's arithmetic: per layer when it is released and reloaded, and the bound.

@@ -1,0 +1,215 @@
+"""Schedules and state machines of the default and manual synchronizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from annotate_offload import OffloadError
+from annotate_offload.runtime import DefaultOffloadSynchronizer, ManualOffloadSynchronizer
+
+
+def _layer(sync, i, x, w):
+    sync.enter_layer(i)
+    y = torch.tanh(x @ w)
+    return sync.commit_layer(y, i)
+
+
+def test_te_schedule_arithmetic():
+    s = DefaultOffloadSynchronizer(5, 2, device="cpu")
+    sched = s.schedule()
+    rows = sched["layers"]
+    assert [r["offloaded"] for r in rows] == [True, True, False, False, False]
+    # TE: layer i released at the entry of L-N+i, reloaded when backward reaches L-1-N+i
+    assert [rows[i]["release_at_entry_of"] for i in range(2)] == [3, 4]
+    assert [rows[i]["reload_when_backward_reaches"] for i in range(2)] == [2, 3]
+    assert sched["max_offloaded_layers_on_device_forward"] == 2
+
+
+def test_lag_and_prefetch_at_n_equals_l_minus_one():
+    s = DefaultOffloadSynchronizer(8, 7, device="cpu", release_lag=1, prefetch_layers=1)
+    sched = s.schedule()
+    assert sched["layers"][0]["release_at_entry_of"] == 2
+    assert sched["layers"][6]["release_at_entry_of"] == "end of forward"
+    assert sched["layers"][3]["reload_when_backward_reaches"] == 4
+    assert sched["max_offloaded_layers_on_device_forward"] == 2
+    assert sched["max_offloaded_layers_on_device_backward"] == 2
+
+
+def test_release_and_prefetch_happen_at_the_scheduled_layers():
+    L = 4
+    s = DefaultOffloadSynchronizer(L, 3, device="cpu", min_offload_numel=0, release_lag=1,
+                                   prefetch_layers=1)
+    w = torch.randn(64, 64, requires_grad=True)
+    h = torch.randn(8, 64)
+    resident = []
+    for i in range(L):
+        h = _layer(s, i, h, w)
+        resident.append(s.stats.resident_bytes)
+    unit = 8 * 64 * 4  # per layer: its input and its tanh output (w is a leaf, never offloaded)
+    # layer 0 is released at the entry of 2 (lag 1) or earlier once its copy is done (CPU: at once)
+    assert max(resident) <= 2 * 2 * unit
+    reloaded = []
+    h.register_hook(lambda g: reloaded.append(s.stats.bytes_reloaded))
+    h.sum().backward()
+    assert s.stats.bytes_reloaded == s.stats.bytes_offloaded == 3 * 2 * unit
+    assert s.stats.on_demand_reloads == 0
+    assert s.stats.resident_bytes == 0
+
+
+def test_explicit_offloaded_layers_and_validation():
+    s = DefaultOffloadSynchronizer(6, offloaded_layers=[1, 3], device="cpu")
+    assert s.offloaded_layers == {1, 3}
+    with pytest.raises(ValueError, match="last layer"):
+        DefaultOffloadSynchronizer(4, offloaded_layers=[3], device="cpu")
+    with pytest.raises(ValueError, match=r"offloaded_layers item=7"):
+        DefaultOffloadSynchronizer(4, offloaded_layers=[7], device="cpu")
+    with pytest.raises(ValueError, match="num_offloaded_layers=4"):
+        DefaultOffloadSynchronizer(4, 4, device="cpu")
+
+
+def test_entering_a_layer_twice_without_commit_raises():
+    s = DefaultOffloadSynchronizer(3, 1, device="cpu")
+    s.enter_layer(0)
+    with pytest.raises(OffloadError, match="still open"):
+        s.enter_layer(1)
+    with pytest.raises(OffloadError, match="commit the layer that was entered"):
+        s.commit_layer(torch.zeros(1, requires_grad=True), 2)
+    s.abort()
+    assert s._scope is None and s._step is None
+
+
+def test_explicit_indices_resynchronise_after_skipped_layers_and_eval():
+    s = DefaultOffloadSynchronizer(4, 3, device="cpu", min_offload_numel=0, prefetch_layers=1)
+    w = torch.randn(32, 32, requires_grad=True)
+    for _ in range(3):
+        with torch.no_grad():
+            _layer(s, 0, torch.randn(4, 32), w)  # eval pass: nothing happens
+        h = torch.randn(4, 32)
+        for i in (0, 2, 3):  # layer 1 skipped
+            h = _layer(s, i, h, w)
+        h.sum().backward()
+        # layers 0 and 2 offloaded (3 is last), two units each (input, tanh output)
+        assert s.stats.bytes_offloaded == s.stats.bytes_reloaded == 2 * 2 * 4 * 32 * 4
+
+
+def _manual(L=3):
+    s = ManualOffloadSynchronizer(L, device="cpu", min_offload_numel=0)
+    w = torch.randn(32, 32, requires_grad=True)
+    h = torch.randn(4, 32)
+    for i in range(L):
+        h = _layer(s, i, h, w)
+    return s, h
+
+
+def test_manual_state_machine_order():
+    s, h = _manual()
+    with pytest.raises(OffloadError, match="expected 'offload_started'"):
+        s.release_activation_forward_gpu_memory(0)
+    with pytest.raises(OffloadError, match="expected 'offload_finished'"):
+        s.start_reload_layer(0)
+    s.start_offload_layer(0)
+    with pytest.raises(OffloadError, match="expected 'not_offloaded'"):
+        s.start_offload_layer(0)
+    s.release_activation_forward_gpu_memory(0)
+    s.start_reload_layer(0)
+    with pytest.raises(OffloadError, match="expected 'offload_finished'"):
+        s.start_reload_layer(0)
+    with pytest.raises(ValueError, match="layer_id=9"):
+        s.start_offload_layer(9)
+    h.sum().backward()
+
+
+def test_manual_pop_before_reload_raises():
+    s, h = _manual()
+    s.start_offload_layer(0)
+    s.release_activation_forward_gpu_memory(0)
+    with pytest.raises(OffloadError, match="start_reload_layer\\(0\\)"):
+        h.sum().backward()
+
+
+def test_manual_layers_never_offloaded_keep_their_tensors():
+    s, h = _manual()
+    h.sum().backward()
+    assert s.stats.bytes_offloaded == 0 and s.stats.tensors_offloaded > 0
+
+
+def test_manual_before_forward_raises():
+    s = ManualOffloadSynchronizer(3, device="cpu")
+    with pytest.raises(OffloadError, match="has not run a forward"):
+        s.start_offload_layer(0)
+
+
+def test_opt_in_policy_offloads_only_marked_tensors():
+    from annotate_offload import mark_activation_offload
+
+    s = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0, policy="opt_in")
+    x = torch.randn(16, 16)
+    marked = torch.randn(16, 16)
+    mark_activation_offload(marked)
+    w = torch.randn(16, 16, requires_grad=True)
+    s.enter_layer(0)
+    y = (x * w).sum() + (marked * w).sum()
+    s.commit_layer(y, 0)
+    y.backward()
+    assert s.stats.bytes_offloaded == marked.nbytes
+    assert s.stats.kept["not_selected"] == 1
+
+
+def test_nvte_cpu_offload_v1_env_selects_opt_in(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "from annotate_offload.runtime import DefaultOffloadSynchronizer as D;"
+        "print(D(2, 1, device='cpu').policy)"
+    )
+    env = {"NVTE_CPU_OFFLOAD_V1": "1", "PATH": "/usr/bin:/bin"}
+    import os
+
+    env = {**os.environ, "NVTE_CPU_OFFLOAD_V1": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "opt_in", out.stderr
+
+
+def test_marks_are_honoured_including_te_attribute():
+    from annotate_offload import mark_not_offload
+
+    s = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0)
+    a, b, c = torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8)
+    mark_not_offload(a)
+    b._TE_do_not_offload = True
+    w = torch.randn(8, 8, requires_grad=True)
+    s.enter_layer(0)
+    y = (a * w).sum() + (b * w).sum() + (c * w).sum()
+    s.commit_layer(y, 0)
+    y.backward()
+    assert s.stats.kept["marked"] == 2 and s.stats.bytes_offloaded == c.nbytes
+    with pytest.raises(TypeError, match="mark_not_offload\\(\\) takes tensors"):
+        mark_not_offload("x")
+
+
+def test_start_offload_copies_before_save_and_detects_inplace_change():
+    from annotate_offload import start_offload
+
+    s = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(64, 64)
+    s.enter_layer(0)
+    start_offload(x)
+    assert s.stats.bytes_offloaded == x.nbytes  # copy started before autograd saved x
+    y = (x * w).sum()
+    s.commit_layer(y, 0)
+    assert s.stats.bytes_offloaded == x.nbytes  # the save reused the early copy
+    y.backward()
+    torch.testing.assert_close(w.grad, x, rtol=0, atol=0)
+
+
+def test_get_offloaded_total_size_mb():
+    s = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0)
+    w = torch.randn(512, 512, requires_grad=True)
+    s.enter_layer(0)
+    y = torch.tanh(w * 2).sum()
+    s.commit_layer(y, 0)
+    assert s.get_offloaded_total_size_mb() == pytest.approx(1.0)
+    y.backward()
