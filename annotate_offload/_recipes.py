@@ -352,16 +352,17 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
             model.train()
             if offload and cfg.model.cpu_offloading:
                 _offload_transform()(model, config=cfg.model)
-                res.plan = repr(model.offload_plan)
             opt = _optimizer(model, cfg, offload)
         res.notes = list(dict.fromkeys(str(w.message) for w in caught))
         saved = None if cuda else _SavedBytes(model)
         static = 0 if cuda else _static_bytes(model, opt)
 
+        in_step = [False]  # the runtime's stats describe live tensors only between forward and end of backward
+
         def read() -> int:
             if cuda:
                 return torch.cuda.memory_allocated(device)
-            return static + saved.live + _runtime_held(_offload_stats(model))
+            return static + saved.live + (_runtime_held(_offload_stats(model)) if in_step[0] else 0)
 
         if progress:
             try:
@@ -378,6 +379,7 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
             loss_sum, moved = None, 0
             for micro in range(n_micro):
                 x, y = (t.to(device, non_blocking=True) for t in batches[step * n_micro + micro])
+                in_step[0] = True
                 with _forward_ctx(cfg, device, sdpa_backend, saved):
                     out = model(x)
                     logits = getattr(out, "logits", out)
@@ -385,6 +387,7 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
                 if tracer is not None:
                     tracer.mark("loss")
                 loss.backward()
+                in_step[0] = False
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
                 stats = _offload_stats(model)
                 if stats is not None:
@@ -413,6 +416,8 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
                 bar.set_postfix(loss=f"{res.losses[-1]:.4f}")
                 bar.update()
         res.peak_bytes = torch.cuda.max_memory_allocated(device) if cuda else static + act_peak
+        plan = getattr(model, "offload_plan", None)
+        res.plan = None if plan is None else repr(plan)  # after the steps: bytes per layer are measured
     except torch.OutOfMemoryError as exc:
         res.failure = "out of memory: " + str(exc).strip().splitlines()[0][:160]
     finally:
