@@ -62,6 +62,9 @@ def clip_hybrid(opt: "HybridDeviceOptimizer", max_norm: float, norm_type: float,
             ev = side.record(side.current_stream())
             for s in (*pre_copied, *host_only):
                 s.scales.append((host_coef, ev))
+        if opt._d2h is not None and dev:
+            # the in-place scaling below must not race a D2H of the same gradient still in flight
+            side.wait_stream(side.current_stream(), opt._d2h)
         by_dev: dict[torch.device, list[torch.Tensor]] = {}
         for _, gl in dev:
             by_dev.setdefault(gl.device, []).append(gl)

@@ -474,8 +474,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         s.grad_ref = weakref.ref(g)
         s.grad_ver = g._version
         s.valid = True
+        side.record_stream(g, stream)  # g may be freed (zero_grad, offload_gradients) before the copy ran
         if self._offload_grads:
-            side.record_stream(g, stream)
             s.param.grad = None
 
     def _on_grad(self, s: HostSlot) -> None:
