@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -127,6 +128,7 @@ def load_torchao_cpu_offload_optimizer() -> tuple[PeerInfo, type | None]:
 
 
 _HDO_MODULE = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
+_HDO_ALONE = "_annotate_offload_megatron_hdo"
 
 
 def load_megatron_hybrid_device_optimizer() -> tuple[PeerInfo, type | None]:
@@ -141,21 +143,25 @@ def load_megatron_hybrid_device_optimizer() -> tuple[PeerInfo, type | None]:
     """
     name, version = "Megatron-Core HybridDeviceOptimizer", _version("megatron-core")
     try:
-        module = importlib.import_module(_HDO_MODULE)
+        with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed" x5
+            warnings.simplefilter("ignore")
+            module = importlib.import_module(_HDO_MODULE)
         return PeerInfo(name, True, version, _HDO_MODULE), module.HybridDeviceOptimizer
     except Exception as exc:
         package_error = _why(exc)
     path = _find_megatron_file("core/optimizer/cpu_offloading/hybrid_optimizer.py")
     if path is None:
         return PeerInfo(name, False, version, package_error), None
-    try:
-        spec = importlib.util.spec_from_file_location("_annotate_offload_megatron_hdo", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop("_annotate_offload_megatron_hdo", None)
-        return PeerInfo(name, False, version, f"{package_error}; file load: {_why(exc)}"), None
+    module = sys.modules.get(_HDO_ALONE)
+    if module is None or getattr(module, "__file__", None) != path:  # load once: one class object
+        try:
+            spec = importlib.util.spec_from_file_location(_HDO_ALONE, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(_HDO_ALONE, None)
+            return PeerInfo(name, False, version, f"{package_error}; file load: {_why(exc)}"), None
     detail = f"{path} loaded alone (package import failed: {package_error})"
     return PeerInfo(name, True, version, detail), module.HybridDeviceOptimizer
 
