@@ -21,7 +21,8 @@ class LayerPlan:
         choice (str): ``"keep"``, ``"offload"``, ``"recompute"`` or ``"recompute_offload"``.
         declared_keep (bool): ``@offload_layer(offload=False)`` keeps it on the GPU whatever ``num_layers`` says.
         bytes_per_step (int | None): bytes of saved activations this layer moves to host per
-            training step (for a kept layer: the bytes it would move). ``None`` until known.
+            training step (``0`` for a kept or recompute-only layer). ``None`` until known.
+        reason (str): why this choice (the planner's explanation with ``num_layers="auto"``).
     """
 
     index: int
@@ -30,6 +31,7 @@ class LayerPlan:
     choice: Choice
     declared_keep: bool = False
     bytes_per_step: int | None = None
+    reason: str = ""
 
     @property
     def offloaded(self) -> bool:
@@ -96,6 +98,7 @@ class OffloadPlan:
         widths = [max(len(r[c]) for r in rows) for c in range(5)]
         for r in rows:
             lines.append("  " + "  ".join(v.ljust(w) if c < 4 else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths))))
+        lines.extend(f"  why {lp.index}: {lp.reason}" for lp in self.layers if lp.reason)
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 

@@ -335,9 +335,20 @@ def offload_transform(
 
         kwargs = {k: v for k, v in (("release_lag", settings.release_lag), ("prefetch_layers", settings.prefetch_layers))
                   if v is not None}
-        result = plan_offload(model, memory_budget=memory_budget, example_inputs=example_inputs,
-                              layers=[r.module for r in refs], **kwargs)
+        try:
+            result = plan_offload(model, memory_budget=memory_budget, example_inputs=example_inputs,
+                                  layers=[r.module for r in refs], **kwargs)
+        except BaseException:
+            if gm is not None:
+                _drop_attrs(model, gm.meta["root_attrs_added"])
+            raise
+        if len(result.choices) != len(refs):
+            raise OffloadError(
+                f"offload_transform: the planner returned {len(result.choices)} choices for {len(refs)} layers; "
+                "this is a bug in annotate_offload.planner, please report it."
+            )
         choices = list(result.choices)
+        reasons = list(getattr(result, "reasons", ())) or [""] * len(choices)
         for i, keep in enumerate(declared_keep):
             if keep and choices[i] in ("offload", "recompute_offload"):
                 choices[i] = "keep" if choices[i] == "offload" else "recompute"
@@ -347,6 +358,7 @@ def offload_transform(
         notes.append(f"auto: predicted {result.predicted_step_ms:.2f} ms/step, peak {result.predicted_peak_bytes} B "
                      f"for budget {result.memory_budget} B")
     else:
+        reasons = [""] * len(refs)
         n = settings.num_layers
         eligible_idx = [i for i, r in enumerate(refs) if r.offload][:n]  # type: ignore[misc]
         choices = ["offload" if i in eligible_idx else "keep" for i in range(len(refs))]
@@ -370,8 +382,8 @@ def offload_transform(
         min_offload_numel=settings.min_offload_numel, device=device,
     )
     plan = OffloadPlan(
-        layers=tuple(LayerPlan(i, r.fqn, type(r.module).__name__, c, declared_keep[i])  # type: ignore[arg-type]
-                     for i, (r, c) in enumerate(zip(refs, choices))),
+        layers=tuple(LayerPlan(i, r.fqn, type(r.module).__name__, c, declared_keep[i], reason=why)  # type: ignore[arg-type]
+                     for i, (r, c, why) in enumerate(zip(refs, choices, reasons))),
         path=chosen_path, fx_failure=fx_failure, layer_source=how, notes=tuple(notes),
     )
     boundary = LayerBoundary(sync, offloaded, plan)
