@@ -13,7 +13,7 @@ Note [Planner search]
       ``n`` offloadable layers (the TransformerEngine schedule), offload the first ``n`` and recompute the
       next ``m`` layers, recompute every layer and offload the first ``n`` checkpoint inputs -- and (b) a
       greedy path from all-keep that repeatedly applies the one-layer change with the least predicted
-      time added per byte of peak removed, until no single change lowers the peak.
+      time added per byte of peak removed (re-predicted lazily), until no single change lowers the peak.
 
     Monotone in the budget (a larger budget never predicts a slower step): the candidate set ``C`` does
     not depend on the budget, so for ``B1 <= B2`` the feasible sets satisfy ``{c in C: peak(c) <= B1}
@@ -35,6 +35,7 @@ Note [Planner search]
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -97,26 +98,58 @@ def _families(n: int, release_lag: int) -> list[tuple[str, ...]]:
 
 
 def _greedy_path(layers, bandwidth, release_lag, prefetch_layers, cache) -> None:
+    """Add to ``cache`` the plans of a greedy path from all-keep (Note [Planner search], heuristic mode).
+
+    Each step applies the one-layer change with the least predicted time added per byte of peak
+    removed. Changes wait in a heap and are re-predicted lazily (only when they reach the top), so a
+    step costs a few predictions instead of ``3 L``; when the heap runs dry a full scan confirms that
+    no single change lowers the peak any more.
+    """
     n = len(layers)
-    current = tuple("keep" for _ in range(n))
-    current_pred = _predict_cached(current, layers, bandwidth, release_lag, prefetch_layers, cache)
+    state = {"plan": tuple("keep" for _ in range(n))}
+    state["pred"] = _predict_cached(state["plan"], layers, bandwidth, release_lag, prefetch_layers, cache)
+
+    def score(i: int, c: str):
+        current, current_pred = state["plan"], state["pred"]
+        plan = current[:i] + (c,) + current[i + 1 :]
+        pred = _predict_cached(plan, layers, bandwidth, release_lag, prefetch_layers, cache)
+        saved = current_pred.peak_bytes - pred.peak_bytes
+        if saved <= 0:
+            return None
+        return ((pred.step_ms - current_pred.step_ms) / saved, plan_key(plan, pred)), plan, pred
+
+    def entries(indices) -> list:
+        out = []
+        for i in indices:
+            for c in allowed_choices(i, n, release_lag):
+                if c != state["plan"][i] and (scored := score(i, c)) is not None:
+                    out.append((scored[0], i, c))
+        return out
+
+    heap = entries(range(n))
+    heapq.heapify(heap)
     while True:
         best = None
-        for i in range(n):
-            for c in allowed_choices(i, n, release_lag):
-                if c == current[i]:
-                    continue
-                plan = current[:i] + (c,) + current[i + 1 :]
-                pred = _predict_cached(plan, layers, bandwidth, release_lag, prefetch_layers, cache)
-                saved = current_pred.peak_bytes - pred.peak_bytes
-                if saved <= 0:
-                    continue
-                key = ((pred.step_ms - current_pred.step_ms) / saved, plan_key(plan, pred))
-                if best is None or key < best[0]:
-                    best = (key, plan, pred)
+        while heap:
+            _, i, c = heapq.heappop(heap)
+            if state["plan"][i] == c:
+                continue
+            fresh = score(i, c)
+            if fresh is None:
+                continue
+            if not heap or fresh[0] <= heap[0][0]:
+                best = (fresh, i)
+                break
+            heapq.heappush(heap, (fresh[0], i, c))
         if best is None:
-            return
-        _, current, current_pred = best
+            heap = entries(range(n))  # full scan: does any single change still lower the peak?
+            if not heap:
+                return
+            heapq.heapify(heap)
+            continue
+        (_, state["plan"], state["pred"]), changed = best
+        for entry in entries([changed]):  # the changed layer's other choices, scored from its new choice
+            heapq.heappush(heap, entry)
 
 
 def _predict_cached(plan, layers, bandwidth, release_lag, prefetch_layers, cache) -> Prediction:

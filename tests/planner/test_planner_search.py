@@ -157,3 +157,16 @@ def test_no_layers():
     with pytest.raises(ValueError, match="no layers to plan"):
         search([], LinkBandwidth(1.0, 1.0), 10)
 
+
+
+def test_heuristic_scales_to_deep_models():
+    rng = random.Random(8)
+    layers = random_layers(rng, 40)
+    bw = LinkBandwidth(50.0, 50.0)
+    keep = predict(layers, ["keep"] * 40, bw).peak_bytes
+    steps = []
+    for budget in (keep // 4, keep // 2, keep):
+        r = search(layers, bw, budget)
+        assert r.mode == "heuristic" and r.prediction.peak_bytes <= budget
+        steps.append(r.prediction.step_ms)
+    assert steps == sorted(steps, reverse=True)
