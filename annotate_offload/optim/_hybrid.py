@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
@@ -265,6 +266,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # ---- streams, hooks, worker ----------------------------------------------------------
         self._d2h = side.new_stream() if self._overlap else None
         self._h2d = side.new_stream() if self._overlap else None
+        self._host_s = 0.0  # host optimizer compute of the current/last step, seconds
         self._buf = 0  # which gradient buffer this step's D2H fills (two in delayed mode)
         self._begun = False
         self._hooks: list[Any] = []
@@ -386,6 +388,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return sum(s.local.numel() for s in self._host_slots)
 
     @property
+    def host_step_seconds(self) -> float:
+        """Host optimizer compute (the fused CPU kernel and the bf16 cast) of the last step, in seconds.
+
+        Summed over chunks; in delayed mode it belongs to the step whose update is in flight.
+        ``offloaded_numel / host_step_seconds`` is the host throughput in params/s.
+        """
+        return self._host_s
+
+    @property
     def thread_budget(self) -> int:
         """Threads used by the host step (Note [Thread budget] in ``_threads.py``)."""
         return self._threads
@@ -412,6 +423,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self._begun:
             return
         self._begun = True
+        self._host_s = 0.0
         self._sync_hyper()
         self.move_state_to_right_device()
         self._resync_changed()
@@ -551,6 +563,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     side.synchronize(ev)
                     _host_scale(buf, s.local.dtype, coef)
                 s.master.grad = buf
+            t0 = time.perf_counter()
             if plan:
                 c.opt.step()
             stepped = [s for s, _, _ in plan]
@@ -558,6 +571,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 s.master.grad = None
                 if s.staging is not None:
                     s.staging.copy_(s.master)
+            self._host_s += time.perf_counter() - t0
             if copy_back:
                 self._h2d_chunk(c, stepped, stream)
             else:
