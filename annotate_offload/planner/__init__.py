@@ -7,7 +7,8 @@ initialise CUDA.
 """
 
 from ._cost_model import CHOICES, LayerMeasurement, LinkBandwidth, Prediction, predict
-from ._measure import measure_bandwidth, measure_layers
+from ._bandwidth import measure_bandwidth
+from ._measure import measure_layers
 from ._plan import PlannerResult, plan_offload
 
 __all__ = [

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 from torch import nn
 
 from ._cost_model import LayerMeasurement, LinkBandwidth, Prediction, allowed_choices, predict
-from ._measure import measure_bandwidth, measure_layers
+from ._bandwidth import measure_bandwidth
+from ._measure import measure_layers
 from ._search import search
 
 __all__ = ["PlannerResult", "plan_offload"]

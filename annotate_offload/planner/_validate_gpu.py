@@ -32,7 +32,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ._cost_model import LayerMeasurement, LinkBandwidth, allowed_choices, predict
-from ._measure import _Timer, measure_bandwidth, measure_layers
+from ._bandwidth import measure_bandwidth
+from ._measure import _Timer, measure_layers
 from ._plan import plan_offload
 
 _CODE = {"keep": "K", "offload": "O", "recompute": "R", "recompute_offload": "RO"}

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from annotate_offload.planner import LinkBandwidth, measure_bandwidth, measure_layers
-from annotate_offload.planner import _measure
+from annotate_offload.planner import _bandwidth
 from annotate_offload.planner._measure import discover_layers
 
 
@@ -150,15 +150,15 @@ def test_bad_arguments():
 
 
 def test_bandwidth_is_measured_once_per_device(monkeypatch):
-    monkeypatch.setattr(_measure, "_BANDWIDTH_CACHE", {})
+    monkeypatch.setattr(_bandwidth, "_BANDWIDTH_CACHE", {})
     calls = []
-    real = _measure._measure_link
+    real = _bandwidth._measure_link
 
     def counting(dev, nbytes, repeats):
         calls.append(str(dev))
         return real(dev, nbytes, repeats)
 
-    monkeypatch.setattr(_measure, "_measure_link", counting)
+    monkeypatch.setattr(_bandwidth, "_measure_link", counting)
     first = measure_bandwidth("cpu", nbytes=1 << 20, repeats=2)
     assert isinstance(first, LinkBandwidth) and first.d2h_gbps > 0
     assert "cpu memcpy" in first.source
@@ -186,7 +186,7 @@ def test_cuda_measurement_restores_cuda_rng_and_times_with_events():
 
 @pytest.mark.cuda
 def test_cuda_bandwidth_is_pinned_and_cached(monkeypatch):
-    monkeypatch.setattr(_measure, "_BANDWIDTH_CACHE", {})
+    monkeypatch.setattr(_bandwidth, "_BANDWIDTH_CACHE", {})
     bw = measure_bandwidth("cuda")
     assert bw.d2h_gbps > 1 and bw.h2d_gbps > 1 and "pinned" in bw.source
     assert measure_bandwidth(f"cuda:{torch.cuda.current_device()}") is bw
