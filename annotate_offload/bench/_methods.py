@@ -176,6 +176,9 @@ def make_offload_activations(model, n: int, **_) -> Runner:
     peer = load_offload_activations()
     if not peer.info.available:
         raise Unavailable(peer.info.detail)
+    if next(model.parameters()).device.type == "cpu":
+        # It reads torch.accelerator.current_accelerator().type at construction.
+        raise Unavailable(f"{peer.info.name} {peer.info.version} is importable but needs an accelerator (CPU run)")
     streams = torch.cuda.is_available()
     offloader = peer.offload_cls(use_pin_memory=streams, use_streams=streams)
 

@@ -10,7 +10,12 @@ __all__ = ["format_report", "targets", "write_png"]
 
 
 def _gib(nbytes) -> str:
-    return "-" if nbytes is None else f"{nbytes / GiB:.2f}"
+    """Bytes as ``"8.61 GiB"``, or ``"12.3 MiB"`` below 0.1 GiB (tiny runs)."""
+    if nbytes is None:
+        return "-"
+    if abs(nbytes) < 0.1 * GiB:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / GiB:.2f} GiB"
 
 
 def _x(value) -> str:
@@ -48,7 +53,7 @@ def targets(report) -> list:
             if best.times.peak_bytes is not None and trl.times.peak_bytes is not None:
                 ok = best.times.peak_bytes <= trl.times.peak_bytes
                 out.append(
-                    (f"activation memory <= TRL's: {_gib(best.times.peak_bytes)} vs {_gib(trl.times.peak_bytes)} GiB", ok)
+                    (f"activation memory <= TRL's: {_gib(best.times.peak_bytes)} vs {_gib(trl.times.peak_bytes)}", ok)
                 )
     else:
         r = best.times.step / base.times.step
@@ -59,7 +64,7 @@ def targets(report) -> list:
             out.append(
                 (
                     f"activation memory saved >= 0.9 x {w.offload}/{w.layers} of baseline's: "
-                    f"{_gib(saved)} GiB saved, {_gib(need)} GiB needed",
+                    f"{_gib(saved)} saved, {_gib(need)} needed",
                     saved >= need,
                 )
             )
@@ -75,18 +80,18 @@ def format_report(report) -> str:
     lines += [
         f"- device: {report.device}; torch {report.torch_version}",
         f"- command: `{report.command}`",
-        f"- copy bandwidth ({'pinned, ' if bw.pinned else ''}{bw.nbytes / GiB:g} GiB copies): "
+        f"- copy bandwidth ({'pinned, ' if bw.pinned else 'host-to-host, '}{_gib(bw.nbytes)} copies): "
         f"D2H {bw.d2h_gbps:.1f} GB/s, H2D {bw.h2d_gbps:.1f} GB/s",
     ]
     f, d2h, b, h2d = report.floor_terms()
     lines += [
-        f"- offloaded bytes: {_gib(report.floor_bytes)} GiB ({report.floor_bytes_source}); "
-        f"saved-tensor hook count of the {w.offload} layers: {_gib(report.saved_bytes)} GiB",
+        f"- offloaded bytes per step: {_gib(report.floor_bytes)} ({report.floor_bytes_source}); "
+        f"saved-tensor hook count of the {w.offload} offloaded layers: {_gib(report.saved_bytes)}",
         f"- copy floor = max(T_fwd, bytes/BW_d2h) + max(T_bwd, bytes/BW_h2d) = max({f:.1f}, {d2h:.1f}) + "
         f"max({b:.1f}, {h2d:.1f}) = **{report.floor_ms:.1f} ms** ({_x(report.floor_ms / base.times.step)} baseline)",
         "",
         "| method | step / baseline | step / floor | act. mem / baseline | step ms | fwd ms | bwd ms "
-        "| act. mem GiB | peak GiB | D2H GiB/step | bit-exact | config |",
+        "| act. mem | peak mem | D2H/step | bit-exact | config |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.results:

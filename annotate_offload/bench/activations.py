@@ -52,7 +52,7 @@ class MethodResult:
         times (StepTimes | None): measurements; ``None`` when it did not run.
         offloaded_bytes (int | None): D2H bytes per step reported by the method (ours only).
         exact (str): ``"yes"``/``"no"``: output and grads bit-identical to the baseline's.
-        error (str | None): ``"not importable: ..."`` or ``"failed: ..."``.
+        error (str | None): ``"not run: ..."`` (peer not importable, no accelerator) or ``"failed: ..."``.
     """
 
     name: str
@@ -180,7 +180,7 @@ def _run_method(name, kind, make, model, workload, x, grad, ref, *, device, warm
     try:
         runner = make(model, workload.offload, min_offload_numel=workload.min_offload_numel)
     except _methods.Unavailable as exc:
-        result.error = f"not importable: {exc}"
+        result.error = f"not run: {exc}"
         return result
     except Exception as exc:
         result.error = f"failed to set up: {type(exc).__name__}: {exc}"

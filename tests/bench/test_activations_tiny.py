@@ -44,7 +44,7 @@ def test_every_method_has_a_row_and_baselines_are_exact(tiny_w1):
         if r.kind in ("baseline", "peer") and r.error is None:
             assert r.exact == "yes", r  # offload/recompute on CPU must reproduce baseline bits
         if r.error is not None:
-            assert r.error.startswith(("not importable", "failed")), r.error
+            assert r.error.startswith(("not run", "failed")), r.error
     for name in ("baseline", "save_on_cpu", "checkpoint (3 layers)"):
         row = next(r for r in tiny_w1.results if r.name == name)
         assert row.times is not None and row.times.step > 0

@@ -74,3 +74,16 @@ def test_importing_bench_does_not_initialise_cuda():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_benchmark_wrappers_run_from_a_checkout(tmp_path):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for script in ("bench.py", "bench_activations.py"):
+        out = subprocess.run(
+            [sys.executable, os.path.join(root, "benchmarks", script), "--help"],
+            capture_output=True, text=True, cwd=tmp_path,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "--tiny" in out.stdout
