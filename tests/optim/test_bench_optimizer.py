@@ -8,7 +8,7 @@ from annotate_offload.bench import optimizer as bench
 
 
 def test_tiny_bench_rows_and_table():
-    rows = bench.run(tiny=True, fractions=(0.0, 1.0), steps=1, warmup=1, log=lambda s: None)
+    rows = bench.run(tiny=True, fractions=(0.0, 1.0), steps=1, warmup=0, log=lambda s: None)
     names = [r["name"] for r in rows]
     assert names == ["reference", "fraction 0.0", "fraction 1.0", "W3 exact (offload_gradients)", "W3 step_in_backward",
                      "W3 delayed_param_update", "W3 overlap off"]
