@@ -24,6 +24,7 @@ __all__ = [
     "make_baseline",
     "make_te_context",
     "make_synchronizer",
+    "make_transform",
     "make_save_on_cpu",
     "make_checkpoint",
     "make_offload_activations",
@@ -45,12 +46,15 @@ class Runner:
             reports them (our runtime's ``OffloadStats.bytes_offloaded``).
         detail (str): configuration shown in the table.
         stats (Callable[[], object] | None): the runtime's last ``OffloadStats``, if any.
+        close (Callable[[], None]): undo what the method did to the model (called once, after
+            its measurements, also after a failure).
     """
 
     forward: Callable[[torch.Tensor], torch.Tensor]
     offloaded_bytes: Callable[[], int | None] = field(default=lambda: None)
     detail: str = ""
     stats: Callable[[], object] | None = None
+    close: Callable[[], None] = field(default=lambda: None)
 
 
 def make_baseline(model, n: int, **_) -> Runner:
@@ -142,6 +146,32 @@ def make_synchronizer(model, n: int, *, release_lag=None, prefetch_layers=None, 
         offloaded_bytes=lambda: sync.stats.bytes_offloaded,
         detail=f"release_lag={release_lag}, prefetch_layers={prefetch_layers}",
         stats=lambda: sync.stats,
+    )
+
+
+def make_transform(model, n: int, *, release_lag=None, prefetch_layers=None, min_offload_numel=None) -> Runner:
+    """annotate_offload's declarative path: ``offload_transform(model, num_layers=n, ...)`` then
+    plain ``model(x)`` (torch.fx pass over ``model.layers``); ``remove_offload`` on close."""
+    try:
+        from annotate_offload.annotate import offload_transform, remove_offload
+    except Exception as exc:
+        raise Unavailable(f"annotate_offload.annotate not importable ({type(exc).__name__}: {exc})") from None
+    with warnings.catch_warnings():  # TE-schedule warning when both knobs are None at n = L-1
+        warnings.simplefilter("ignore", UserWarning)
+        offload_transform(
+            model,
+            num_layers=n,
+            release_lag=release_lag,
+            prefetch_layers=prefetch_layers,
+            min_offload_numel=min_offload_numel,
+        )
+    plan = model.offload_plan
+
+    return Runner(
+        model,
+        offloaded_bytes=lambda: plan.bytes_per_step if plan.bytes_source == "measured" else None,
+        detail=f"offload_transform(num_layers={n}, release_lag={release_lag}, prefetch_layers={prefetch_layers}), path={plan.path}",
+        close=lambda: remove_offload(model),
     )
 
 

@@ -3,7 +3,8 @@
 For each workload it measures, in this order and in one process: pinned D2H/H2D bandwidth
 (1 GiB copies), the baseline (T_fwd, T_bwd, step time, activation memory), annotate_offload
 through ``get_cpu_offload_context`` and through ``DefaultOffloadSynchronizer`` with each
-``release_lag`` x ``prefetch_layers`` setting, ``save_on_cpu(pin_memory=True)``, full
+``release_lag`` x ``prefetch_layers`` setting, through ``offload_transform`` (the declarative
+path, with the fastest knobs of that grid), ``save_on_cpu(pin_memory=True)``, full
 recompute (``torch.utils.checkpoint``, non-reentrant) of the same layers, and TRL's/torchtune's
 ``OffloadActivations`` when importable. Then it computes the copy floor::
 
@@ -157,6 +158,15 @@ def _one_step_grads(model, forward, x, grad, device):
     return out.detach()
 
 
+_TRANSFORM = object()  # placeholder: resolved once the knob grid has been measured
+
+
+def _transform_with_best_knobs(results) -> functools.partial:
+    grid = [r for r in results if r.times is not None and isinstance(r.make, functools.partial)]
+    knobs = min(grid, key=lambda r: r.times.step).make.keywords if grid else {}
+    return functools.partial(_methods.make_transform, **knobs)
+
+
 def _method_list(n: int, release_lags, prefetch_layers):
     methods = [
         ("baseline", "baseline", _methods.make_baseline),
@@ -167,6 +177,7 @@ def _method_list(n: int, release_lags, prefetch_layers):
             make = functools.partial(_methods.make_synchronizer, release_lag=lag, prefetch_layers=pre)
             methods.append((f"annotate_offload lag={lag} prefetch={pre}", "ours", make))
     methods += [
+        ("annotate_offload offload_transform", "ours", _TRANSFORM),  # knobs of the fastest row above
         ("save_on_cpu", "peer", _methods.make_save_on_cpu),
         (f"checkpoint ({n} layers)", "peer", _methods.make_checkpoint),
         ("OffloadActivations", "peer", _methods.make_offload_activations),
@@ -207,6 +218,10 @@ def _run_method(name, kind, make, model, workload, x, grad, ref, *, device, warm
         result.error = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         result.times = None
     finally:
+        try:
+            runner.close()
+        except Exception as exc:
+            result.error = result.error or f"failed to clean up: {type(exc).__name__}: {exc}"
         del runner
         free_memory(device)
     if log:
@@ -256,6 +271,8 @@ def run_workload(
     saved_bytes = _methods.saved_activation_bytes(model, x, workload.offload)
     results = []
     for name, kind, make in _method_list(workload.offload, release_lags, prefetch_layers):
+        if make is _TRANSFORM:
+            make = _transform_with_best_knobs(results)
         results.append(
             _run_method(name, kind, make, model, workload, x, grad, ref, device=device, warmup=warmup, steps=steps, log=log)
         )
@@ -292,12 +309,15 @@ def _profile(report: WorkloadReport, model, x, grad, device, out_dir: str) -> li
     from torch.profiler import ProfilerActivity, profile
 
     runner = best.make(model, report.workload.offload, min_offload_numel=report.workload.min_offload_numel)
-    torch.autograd.backward(runner.forward(x), grad)  # warm-up
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        torch.autograd.backward(runner.forward(x), grad)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    try:
+        torch.autograd.backward(runner.forward(x), grad)  # warm-up
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            torch.autograd.backward(runner.forward(x), grad)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    finally:
+        runner.close()
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"{report.workload.name}_profile")
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"

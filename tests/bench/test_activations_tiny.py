@@ -60,7 +60,10 @@ def test_saved_bytes_count_is_plausible(tiny_w1):
 @pytest.mark.skipif(not _HAS_RUNTIME, reason="annotate_offload runtime not landed yet")
 def test_ours_rows_offload_and_are_bit_exact(tiny_w1):
     ours = [r for r in tiny_w1.results if r.kind == "ours"]
-    assert len(ours) == 2
+    assert [r.name for r in ours] == [
+        "annotate_offload (TE API)", "annotate_offload lag=1 prefetch=1", "annotate_offload offload_transform"
+    ]
+    assert "release_lag=1, prefetch_layers=1), path=fx" in ours[2].detail  # knobs of the fastest grid row
     for r in ours:
         assert r.error is None, r.error
         assert r.exact == "yes"
@@ -142,3 +145,18 @@ def test_main_tiny_writes_markdown_png_and_profile(tmp_path, capsys):
     if _HAS_RUNTIME:
         assert {"W2_profile.txt", "W2_profile_trace.json.gz"} <= files
         assert "one step of annotate_offload" in (tmp_path / "W2_profile.txt").read_text()
+
+
+@pytest.mark.skipif(not _HAS_RUNTIME, reason="annotate_offload runtime not landed yet")
+def test_transform_runner_restores_the_shared_model():
+    from annotate_offload.bench import _methods
+    from annotate_offload.bench._workloads import build
+
+    model, x, grad = build(TINY_WORKLOADS["W1"], torch.device("cpu"))
+    expected = model(x)
+    runner = _methods.make_transform(model, 3, release_lag=1, prefetch_layers=1, min_offload_numel=1024)
+    torch.autograd.backward(runner.forward(x), grad)
+    assert runner.offloaded_bytes() > 0
+    runner.close()
+    assert "forward" not in model.__dict__ and not hasattr(model, "offload_plan")
+    assert torch.equal(model(x), expected)
