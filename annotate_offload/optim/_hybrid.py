@@ -6,9 +6,6 @@ in ``_host.py`` for pinned memory and Note [Thread budget] in ``_threads.py`` fo
 
 from __future__ import annotations
 
-import functools
-import inspect
-import time
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
@@ -17,76 +14,18 @@ import torch
 
 from ..errors import OffloadError
 from . import _state
-from ._clip import _host_scale, clip_hybrid
+from ._build import _IMPL_KEYS, _STRUCTURAL_KEYS, BuildMixin, _check_cls, _flag, _hyper_defaults
+from ._clip import clip_hybrid
 from ._device import pick_side
-from ._host import carve
-from ._slots import Chunk, DevSlot, HostSlot
-from ._split import Placement, choose_offloaded, local_grad, local_tensor, make_chunks
-from ._threads import CpuWorker, num_threads, thread_budget
+from ._pipeline import PipelineMixin, _GradHook
+from ._slots import DevSlot, HostSlot
+from ._split import Placement, choose_offloaded, local_grad, local_tensor
+from ._threads import CpuWorker, thread_budget
 
 __all__ = ["HybridDeviceOptimizer"]
 
-# Implementation switches of torch optimizers: passed to the constructors, never kept in param_groups.
-_IMPL_KEYS = ("foreach", "capturable", "differentiable", "fused")
-# Our own constructor options; they live in ``defaults`` (so ``cls(params, **opt.defaults)`` rebuilds
-# the optimizer) but are never pushed into the sub-optimizers nor taken from a loaded state dict.
-_STRUCTURAL_KEYS = (
-    "offload_fraction", "param_update_in_fp32", "pin_cpu_grads", "pin_cpu_params",
-    "overlap_cpu_optimizer_d2h_h2d", "offload_gradients", "step_in_backward",
-    "delayed_param_update", "use_torch_optimizer_for_cpu_offload", "cpu_threads", "chunk_bytes",
-)
-# Known accelerator-only optimizer implementations: they do not run on host tensors (and TE's
-# FusedAdam silently corrupts them, NVIDIA-NeMo/RL #3544).
-_GPU_ONLY_MODULES = ("apex", "transformer_engine", "deepspeed.ops.adam.fused_adam", "deepspeed.ops.lamb")
 
-
-def _hyper_defaults(cls: type) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, prm in inspect.signature(cls.__init__).parameters.items():
-        if name in ("self", "params") or name in _IMPL_KEYS or prm.default is inspect.Parameter.empty:
-            continue
-        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
-            continue
-        out[name] = prm.default
-    return out
-
-
-def _check_cls(cls: Any, name: str, *, host: bool) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise TypeError(
-            f"HybridDeviceOptimizer: {name} must be a torch.optim.Optimizer subclass, got {cls!r}; "
-            "pass e.g. torch.optim.AdamW."
-        )
-    if host and (cls.__module__.startswith(_GPU_ONLY_MODULES) or (cls.__name__.startswith("Fused") and not cls.__module__.startswith("torch."))):
-        raise TypeError(
-            f"HybridDeviceOptimizer: {name}={cls.__module__}.{cls.__name__} only runs on the GPU, but it would step "
-            "host (CPU) tensors here (TE FusedAdam does so silently and corrupts the state, NVIDIA-NeMo/RL #3544). "
-            "Use torch.optim.AdamW/Adam (fused on CPU) or torch.optim.SGD for the host part."
-        )
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"HybridDeviceOptimizer: {name} must be a bool, got {value!r}.")
-    return value
-
-
-class _GradHook:
-    """Post-accumulate-grad hook of one host slot; holds the optimizer weakly (no cycle through C++)."""
-
-    __slots__ = ("opt", "slot")
-
-    def __init__(self, opt: "HybridDeviceOptimizer", slot: HostSlot) -> None:
-        self.opt = weakref.ref(opt)
-        self.slot = slot
-
-    def __call__(self, param: torch.Tensor) -> None:
-        opt = self.opt()
-        if opt is not None:
-            opt._on_grad(self.slot)
-
-
-class HybridDeviceOptimizer(torch.optim.Optimizer):
+class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     """Adam(W)/SGD with a fraction of the parameters stepped on the host, pipelined with the GPU.
 
     Megatron-Core's ``HybridDeviceOptimizer`` signature and meaning. The first ``offload_fraction``
@@ -280,87 +219,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._worker = None
 
     # ------------------------------------------------------------------ construction helpers
-    def _build_host(self, host: list[HostSlot], impl: dict[str, Any]) -> None:
-        pin_p = self.defaults["pin_cpu_params"] and self._side.can_pin
-        pin_g = self.defaults["pin_cpu_grads"] and self._side.can_pin
-        mdt = [torch.float32 if (self._fp32 and s.local.is_floating_point()) else s.local.dtype for s in host]
-        numels = [s.local.numel() for s in host]
-        masters, self._masters_pinned = self._carve_mixed(numels, mdt, pin_p)
-        nbuf = 2 if self._delayed else 1
-        bufs = [self._carve_mixed(numels, mdt, pin_g)[0] for _ in range(nbuf)]
-        staged = [i for i, s in enumerate(host) if mdt[i] != s.local.dtype]
-        stage_views, _ = self._carve_mixed([numels[i] for i in staged], [host[i].local.dtype for i in staged], pin_p)
-        for i, s in enumerate(host):
-            shape = s.local.shape
-            s.master = masters[i].view(shape)
-            s.grad_bufs = [b[i].view(shape) for b in bufs]
-        for j, i in enumerate(staged):
-            host[i].staging = stage_views[j].view(host[i].local.shape)
-        with torch.no_grad():
-            for s in host:
-                s.master.copy_(s.local)
-                s.p_ver = s.param._version
-        host_impl = dict(impl)
-        if self._cpu_cls in (torch.optim.Adam, torch.optim.AdamW):
-            host_impl.setdefault("fused", True)
-            host_impl.pop("capturable", None)
-        order = make_chunks([s.master.numel() * s.master.element_size() for s in host], self.defaults["chunk_bytes"])
-        self._chunks: list[Chunk] = []
-        for ci, idx in enumerate(order):
-            slots = [host[i] for i in idx]
-            by_group: dict[int, list[HostSlot]] = {}
-            for s in slots:
-                s.chunk = ci
-                by_group.setdefault(s.group, []).append(s)
-            groups = [self._sub_group(gi, [s.master for s in ss]) for gi, ss in by_group.items()]
-            opt = self._cpu_cls(groups, **host_impl)
-            links = self._links(opt, list(by_group))
-            for s in slots:
-                self.state[s.param] = opt.state[s.master]
-            self._chunks.append(Chunk(slots, opt, links))
-
-    def _carve_mixed(self, numels: list[int], dtypes: list[torch.dtype], pin: bool) -> tuple[list[torch.Tensor], bool]:
-        out: list[Optional[torch.Tensor]] = [None] * len(numels)
-        ok = True
-        for dt in dict.fromkeys(dtypes):
-            idx = [i for i, d in enumerate(dtypes) if d == dt]
-            views, pinned = carve([numels[i] for i in idx], dt, pin=pin, what=f"{dt} host buffers")
-            ok &= pinned or not pin
-            for i, v in zip(idx, views):
-                out[i] = v
-        return out, ok  # type: ignore[return-value]
-
-    def _build_dev(self, impl: dict[str, Any]) -> None:
-        dev_impl = dict(impl)
-        if self._gpu_cls in (torch.optim.Adam, torch.optim.AdamW) and "foreach" not in dev_impl:
-            dev_impl.setdefault("fused", True)
-        by_group: dict[int, list[DevSlot]] = {}
-        for s in self._dev_slots:
-            by_group.setdefault(s.group, []).append(s)
-        self._gpu_opt: Optional[torch.optim.Optimizer] = None
-        self._gpu_links: list[tuple[dict, dict, tuple]] = []
-        if not by_group:
-            return
-        self._gpu_opt = self._gpu_cls([self._sub_group(gi, [s.inner for s in ss]) for gi, ss in by_group.items()], **dev_impl)
-        self._gpu_links = self._links(self._gpu_opt, list(by_group))
-        for s in self._dev_slots:
-            self.state[s.param] = self._gpu_opt.state[s.inner]
-            s.p_ver = s.param._version
-
-    def _sub_group(self, gi: int, tensors: list[torch.Tensor]) -> dict[str, Any]:
-        g = self.param_groups[gi]
-        d = {k: v for k, v in g.items() if k != "params" and k not in _STRUCTURAL_KEYS}
-        d["params"] = tensors
-        return d
-
-    def _links(self, opt: torch.optim.Optimizer, gis: list[int]) -> list[tuple[dict, dict, tuple]]:
-        out = []
-        for sub, gi in zip(opt.param_groups, gis):
-            g = self.param_groups[gi]
-            keys = tuple(k for k in sub if k != "params" and k in g and k not in _STRUCTURAL_KEYS)
-            out.append((sub, g, keys))
-        return out
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_built", False):
             raise OffloadError(
@@ -465,160 +323,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             opt.state[inner] = st
         _state.place(st, inner, master, fused=_state.wants_device_step(opt))
 
-    def _copy_grad(self, s: HostSlot, g: torch.Tensor, stream: Any, *, accumulate: bool) -> None:
-        side = self._side
-        buf = s.grad_bufs[self._buf]
-        with side.use(stream):
-            if accumulate:
-                if s.scratch is None:
-                    s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=side.can_pin and self.defaults["pin_cpu_grads"])
-                s.scratch.copy_(g, non_blocking=True)
-                side.synchronize(side.record(stream))
-                side.synchronize(s.d2h_ev)
-                if buf.dtype == g.dtype:
-                    buf.add_(s.scratch)
-                else:
-                    buf.copy_(buf.to(g.dtype).add_(s.scratch))
-                s.d2h_ev = None
-            else:
-                buf.copy_(g, non_blocking=True)
-                s.d2h_ev = side.record(stream)
-        s.grad_ref = weakref.ref(g)
-        s.grad_ver = g._version
-        s.valid = True
-        side.record_stream(g, stream)  # g may be freed (zero_grad, offload_gradients) before the copy ran
-        if self._offload_grads:
-            s.param.grad = None
-
-    def _on_grad(self, s: HostSlot) -> None:
-        g = local_grad(s.param)
-        if g is None:
-            return
-        with torch.no_grad():
-            if self._in_backward:
-                if s.submitted:
-                    raise OffloadError(
-                        "HybridDeviceOptimizer: step_in_backward=True saw a second gradient for a host-stepped "
-                        f"parameter {tuple(s.local.shape)} after its chunk was already stepped (gradient accumulation, or "
-                        "a parameter used twice such as tied embeddings). Use step_in_backward=False for this model."
-                    )
-                self._begin()
-            side = self._side
-            ready = side.record(side.current_stream())
-            side.wait_event(self._d2h, ready)
-            self._copy_grad(s, g, self._d2h, accumulate=self._offload_grads and s.valid)
-            s.ready_ev = ready
-            if self._in_backward:
-                s.use = True
-                c = self._chunks[s.chunk]
-                c.landed += 1
-                if c.landed == c.trainable:
-                    self._submit(s.chunk)
-
-    def _collect(self, stream: Any) -> None:
-        """Decide, per host slot, whether it steps now; copy gradients the hooks did not (or that changed)."""
-        for s in self._host_slots:
-            if s.submitted:
-                g = local_grad(s.param)
-                if g is not None and not s.copied(g):
-                    raise OffloadError(
-                        "HybridDeviceOptimizer: a gradient was modified (clipping, unscaling, accumulation) after "
-                        "step_in_backward=True had already stepped its parameter in backward. step_in_backward does not "
-                        "support cross-parameter gradient transforms; use the default mode for this training loop."
-                    )
-                continue
-            g = local_grad(s.param)
-            if g is None:
-                s.use = s.valid and self._offload_grads
-                if not s.use:
-                    s.valid = False
-                continue
-            if not s.copied(g):
-                self._copy_grad(s, g, stream, accumulate=self._offload_grads and s.valid)
-            s.use = True
-
-    def _plan(self, ci: int) -> list[tuple[HostSlot, Any, list]]:
-        """What one chunk steps, captured now: the worker may run after the slots move on."""
-        return [(s, s.d2h_ev, list(s.scales)) for s in self._chunks[ci].slots if s.use]
-
-    def _submit(self, ci: int) -> None:
-        for s in self._chunks[ci].slots:
-            s.submitted = True
-        assert self._worker is not None
-        self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed))
-
-    def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool) -> None:
-        """Host step of one chunk (worker thread, or the training thread on the serial path)."""
-        side = self._side
-        c = self._chunks[ci]
-        with torch.no_grad():
-            if self._delayed:
-                side.synchronize(c.h2d_ev)  # the previous update's H2D reads masters/staging we overwrite
-            for s in c.slots:
-                s.master.grad = None
-            for s, d2h_ev, scales in plan:
-                side.synchronize(d2h_ev)
-                buf = s.grad_bufs[bi]
-                for coef, ev in scales:
-                    side.synchronize(ev)
-                    _host_scale(buf, s.local.dtype, coef)
-                s.master.grad = buf
-            t0 = time.perf_counter()
-            if plan:
-                c.opt.step()
-            stepped = [s for s, _, _ in plan]
-            for s in stepped:
-                s.master.grad = None
-                if s.staging is not None:
-                    s.staging.copy_(s.master)
-            self._host_s += time.perf_counter() - t0
-            if copy_back:
-                self._h2d_chunk(c, stepped, stream)
-            else:
-                c.pending = stepped
-
-    def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any) -> None:
-        side = self._side
-        with torch.no_grad(), side.use(stream):
-            for s in slots:
-                side.wait_event(stream, s.ready_ev)
-                s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
-                s.p_ver = s.param._version
-            c.h2d_ev = side.record(stream)
-
-    def _gpu_step(self) -> None:
-        if self._gpu_opt is None:
-            return
-        masters = [d for d in self._dev_slots if d.inner is not d.param]
-        for d in masters:
-            g = local_grad(d.param)
-            d.inner.grad = None if g is None else g.to(d.inner.dtype)
-        self._gpu_opt.step()
-        for d in masters:
-            if d.inner.grad is not None:
-                d.inner.grad = None
-                if d.has_master:
-                    d.local.copy_(d.inner)
-                d.p_ver = d.param._version
-
-    def _end_step(self) -> None:
-        keep = self._offload_grads and not self._delayed
-        for s in self._host_slots:
-            s.reset_step(keep)
-            if not keep:
-                s.d2h_ev = None
-        for c in self._chunks:
-            c.landed = 0
-        self._begun = False
-        for s in self._host_slots:
-            st = self.state[s.param]
-            if st and "master_param" not in st:
-                st["master_param"] = s.master
-        for d in self._dev_slots:
-            st = self.state[d.param]
-            if d.has_master and st and "master_param" not in st:
-                st["master_param"] = d.inner
-
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -663,20 +367,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return loss
         finally:
             self._end_step()
-
-    def _serial_step(self, cur: Any) -> None:
-        side = self._side
-        for s in self._host_slots:
-            g = local_grad(s.param)
-            s.use = g is not None
-            if g is not None:
-                with side.use(cur):
-                    s.grad_bufs[0].copy_(g, non_blocking=True)
-        self._gpu_step()
-        side.synchronize(side.record(cur))
-        with num_threads(self._threads):
-            for ci in range(len(self._chunks)):
-                self._run_chunk(ci, self._plan(ci), 0, cur, True)
 
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also apply the pending update to the model.

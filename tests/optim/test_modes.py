@@ -210,3 +210,12 @@ def test_carve_packs_into_power_of_two_slabs_without_overlap():
     for i, a in enumerate(spans):
         for b in spans[i + 1:]:
             assert a[0] != b[0] or a[2] <= b[1] or b[2] <= a[1]
+
+
+def test_import_does_not_initialise_cuda():
+    import subprocess
+    import sys
+
+    code = "import torch, annotate_offload.optim, annotate_offload.bench.optimizer; print(torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,212 @@
+"""The per-step pipeline of :class:`HybridDeviceOptimizer`: hooks, D2H, host chunks, H2D (private).
+
+See Note [Host step lifecycle] in ``_slots.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import OffloadError
+from ._clip import _host_scale
+from ._slots import Chunk, HostSlot
+from ._split import local_grad
+from ._threads import num_threads
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._hybrid import HybridDeviceOptimizer
+
+__all__: list[str] = []
+
+
+class _GradHook:
+    """Post-accumulate-grad hook of one host slot; holds the optimizer weakly (no cycle through C++)."""
+
+    __slots__ = ("opt", "slot")
+
+    def __init__(self, opt: "HybridDeviceOptimizer", slot: HostSlot) -> None:
+        self.opt = weakref.ref(opt)
+        self.slot = slot
+
+    def __call__(self, param: torch.Tensor) -> None:
+        opt = self.opt()
+        if opt is not None:
+            opt._on_grad(self.slot)
+
+
+class PipelineMixin:
+    """The step half of :class:`HybridDeviceOptimizer`."""
+
+    def _copy_grad(self, s: HostSlot, g: torch.Tensor, stream: Any, *, accumulate: bool) -> None:
+        side = self._side
+        buf = s.grad_bufs[self._buf]
+        with side.use(stream):
+            if accumulate:
+                if s.scratch is None:
+                    s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=side.can_pin and self.defaults["pin_cpu_grads"])
+                s.scratch.copy_(g, non_blocking=True)
+                side.synchronize(side.record(stream))
+                side.synchronize(s.d2h_ev)
+                if buf.dtype == g.dtype:
+                    buf.add_(s.scratch)
+                else:
+                    buf.copy_(buf.to(g.dtype).add_(s.scratch))
+                s.d2h_ev = None
+            else:
+                buf.copy_(g, non_blocking=True)
+                s.d2h_ev = side.record(stream)
+        s.grad_ref = weakref.ref(g)
+        s.grad_ver = g._version
+        s.valid = True
+        side.record_stream(g, stream)  # g may be freed (zero_grad, offload_gradients) before the copy ran
+        if self._offload_grads:
+            s.param.grad = None
+
+    def _on_grad(self, s: HostSlot) -> None:
+        g = local_grad(s.param)
+        if g is None:
+            return
+        with torch.no_grad():
+            if self._in_backward:
+                if s.submitted:
+                    raise OffloadError(
+                        "HybridDeviceOptimizer: step_in_backward=True saw a second gradient for a host-stepped "
+                        f"parameter {tuple(s.local.shape)} after its chunk was already stepped (gradient accumulation, or "
+                        "a parameter used twice such as tied embeddings). Use step_in_backward=False for this model."
+                    )
+                self._begin()
+            side = self._side
+            ready = side.record(side.current_stream())
+            side.wait_event(self._d2h, ready)
+            self._copy_grad(s, g, self._d2h, accumulate=self._offload_grads and s.valid)
+            s.ready_ev = ready
+            if self._in_backward:
+                s.use = True
+                c = self._chunks[s.chunk]
+                c.landed += 1
+                if c.landed == c.trainable:
+                    self._submit(s.chunk)
+
+    def _collect(self, stream: Any) -> None:
+        """Decide, per host slot, whether it steps now; copy gradients the hooks did not (or that changed)."""
+        for s in self._host_slots:
+            if s.submitted:
+                g = local_grad(s.param)
+                if g is not None and not s.copied(g):
+                    raise OffloadError(
+                        "HybridDeviceOptimizer: a gradient was modified (clipping, unscaling, accumulation) after "
+                        "step_in_backward=True had already stepped its parameter in backward. step_in_backward does not "
+                        "support cross-parameter gradient transforms; use the default mode for this training loop."
+                    )
+                continue
+            g = local_grad(s.param)
+            if g is None:
+                s.use = s.valid and self._offload_grads
+                if not s.use:
+                    s.valid = False
+                continue
+            if not s.copied(g):
+                self._copy_grad(s, g, stream, accumulate=self._offload_grads and s.valid)
+            s.use = True
+
+    def _plan(self, ci: int) -> list[tuple[HostSlot, Any, list]]:
+        """What one chunk steps, captured now: the worker may run after the slots move on."""
+        return [(s, s.d2h_ev, list(s.scales)) for s in self._chunks[ci].slots if s.use]
+
+    def _submit(self, ci: int) -> None:
+        for s in self._chunks[ci].slots:
+            s.submitted = True
+        assert self._worker is not None
+        self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed))
+
+    def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool) -> None:
+        """Host step of one chunk (worker thread, or the training thread on the serial path)."""
+        side = self._side
+        c = self._chunks[ci]
+        with torch.no_grad():
+            if self._delayed:
+                side.synchronize(c.h2d_ev)  # the previous update's H2D reads masters/staging we overwrite
+            for s in c.slots:
+                s.master.grad = None
+            for s, d2h_ev, scales in plan:
+                side.synchronize(d2h_ev)
+                buf = s.grad_bufs[bi]
+                for coef, ev in scales:
+                    side.synchronize(ev)
+                    _host_scale(buf, s.local.dtype, coef)
+                s.master.grad = buf
+            t0 = time.perf_counter()
+            if plan:
+                c.opt.step()
+            stepped = [s for s, _, _ in plan]
+            for s in stepped:
+                s.master.grad = None
+                if s.staging is not None:
+                    s.staging.copy_(s.master)
+            self._host_s += time.perf_counter() - t0
+            if copy_back:
+                self._h2d_chunk(c, stepped, stream)
+            else:
+                c.pending = stepped
+
+    def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any) -> None:
+        side = self._side
+        with torch.no_grad(), side.use(stream):
+            for s in slots:
+                side.wait_event(stream, s.ready_ev)
+                s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
+                s.p_ver = s.param._version
+            c.h2d_ev = side.record(stream)
+
+    def _gpu_step(self) -> None:
+        if self._gpu_opt is None:
+            return
+        masters = [d for d in self._dev_slots if d.inner is not d.param]
+        for d in masters:
+            g = local_grad(d.param)
+            d.inner.grad = None if g is None else g.to(d.inner.dtype)
+        self._gpu_opt.step()
+        for d in masters:
+            if d.inner.grad is not None:
+                d.inner.grad = None
+                if d.has_master:
+                    d.local.copy_(d.inner)
+                d.p_ver = d.param._version
+
+    def _end_step(self) -> None:
+        keep = self._offload_grads and not self._delayed
+        for s in self._host_slots:
+            s.reset_step(keep)
+            if not keep:
+                s.d2h_ev = None
+        for c in self._chunks:
+            c.landed = 0
+        self._begun = False
+        for s in self._host_slots:
+            st = self.state[s.param]
+            if st and "master_param" not in st:
+                st["master_param"] = s.master
+        for d in self._dev_slots:
+            st = self.state[d.param]
+            if d.has_master and st and "master_param" not in st:
+                st["master_param"] = d.inner
+
+    def _serial_step(self, cur: Any) -> None:
+        side = self._side
+        for s in self._host_slots:
+            g = local_grad(s.param)
+            s.use = g is not None
+            if g is not None:
+                with side.use(cur):
+                    s.grad_bufs[0].copy_(g, non_blocking=True)
+        self._gpu_step()
+        side.synchronize(side.record(cur))
+        with num_threads(self._threads):
+            for ci in range(len(self._chunks)):
+                self._run_chunk(ci, self._plan(ci), 0, cur, True)
+
