@@ -130,5 +130,4 @@ class LayerBoundary:
         if self._measured or self.estimating or self._plan is None or self.last_entered < 0:
             return
         self._measured = True
-        if self._plan.bytes_source == "pending":
-            self._plan._with_bytes(dict(self.sync.stats.bytes_offloaded_per_layer), "measured")
+        self._plan._with_bytes(dict(self.sync.stats.bytes_offloaded_per_layer), "measured")

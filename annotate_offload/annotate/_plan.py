@@ -22,6 +22,8 @@ class LayerPlan:
         declared_keep (bool): ``@offload_layer(offload=False)`` keeps it on the GPU whatever ``num_layers`` says.
         bytes_per_step (int | None): bytes of saved activations this layer moves to host per
             training step (``0`` for a kept or recompute-only layer). ``None`` until known.
+        estimated_bytes (int | None): the meta-device estimate of ``bytes_per_step`` made from
+            ``example_inputs`` (kept after the measurement replaces it, for comparison).
         reason (str): why this choice (the planner's explanation with ``num_layers="auto"``).
     """
 
@@ -31,6 +33,7 @@ class LayerPlan:
     choice: Choice
     declared_keep: bool = False
     bytes_per_step: int | None = None
+    estimated_bytes: int | None = None
     reason: str = ""
 
     @property
@@ -49,8 +52,9 @@ class OffloadPlan:
             (forward pre/post hooks on the layers).
         fx_failure (str | None): with ``path="hooks"``, one line saying why tracing failed.
         layer_source (str): how the layers were found (marks, ``layer_types=``, discovery).
-        bytes_source (str): ``"estimate"`` (meta-device run of the example inputs),
-            ``"measured"`` (runtime stats of the first training step) or ``"pending"``.
+        bytes_source (str): where ``bytes_per_step`` comes from: ``"measured"`` (runtime stats of
+            the first training forward, which replace any estimate), ``"estimate"`` (meta-device
+            run of ``example_inputs``, until the first training step) or ``"pending"``.
         notes (tuple[str, ...]): warnings given while planning, for the record.
     """
 
@@ -78,7 +82,13 @@ class OffloadPlan:
         return None if any(v is None for v in vals) else sum(vals)  # type: ignore[arg-type]
 
     def _with_bytes(self, per_layer: dict[int, int], source: str) -> None:
-        self.layers = tuple(replace(lp, bytes_per_step=per_layer.get(lp.index, 0)) for lp in self.layers)
+        def value(lp: LayerPlan) -> int:
+            return per_layer.get(lp.index, 0) if lp.offloaded else 0
+
+        if source == "estimate":
+            self.layers = tuple(replace(lp, bytes_per_step=value(lp), estimated_bytes=value(lp)) for lp in self.layers)
+        else:
+            self.layers = tuple(replace(lp, bytes_per_step=value(lp)) for lp in self.layers)
         self.bytes_source = source
 
     def __repr__(self) -> str:
@@ -90,17 +100,22 @@ class OffloadPlan:
             lines.append(f"  fx failed: {self.fx_failure}")
         if self.layer_source:
             lines.append(f"  layers: {self.layer_source}")
-        rows = [("idx", "layer", "type", "choice", "bytes/step")]
+        show_estimate = self.bytes_source == "measured" and any(lp.estimated_bytes is not None for lp in self.layers)
+        rows = [("idx", "layer", "type", "choice", "bytes/step") + (("estimate",) if show_estimate else ())]
         for lp in self.layers:
             choice = lp.choice + (" (declared)" if lp.declared_keep else "")
-            shown = "-" if lp.bytes_per_step is None else _fmt_bytes(lp.bytes_per_step)
-            rows.append((str(lp.index), lp.fqn, lp.module_type, choice, shown))
-        widths = [max(len(r[c]) for r in rows) for c in range(5)]
+            row = (str(lp.index), lp.fqn, lp.module_type, choice, _opt_bytes(lp.bytes_per_step))
+            rows.append(row + ((_opt_bytes(lp.estimated_bytes),) if show_estimate else ()))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         for r in rows:
             lines.append("  " + "  ".join(v.ljust(w) if c < 4 else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths))))
         lines.extend(f"  why {lp.index}: {lp.reason}" for lp in self.layers if lp.reason)
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _opt_bytes(n: int | None) -> str:
+    return "-" if n is None else _fmt_bytes(n)
 
 
 def _fmt_bytes(n: int) -> str:

@@ -61,17 +61,20 @@ def test_autocast_bf16_bit_identical():
 
 
 def test_fx_and_hooks_give_identical_plans_and_bytes():
-    plans, measured = [], []
+    plans, estimates = [], []
     for path in ("fx", "hooks"):
         torch.manual_seed(0)
         model = gpt(L)
         _transformed(model, 2, path, example_inputs=(X(),))
-        plans.append(model.offload_plan)
+        assert model.offload_plan.bytes_source == "estimate"
+        estimates.append(model.offload_plan.layers)
         run_step(model, X())
-        measured.append(dict(sync_of(model).stats.bytes_offloaded_per_layer))
+        plans.append(model.offload_plan)
     fx_plan, hook_plan = plans
-    assert fx_plan.layers == hook_plan.layers and fx_plan.bytes_source == "estimate"
-    assert measured[0] == measured[1] and measured[0][0] > 0
+    assert estimates[0] == estimates[1]
+    assert fx_plan.bytes_source == hook_plan.bytes_source == "measured"
+    assert fx_plan.layers == hook_plan.layers  # choices, measured bytes and estimates
+    assert fx_plan.layers[0].bytes_per_step > 0 and fx_plan.layers[2].bytes_per_step == 0
 
 
 def test_bytes_measured_on_first_step_without_example_inputs():
@@ -93,6 +96,9 @@ def test_meta_estimate_matches_runtime_on_attention_free_model(path):
     run_step(model, X())
     measured = sync_of(model).stats.bytes_offloaded_per_layer
     assert estimate == {0: measured[0], 1: measured[1], 2: 0, 3: 0}
+    plan = model.offload_plan
+    assert plan.bytes_source == "measured" and [lp.estimated_bytes for lp in plan.layers] == list(estimate.values())
+    assert "estimate" in repr(plan).splitlines()[2]  # the table shows both columns
 
 
 def test_declared_keep_layers_are_skipped_by_num_layers():
