@@ -6,6 +6,7 @@ in ``_host.py`` for pinned memory and Note [Thread budget] in ``_threads.py`` fo
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
@@ -206,6 +207,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._d2h = side.new_stream() if self._overlap else None
         self._h2d = side.new_stream() if self._overlap else None
         self._host_s = 0.0  # host optimizer compute of the current/last step, seconds
+        self._inflight: collections.deque = collections.deque()  # Note [Gradient residency]
+        self._inflight_bytes = 0
         self._buf = 0  # which gradient buffer this step's D2H fills (two in delayed mode)
         self._begun = False
         self._hooks: list[Any] = []

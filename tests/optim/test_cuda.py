@@ -140,10 +140,15 @@ def test_delayed_param_update_runs_and_flushes():
         torch.testing.assert_close(s.param.detach().cpu(), s.master, rtol=0, atol=0)
 
 
+CHUNK = 16 << 20
+GRAD = 2048 * 2048 * 4  # one layer's fp32 gradient
+
+
 def _peak(f, offload_gradients):
     torch.cuda.empty_cache()
     m = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)]).cuda()
-    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, offload_gradients=offload_gradients, lr=1e-3)
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, offload_gradients=offload_gradients, lr=1e-3,
+                                chunk_bytes=CHUNK)
     x = torch.randn(16, 2048, device="cuda")
     for i in range(3):
         if i == 2:
@@ -167,4 +172,6 @@ def test_gpu_memory_falls_linearly_with_fraction(offload_gradients):
     for f in (0.25, 0.5, 1.0):
         peak, n = _peak(f, offload_gradients)
         expected = base - n * per_elem
-        assert abs(peak - expected) <= 0.05 * base, (f, peak, expected, base)
+        # issue 4 item 6: within 5%, plus (offload_gradients) one chunk of gradients still being copied
+        slack = 0.05 * base + (CHUNK + GRAD if offload_gradients else 0)
+        assert abs(peak - expected) <= slack, (f, peak, expected, base)

@@ -219,3 +219,24 @@ def test_import_does_not_initialise_cuda():
     code = "import torch, annotate_offload.optim, annotate_offload.bench.optimizer; print(torch.cuda.is_initialized())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_throttle_bounds_gradients_in_flight():
+    class Ev:
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+    m = Tiny()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, offload_gradients=True, chunk_bytes=100, lr=1e-2)
+    evs = [Ev() for _ in range(6)]
+    for ev in evs[:3]:
+        opt._throttle(ev, 40)  # 40, 80, then 120 > 100: the oldest is waited for
+    assert opt._inflight_bytes == 80 and len(opt._inflight) == 2
+    opt._throttle(evs[3], 500)  # a big newest gradient is never waited for itself
+    assert [e for e, _ in opt._inflight] == [evs[3]]
+    evs[3].done = True
+    opt._throttle(evs[4], 10)  # finished copies are dropped without waiting
+    assert [e for e, _ in opt._inflight] == [evs[4]] and opt._inflight_bytes == 10
