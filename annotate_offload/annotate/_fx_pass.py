@@ -62,12 +62,26 @@ def _checkpoint_leaf(layer_ids: set[int]) -> Callable[..., Any]:
     return checkpoint
 
 
-def trace_layers(model: nn.Module, layers: list[LayerRef]) -> fx.GraphModule:
-    """Trace ``model.forward`` with ``layers`` as leaves.
+def trace_layers(model: nn.Module, layers: list[LayerRef], *, training: bool | None = None) -> fx.GraphModule:
+    """Trace ``model.forward`` with ``layers`` as leaves (with every module's ``training`` flag
+    temporarily set to ``training`` when given, so train and eval graphs can be compared).
 
     Raises:
         FxTraceError: tracing failed (message: one line, the first line of the cause).
     """
+    if training is None:
+        return _trace(model, layers)
+    flags = [(m, m.training) for m in model.modules()]
+    for m, _ in flags:
+        m.training = training
+    try:
+        return _trace(model, layers)
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _trace(model: nn.Module, layers: list[LayerRef]) -> fx.GraphModule:
     ids = {id(r.module) for r in layers}
     stand_in = _checkpoint_leaf(ids)
     # Patch `checkpoint` where forwards look it up: the module attribute and any

@@ -167,6 +167,16 @@ class _OffloadedForward:
         return f"<offloaded forward of {name}>"
 
 
+class _ByMode:
+    """Runs the train-mode or the eval-mode transformed graph, following ``model.training``."""
+
+    def __init__(self, model: nn.Module, train_fn: Callable[..., Any], eval_fn: Callable[..., Any]) -> None:
+        self.model, self.train_fn, self.eval_fn = model, train_fn, eval_fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.train_fn if self.model.training else self.eval_fn)(*args, **kwargs)
+
+
 class _RecomputeForward:
     """A layer's instance-level forward for ``recompute``/``recompute_offload``: non-reentrant checkpoint."""
 
@@ -189,7 +199,8 @@ class _Applied:
     prev_forward: Any  # the instance-level forward before us (usually absent: _MISSING)
     recompute_layers: list[tuple[nn.Module, Any]]
     root_attrs: list[str]
-    graph_module: Any
+    graph_module: Any  # the transformed graph (train mode, or both modes when they are the same)
+    graph_module_eval: Any = None  # the eval-mode graph when it differs
 
 
 _MISSING = object()
@@ -310,19 +321,26 @@ def offload_transform(
         _check_count(settings.num_layers, eligible, len(refs))  # type: ignore[arg-type]
 
     # ---- trace (fx) or fall back (hooks)
-    gm, fx_failure = None, None
+    gm, gm_eval, fx_failure, added = None, None, None, []
     if path != "hooks":
         try:
-            gm = trace_layers(model, refs)
-            refs = ordered_layers(gm, refs)
-            if gm.meta.get("root_attrs_added") is None:
-                gm.meta["root_attrs_added"] = []
+            # Python control flow on `self.training` is fixed at trace time: trace both modes and,
+            # when the graphs differ, run the one matching model.training at call time.
+            gm = trace_layers(model, refs, training=True)
+            added += gm.meta["root_attrs_added"]
+            gm_eval = trace_layers(model, refs, training=False)
+            added += gm_eval.meta["root_attrs_added"]
+            order = ordered_layers(gm, refs)
+            if [r.fqn for r in ordered_layers(gm_eval, refs)] != [r.fqn for r in order]:
+                raise FxTraceError("the train and eval graphs call the layers in different orders")
+            if gm_eval.code == gm.code:
+                gm_eval = None
+            refs = order
             if not any(n.op in ("call_module", "call_function") and _calls_layer(n, refs) for n in gm.graph.nodes):
                 raise FxTraceError("the traced graph calls none of the layers")
         except FxTraceError as e:
-            if gm is not None:
-                _drop_attrs(model, gm.meta.get("root_attrs_added", []))
-            gm, fx_failure = None, str(e)
+            _drop_attrs(model, added)
+            gm, gm_eval, fx_failure, added = None, None, str(e), []
             if path == "fx":
                 raise OffloadError(f"offload_transform(path='fx'): tracing failed: {fx_failure}") from e
     chosen_path = "fx" if gm is not None else "hooks"
@@ -339,8 +357,7 @@ def offload_transform(
             result = plan_offload(model, memory_budget=memory_budget, example_inputs=example_inputs,
                                   layers=[r.module for r in refs], **kwargs)
         except BaseException:
-            if gm is not None:
-                _drop_attrs(model, gm.meta["root_attrs_added"])
+            _drop_attrs(model, added)
             raise
         if len(result.choices) != len(refs):
             raise OffloadError(
@@ -394,8 +411,13 @@ def offload_transform(
     wrapped = model.forward
     handles: list[Any] = []
     if gm is not None:
+        # The generated code runs with `self` = the live model, so it always sees the model's
+        # current submodules, parameters and buffers (after .to(), load_state_dict(assign=True), ...).
         insert_boundaries(gm, refs, boundary, offloaded)
-        fn = functools.partial(type(gm).forward, model)  # generated code resolves attributes on the live model
+        fn = functools.partial(type(gm).forward, model)
+        if gm_eval is not None:
+            insert_boundaries(gm_eval, refs, boundary, offloaded)
+            fn = _ByMode(model, fn, functools.partial(type(gm_eval).forward, model))
     else:
         handles = install_hooks(refs, boundary, hook_state)
         fn = wrapped
@@ -405,8 +427,7 @@ def offload_transform(
             recompute_layers.append((r.module, r.module.__dict__.get("forward", _MISSING)))
             r.module.forward = _RecomputeForward(r.module.forward)
     model.forward = _OffloadedForward(fn, boundary, hook_state, wrapped)
-    model.__dict__[_STATE] = _Applied(boundary, handles, prev_forward, recompute_layers,
-                                      list(gm.meta["root_attrs_added"]) if gm is not None else [], gm)
+    model.__dict__[_STATE] = _Applied(boundary, handles, prev_forward, recompute_layers, added, gm, gm_eval)
     model.offload_plan = plan
 
     if example_inputs is not None:

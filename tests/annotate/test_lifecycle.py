@@ -1,0 +1,106 @@
+"""The transformed model across its life: train/eval branches, repeated forwards, retain_graph,
+dtype/device moves, and importing without CUDA."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from annotate_offload.annotate import offload_transform
+
+from ._models import MLPBlock, Stack, assert_same_step, run_step, sync_of
+
+X = torch.randn(2, 32, 64)
+
+
+def _apply(model, path="fx", n=2):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return offload_transform(model, num_layers=n, path=path, min_offload_numel=0)
+
+
+def _grads_equal(a, b):
+    return all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+
+
+class TrainEvalBranch(nn.Module):
+    """Root forward branches on self.training, which fx would otherwise fix at trace time."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([MLPBlock() for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x * 2 if self.training else x - 1
+
+
+def test_train_and_eval_branches_follow_model_training():
+    model = TrainEvalBranch()
+    ref = copy.deepcopy(model)
+    _apply(model)
+    assert model.__dict__["_annotate_offload_state"].graph_module_eval is not None
+    assert_same_step(run_step(model, X), run_step(ref, X))
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        assert torch.equal(model(X), ref(X))
+    model.train(), ref.train()
+    assert_same_step(run_step(model, X), run_step(ref, X))
+
+
+def test_same_graph_for_both_modes_is_traced_once():
+    model = Stack(3)
+    _apply(model)
+    assert model.__dict__["_annotate_offload_state"].graph_module_eval is None
+
+
+@pytest.mark.parametrize("path", ["fx", "hooks"])
+def test_two_forwards_then_one_backward(path):
+    model = Stack(4)
+    ref = copy.deepcopy(model)
+    _apply(model, path)
+    for m in (model, ref):
+        (m(X).square().mean() + m(X * 2).square().mean()).backward()
+    assert _grads_equal(model, ref)
+
+
+@pytest.mark.parametrize("path", ["fx", "hooks"])
+def test_retain_graph_backward_twice(path):
+    model = Stack(4)
+    ref = copy.deepcopy(model)
+    _apply(model, path)
+    for m in (model, ref):
+        loss = m(X).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert _grads_equal(model, ref)
+    assert sync_of(model).stats.bytes_offloaded > 0
+
+
+def test_dtype_move_after_transform():
+    class Scaled(Stack):  # a root buffer the graph reads: .double() replaces the buffer object
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    scaled = Scaled(4)
+    scaled.register_buffer("scale", torch.full((64,), 0.5))
+    ref = copy.deepcopy(scaled)
+    _apply(scaled)
+    scaled.double(), ref.double()
+    x = X.double()
+    assert_same_step(run_step(scaled, x), run_step(ref, x))
+    assert sync_of(scaled).stats.bytes_offloaded > 0
+
+
+def test_import_does_not_initialise_cuda():
+    code = ("import torch, annotate_offload.annotate as a; from annotate_offload.annotate import _transform, "
+            "_fx_pass, _hooks, _estimate; print(torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
