@@ -10,6 +10,8 @@ not initialise CUDA.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import shlex
 import sys
@@ -102,13 +104,34 @@ def _run_activations(args, command: str) -> int:
     return 0
 
 
-def _run_optimizer(argv: list) -> int:
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for s in self.streams:
+            s.flush()
+
+
+def _run_optimizer(argv: list, out_dir: str | None = None) -> int:
     try:
         from annotate_offload.bench import optimizer
     except ImportError as exc:
         print(f"bench optimizer: annotate_offload.bench.optimizer is not importable ({exc}); skipped.", file=sys.stderr)
         return 0
-    rc = optimizer.main(argv)
+    if out_dir is None:
+        return int(optimizer.main(argv) or 0)
+    captured = io.StringIO()  # its table goes to stdout; keep a copy as DIR/optimizer.md
+    with contextlib.redirect_stdout(_Tee(sys.stdout, captured)):
+        rc = optimizer.main(argv)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "optimizer.md"), "w") as f:
+        f.write(captured.getvalue())
     return int(rc or 0)
 
 
@@ -119,7 +142,8 @@ def main(argv=None, prog: str = "annotate-offload bench") -> int:
         argv (list[str] | None): arguments after ``bench`` (default: ``sys.argv[1:]``), e.g.
             ``["activations", "--tiny", "--out", "bench_out"]``. For ``optimizer`` every argument
             after it is passed to ``annotate_offload.bench.optimizer.main`` unchanged; ``all``
-            passes it ``--tiny`` and ``--out`` when given.
+            passes it ``--tiny`` when given and, with ``--out DIR``, also saves its table as
+            ``DIR/optimizer.md``.
         prog (str): program name shown in help and in the reports' command line.
 
     Returns:
@@ -139,6 +163,5 @@ def main(argv=None, prog: str = "annotate-offload bench") -> int:
     if args.what in ("activations", "all"):
         rc = _run_activations(args, command)
     if args.what in ("optimizer", "all"):
-        rest = (["--tiny"] if args.tiny else []) + (["--out", args.out] if args.out else [])
-        rc = rc or _run_optimizer(rest)
+        rc = rc or _run_optimizer(["--tiny"] if args.tiny else [], args.out)
     return rc

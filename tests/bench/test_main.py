@@ -24,12 +24,15 @@ def test_optimizer_arguments_pass_through_unchanged(fake_optimizer):
     assert fake_optimizer == [["--tiny", "--fraction", "0.5", "--whatever"]]
 
 
-def test_all_runs_activations_then_optimizer_with_tiny_and_out(fake_optimizer, monkeypatch, tmp_path):
+def test_all_runs_activations_then_optimizer_and_saves_its_table(fake_optimizer, monkeypatch, tmp_path, capsys):
     ran = []
     monkeypatch.setattr(bench, "_run_activations", lambda args, command: ran.append(command) or 0)
+    sys.modules["annotate_offload.bench.optimizer"].main = lambda argv: fake_optimizer.append(argv) or print("| W3 |")
     assert bench.main(["all", "--tiny", "--out", str(tmp_path)]) == 0
     assert ran == [f"annotate-offload bench all --tiny --out {tmp_path}"]
-    assert fake_optimizer == [["--tiny", "--out", str(tmp_path)]]
+    assert fake_optimizer == [["--tiny"]]
+    assert capsys.readouterr().out == "| W3 |\n"
+    assert (tmp_path / "optimizer.md").read_text() == "| W3 |\n"
 
 
 def test_default_is_all(fake_optimizer, monkeypatch):
