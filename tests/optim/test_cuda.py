@@ -3,7 +3,9 @@
 Tolerance: the host half runs torch's fused CPU AdamW and the reference runs fused CUDA AdamW;
 the two kernels round ``sqrt``/division differently in the last bit, so weights are compared with
 ``rtol=1e-5, atol=1e-5`` after up to 20 steps at ``lr=1e-2`` (fraction 0 is bit-exact and is
-checked with ``rtol=atol=0``).
+checked with ``rtol=atol=0``). The bf16-model test with clipping compares fp32 masters with
+``rtol=1e-2, atol=1e-3``: with ``offload_gradients`` the norm of host-held gradients is computed in
+fp32 on the host and in bf16 on the GPU reference.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def test_modes_clip_accumulate_bf16(mode):
         if mode != "step_in_backward":
             n = opt.clip_grad_norm_(0.05)
             n_ref = torch.nn.utils.clip_grad_norm_(list(r.parameters()), 0.05)
-            torch.testing.assert_close(n.float(), n_ref.float(), rtol=1e-3, atol=0)
+            torch.testing.assert_close(n.float(), n_ref.float(), rtol=1e-2, atol=0)  # bf16 norms: ~3 digits
         for p, q in zip(r.parameters(), masters):
             q.grad = p.grad.float()
         opt.step()
@@ -123,7 +125,7 @@ def test_modes_clip_accumulate_bf16(mode):
         r.zero_grad()
     for p, q in zip(m.parameters(), masters):
         st = opt.state[p]
-        torch.testing.assert_close(st["master_param"].to("cuda"), q.detach(), rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(st["master_param"].to("cuda"), q.detach(), rtol=1e-2, atol=1e-3)
         torch.testing.assert_close(p, st["master_param"].to(p.device, torch.bfloat16), rtol=0, atol=0)
 
 
@@ -175,3 +177,31 @@ def test_gpu_memory_falls_linearly_with_fraction(offload_gradients):
         # issue 4 item 6: within 5%, plus (offload_gradients) one chunk of gradients still being copied
         slack = 0.05 * base + (CHUNK + GRAD if offload_gradients else 0)
         assert abs(peak - expected) <= slack, (f, peak, expected, base)
+
+
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_o06_state_to_host_and_back_on_gpu(f):
+    m = Tiny(device="cuda")
+    r = copy.deepcopy(m)
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, lr=1e-2)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+
+    def steps(n):
+        for _ in range(n):
+            x = torch.randn(5, 8, device="cuda")
+            for model, o in ((m, opt), (r, ref)):
+                loss_of(model, x).backward()
+                o.step()
+                o.zero_grad()
+
+    steps(3)
+    for dev in ("cpu", "cuda"):  # what RL frameworks do between rollouts
+        for st in opt.state.values():
+            for k, v in list(st.items()):
+                if torch.is_tensor(v):
+                    st[k] = v.to(dev)
+    steps(3)
+    _close(m, r)
+    for s in opt._host_slots:
+        assert opt.state[s.param]["exp_avg"].device.type == "cpu"
+        assert opt.state[s.param]["master_param"] is s.master and s.master.is_pinned()

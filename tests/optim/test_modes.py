@@ -240,3 +240,13 @@ def test_throttle_bounds_gradients_in_flight():
     evs[3].done = True
     opt._throttle(evs[4], 10)  # finished copies are dropped without waiting
     assert [e for e, _ in opt._inflight] == [evs[4]] and opt._inflight_bytes == 10
+
+
+def test_empty_group_is_tolerated():
+    m, r = pair()
+    opt = HybridDeviceOptimizer([{"params": []}, {"params": list(m.parameters())}], offload_fraction=0.5, lr=1e-2)
+    ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
+    train(m, opt, _xs(2))
+    train(r, ref, _xs(2))
+    assert_same(m, r)
+    opt.load_state_dict(opt.state_dict())
