@@ -15,6 +15,14 @@ signature and positional order, same returns, same validation. Differences, all 
 D2H copies start at save time, the schedule accepts ``release_lag`` / ``prefetch_layers``, the
 selection policy and device backend are keyword options, and with grad disabled (``no_grad``,
 ``inference_mode``: eval passes) the context passes straight through.
+
+Note [Nesting]. Several offload contexts may live in one process (a policy and a reference
+model): each has its own synchronizer and counters; they share the side streams and the host
+buffer pool. Only the innermost ``saved_tensors_hooks`` pair is active (PyTorch semantics): a
+user's own hooks entered *inside* a layer's scope see every tensor saved there and nothing is
+offloaded; hooks entered *around* the context see only what is saved outside the layer scopes.
+``torch.utils.checkpoint`` inside a layer saves its inputs through our hooks (they are
+offloaded) and recomputes the rest in backward.
 """
 
 from __future__ import annotations

@@ -102,9 +102,10 @@ class OffloadSynchronizer:
 
     Args:
         num_layers (int): model layers, i.e. layer scopes per forward (TE's ``model_layers``).
-        retain_pinned_cpu_buffers (bool): keep the host buffer pool across steps even when
-            :meth:`release_pinned_buffers` would otherwise be called by the user; host buffers are
-            always reused across steps (exact sizes, see ``_pinned_pool``). Default: ``False``.
+        retain_pinned_cpu_buffers (bool): accepted for TransformerEngine compatibility. Host
+            buffers are always kept in an exact-size pool and reused across steps (TE reuses
+            them only with this flag); :meth:`release_pinned_buffers` gives the unused ones
+            back. Default: ``False``.
         offload_stream: a CUDA stream to use for both D2H and H2D instead of the runtime's shared
             side streams (TE's manual-mode option). Default: ``None``.
         policy (str): ``"opt_out"`` or ``"opt_in"``; ``None`` uses ``NVTE_CPU_OFFLOAD_V1``.
