@@ -41,7 +41,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="timed steps per method, median reported (default: 10, tiny: 2)")
     p.add_argument("--release-lag", default="0,1", help="release_lag values to try, comma-separated, 'none' = TE schedule (default: 0,1)")
     p.add_argument("--prefetch-layers", default="1,2", help="prefetch_layers values to try, comma-separated (default: 1,2)")
-    p.add_argument("--profile", action="store_true", help="torch.profiler table + trace of one step of the fastest annotate_offload setting (into --out, default ./bench_out)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table + trace of one step of the fastest annotate_offload setting (into --out, default ./out/bench, git-ignored)")
     p.add_argument("--no-png", action="store_true", help="skip the matplotlib chart")
     return p
 
@@ -72,7 +72,7 @@ def _run_activations(args, command: str) -> int:
         raise ValueError(f"bench: --prefetch-layers values must be >= 1 or 'none', got {args.prefetch_layers!r}.")
     warmup = _positive("--warmup", args.warmup, 1 if args.tiny else 3)
     steps = _positive("--steps", args.steps, 2 if args.tiny else 10)
-    out_dir = args.out or ("bench_out" if args.profile else None)
+    out_dir = args.out or (os.path.join("out", "bench") if args.profile else None)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  (table goes to stdout)
     reports, bandwidth = [], None
     for workload in workloads:
