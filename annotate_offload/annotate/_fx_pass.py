@@ -15,6 +15,7 @@ inputs are packed inside the layer's scope and really offloaded.
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -97,7 +98,11 @@ def _trace(model: nn.Module, layers: list[LayerRef]) -> fx.GraphModule:
     for g in globals_dicts:
         g["checkpoint"] = stand_in
     try:
-        graph = _LayerTracer(ids).trace(model)
+        with warnings.catch_warnings():
+            # Tracing probes attributes; deprecation notices it triggers (HF) are noise here.
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            graph = _LayerTracer(ids).trace(model)
     except FxTraceError:
         raise
     except Exception as e:  # tracing fails with many error types (TraceError, TypeError, ...)

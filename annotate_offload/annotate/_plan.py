@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["LayerPlan", "OffloadPlan"]
 
@@ -56,6 +56,8 @@ class OffloadPlan:
             the first training forward, which replace any estimate), ``"estimate"`` (meta-device
             run of ``example_inputs``, until the first training step) or ``"pending"``.
         notes (tuple[str, ...]): warnings given while planning, for the record.
+        runtime (DefaultOffloadSynchronizer): the runtime engine the model's forward drives
+            (``plan.stats`` is its ``OffloadStats``).
     """
 
     layers: tuple[LayerPlan, ...]
@@ -64,6 +66,12 @@ class OffloadPlan:
     layer_source: str = ""
     bytes_source: str = "pending"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    runtime: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def stats(self) -> Any:
+        """The runtime's ``OffloadStats`` of the current or last training step (bytes moved, kept reasons)."""
+        return None if self.runtime is None else self.runtime.stats
 
     @property
     def num_layers(self) -> int:

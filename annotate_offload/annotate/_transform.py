@@ -401,7 +401,7 @@ def offload_transform(
     plan = OffloadPlan(
         layers=tuple(LayerPlan(i, r.fqn, type(r.module).__name__, c, declared_keep[i], reason=why)  # type: ignore[arg-type]
                      for i, (r, c, why) in enumerate(zip(refs, choices, reasons))),
-        path=chosen_path, fx_failure=fx_failure, layer_source=how, notes=tuple(notes),
+        path=chosen_path, fx_failure=fx_failure, layer_source=how, notes=tuple(notes), runtime=sync,
     )
     boundary = LayerBoundary(sync, offloaded, plan)
     hook_state = HookState()

@@ -85,6 +85,9 @@ def assert_same_step(a, b) -> None:
 
 
 def sync_of(model):
-    return model.__dict__["_annotate_offload_state"].boundary.sync
+    """The runtime engine the transformed model drives (public: ``model.offload_plan.runtime``)."""
+    sync = model.offload_plan.runtime
+    assert sync is model.__dict__["_annotate_offload_state"].boundary.sync
+    return sync
 
 

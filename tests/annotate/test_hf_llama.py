@@ -93,3 +93,16 @@ def test_hf_activation_checkpointing_offloads_the_checkpoint_inputs():
     _same(a, _step(ref, ids))
     # Only the checkpoint's saved input (the hidden states, 2 x 16 x 64 fp32) leaves per layer.
     assert sync_of(model).stats.bytes_offloaded_per_layer == {0: 2 * 16 * 64 * 4, 1: 2 * 16 * 64 * 4}
+
+
+def test_peft_lora_model_goes_through_the_hook_path():
+    peft = pytest.importorskip("peft")
+    if not hasattr(peft, "get_peft_model"):
+        pytest.skip(f"`import peft` found {peft.__file__}, not Hugging Face peft (a tests/peft package shadows it)")
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ref = copy.deepcopy(model)
+    offload_transform(model, num_layers=2, min_offload_numel=0)
+    assert model.offload_plan.layers[0].fqn == "base_model.model.model.layers.0"
+    ids = _ids()
+    _same(_step(model, ids), _step(ref, ids))
+    assert set(model.offload_plan.stats.bytes_offloaded_per_layer) == {0, 1}
