@@ -1,0 +1,37 @@
+"""Offload under torch.distributed, one process per device (DDP, FSDP2 ``fully_shard``), launched with torchrun.
+
+* optimizer wiring: :func:`attach_optimizer` (DDP or FSDP2), :func:`register_offload_comm_hook`
+  (DDP: reduced gradients, each bucket's D2H after its all-reduce);
+* host threads: :func:`local_thread_budget` (cores / local ranks, NUMA-aware), :class:`ThreadBudget`;
+* shards: :func:`local_shard` (a DTensor parameter -> this rank's tensor);
+* checkpoints through ``torch.distributed.checkpoint`` at any world size and offload fraction:
+  :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`optimizer_state_dict`,
+  :func:`set_optimizer_state_dict`.
+
+Activation offload needs nothing extra: ``offload_transform`` works per rank, and FSDP2's
+unsharded parameters (and their casts) are parameters, so the runtime never offloads them.
+Importing this module does not initialise CUDA or a process group.
+"""
+
+from ._attach import ShardedAttachment, attach_optimizer
+from ._checkpoint import load_checkpoint, optimizer_state_dict, save_checkpoint, set_optimizer_state_dict
+from ._ddp import OffloadCommHook, register_offload_comm_hook
+from ._shards import local_shard
+from ._threads import ThreadBudget, local_thread_budget
+
+__all__ = [
+    # optimizer wiring
+    "attach_optimizer",
+    "register_offload_comm_hook",
+    "OffloadCommHook",
+    "ShardedAttachment",
+    # host threads and shards
+    "local_thread_budget",
+    "ThreadBudget",
+    "local_shard",
+    # checkpoints (torch.distributed.checkpoint)
+    "save_checkpoint",
+    "load_checkpoint",
+    "optimizer_state_dict",
+    "set_optimizer_state_dict",
+]

@@ -1,0 +1,105 @@
+"""``attach_optimizer``: wire a ``HybridDeviceOptimizer`` to a DDP or FSDP2 model (private).
+
+FSDP2 needs no change of the gradient path: it calls the sharded parameters' post-accumulate-grad
+hooks after the reduce-scatter (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), with the
+reduce-scatter stream current, so the optimizer's own hooks copy the reduced local shard
+(``to_local()``) and each rank offloads exactly its shard. What the attachment adds there is the
+guard of Note [Local shards] (``_shards.py``) and a refusal of the optimizer's own
+``clip_grad_norm_``, whose norm would cover only this rank's shard; ``torch.nn.utils.clip_grad_norm_``
+on the DTensor gradients computes the global norm, and the optimizer re-copies the clipped
+gradients at ``step()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import OffloadError
+from . import _seams
+from ._ddp import OffloadCommHook, register_offload_comm_hook
+from ._shards import check_local_shards, is_dtensor, param_owners
+
+__all__: list[str] = []
+
+
+class ShardedAttachment:
+    """What :func:`attach_optimizer` installed on an FSDP2 (or plain) model.
+
+    Attributes:
+        sharded (bool): some parameters are DTensors (each rank steps its local shard).
+    """
+
+    def __init__(self, opt: Any, model: nn.Module, sharded: bool) -> None:
+        self._opt = opt
+        self._owners = param_owners(model)
+        self.sharded = sharded
+        self._handle = opt.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, *_: Any) -> None:
+        check_local_shards(self._opt, self._owners, who="HybridDeviceOptimizer.step")
+
+    def detach(self) -> None:
+        """Remove the step pre-hook (idempotent)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+            self._opt.__dict__.pop("clip_grad_norm_", None)
+
+    def __repr__(self) -> str:
+        return f"ShardedAttachment(sharded={self.sharded})"
+
+
+def _refuse_local_clip(*_: Any, **__: Any) -> torch.Tensor:
+    raise OffloadError(
+        "HybridDeviceOptimizer.clip_grad_norm_: under FSDP2 its norm would cover only this rank's shard. Clip with "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) (global norm over DTensor gradients; needs "
+        "offload_gradients=False so the gradients are still on the device) before optimizer.step()."
+    )
+
+
+def attach_optimizer(model: nn.Module, optimizer: Any) -> "OffloadCommHook | ShardedAttachment":
+    """Wire a ``HybridDeviceOptimizer`` to a model trained with torch.distributed, one process per device.
+
+    * ``DistributedDataParallel``: :func:`register_offload_comm_hook` (reduced gradients, D2H per
+      bucket after its all-reduce).
+    * FSDP2 (``fully_shard``) or a plain module: the optimizer's own hooks already see reduced
+      local shards; a step pre-hook raises ``OffloadError`` if a parameter or its local shard
+      storage was replaced behind the optimizer (Note [Local shards]), and, when parameters are
+      sharded, the optimizer's ``clip_grad_norm_`` (shard-local norm) is refused in favour of
+      ``torch.nn.utils.clip_grad_norm_``.
+
+    Args:
+        model (nn.Module): the DDP-wrapped or ``fully_shard``-ed model.
+        optimizer (HybridDeviceOptimizer): built on ``model``'s parameters.
+
+    Returns:
+        OffloadCommHook | ShardedAttachment: the installed hook (DDP) or attachment (FSDP2/plain).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``optimizer`` is not a ``HybridDeviceOptimizer``.
+        ValueError: the optimizer steps parameters ``model`` does not own; see
+            :func:`register_offload_comm_hook` for the DDP-specific ones.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach_optimizer: model must be an nn.Module, got {type(model).__name__}.")
+    if isinstance(model, DistributedDataParallel):
+        return register_offload_comm_hook(model, optimizer)
+    opt = _seams.check_optimizer(optimizer, "attach_optimizer")
+    owned = {id(p) for p in model.parameters()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    foreign = [tuple(p.shape) for p in params if id(p) not in owned]
+    if foreign:
+        raise ValueError(
+            f"attach_optimizer: the optimizer steps {len(foreign)} parameter(s) the model does not own (shapes "
+            f"{foreign[:3]}); build it on model.parameters() after fully_shard(model)."
+        )
+    sharded = any(is_dtensor(p) for p in params)
+    att = ShardedAttachment(opt, model, sharded)
+    if sharded:
+        opt.__dict__["clip_grad_norm_"] = _refuse_local_clip
+    return att

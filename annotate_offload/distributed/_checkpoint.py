@@ -1,0 +1,246 @@
+"""``HybridDeviceOptimizer`` state through ``torch.distributed.checkpoint`` (DCP), at any world size and fraction (private).
+
+Note [DCP layout]: the optimizer's own ``state_dict()`` is keyed by parameter index and holds
+each rank's *local* tensors (a shard under FSDP2), on the host or the device depending on the
+fraction. DCP can reshard only what it can see as global tensors, so the adapter writes
+
+    {"model": <the model's state_dict()>,
+     "optim": {"state": {fqn: {"exp_avg": T, "exp_avg_sq": T, "step": t[, "master_param": T]}},
+               "param_groups": <JSON string of the groups, params as FQNs>}}
+
+where ``T`` is a DTensor with the parameter's mesh and placements whose local tensor is the
+optimizer's own state tensor, wherever it lives (no device copy is made: the host half stays on the
+host), and a plain tensor for a replicated (DDP or single-process) parameter, which DCP dedups
+across ranks. ``master_param`` is written only when its dtype differs from the parameter's (fp32
+masters of bf16 parameters): otherwise it equals the weights, which the model part already holds.
+Which keys exist therefore depends on dtypes only, never on the fraction or the world size, so a
+checkpoint loads into any split: loading builds destination tensors in the *new* layout from the
+checkpoint's metadata, lets DCP reshard into them, and hands a torch-format state dict to
+``HybridDeviceOptimizer.load_state_dict``, which places each tensor on the side that now steps it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..errors import OffloadError
+from . import _seams
+from ._shards import is_dtensor, local_shard, param_owners, shard_of
+
+__all__: list[str] = []
+
+_MODEL, _OPTIM = "model", "optim"
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _fqns(model: nn.Module, opt: Any, who: str) -> list[list[str]]:
+    owners = param_owners(_unwrap(model))
+    out = []
+    for gi, g in enumerate(opt.param_groups):
+        row = []
+        for pi, p in enumerate(g["params"]):
+            if id(p) not in owners:
+                raise ValueError(
+                    f"{who}: parameter {pi} of param group {gi} (shape {tuple(p.shape)}) is not a parameter of the model; "
+                    "pass the model the optimizer was built on."
+                )
+            row.append(owners[id(p)][2])
+        out.append(row)
+    return out
+
+
+def _as_global(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``v`` (this rank's piece of a state of ``p``) as DCP should see it; no copy, no device move."""
+    if not is_dtensor(p) or v.dim() == 0 or tuple(v.shape) != tuple(local_shard(p).shape):
+        return v
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    # DTensor.from_local would move a host tensor to the mesh's device; build the wrapper directly.
+    spec = DTensorSpec(p.device_mesh, tuple(p.placements), tensor_meta=TensorMeta(p.shape, p.stride(), v.dtype))
+    return DTensor(v.detach(), spec, requires_grad=False)
+
+
+def _groups_json(opt: Any, fqns: list[list[str]]) -> str:
+    groups = []
+    for g, names in zip(opt.param_groups, fqns):
+        d = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            d[k] = list(v) if isinstance(v, tuple) else v
+        d["params"] = names
+        groups.append(d)
+    return json.dumps(groups, sort_keys=True)
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer part of a DCP checkpoint (Note [DCP layout] in this module).
+
+    Tensors are the optimizer's own state tensors (no copy; host state stays on the host), wrapped
+    as DTensors for sharded parameters. Finishes host work in flight first (``optimizer.flush()``).
+
+    Args:
+        model (nn.Module): the model the optimizer was built on (DDP wrapper, ``fully_shard``-ed or plain).
+        optimizer (HybridDeviceOptimizer): its optimizer.
+
+    Returns:
+        dict: ``{"state": {fqn: {name: tensor}}, "param_groups": str}``, to store under one key of
+        the state dict passed to ``torch.distributed.checkpoint.save``.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``HybridDeviceOptimizer``.
+        ValueError: the optimizer holds a parameter that is not the model's.
+    """
+    opt = _seams.check_optimizer(optimizer, "optimizer_state_dict")
+    fqns = _fqns(model, opt, "optimizer_state_dict")
+    opt.flush()
+    state: dict[str, dict[str, Any]] = {}
+    for g, names in zip(opt.param_groups, fqns):
+        for p, name in zip(g["params"], names):
+            st = opt.state.get(p)
+            if not st:
+                continue
+            out = {}
+            for k, v in st.items():
+                if k == "master_param" and (not torch.is_tensor(v) or v.dtype == p.dtype):
+                    continue  # equals the weights (Note [DCP layout])
+                out[k] = _as_global(v, p) if torch.is_tensor(v) else v
+            state[name] = out
+    return {"state": state, "param_groups": _groups_json(opt, fqns)}
+
+
+def _template(model: nn.Module, opt: Any, fqns: list[list[str]], md: Any, key: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = md.state_dict_metadata
+    by_fqn: dict[str, dict[str, Any]] = {}
+    prefix = f"{key}.state."
+    for k, meta in entries.items():
+        if k.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
+            fqn, _, name = k[len(prefix) :].rpartition(".")
+            by_fqn.setdefault(fqn, {})[name] = meta
+    state: dict[str, dict[str, Any]] = {}
+    for g, names in zip(opt.param_groups, fqns):
+        for p, name in zip(g["params"], names):
+            metas = by_fqn.get(name)
+            if not metas:
+                continue
+            d = {}
+            for sk, meta in metas.items():
+                size, dtype = tuple(meta.size), meta.properties.dtype
+                if is_dtensor(p) and size == tuple(p.shape) and len(size) > 0:
+                    local_shape, _ = shard_of(p)
+                    d[sk] = _as_global(torch.empty(local_shape, dtype=dtype), p)
+                else:
+                    d[sk] = torch.empty(size, dtype=dtype)
+            state[name] = d
+    if f"{key}.param_groups" not in entries:
+        raise OffloadError(
+            f"load_checkpoint: the checkpoint has no '{key}.param_groups'; it was not written by "
+            "annotate_offload.distributed.save_checkpoint (or key= differs)."
+        )
+    return {"state": state, "param_groups": ""}
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizer: Any, state_dict: dict[str, Any]) -> None:
+    """Load the optimizer part of a DCP checkpoint (as filled by ``torch.distributed.checkpoint.load``).
+
+    Each tensor is this rank's piece in the optimizer's *current* layout (DCP resharded it);
+    ``HybridDeviceOptimizer.load_state_dict`` places it on the side that steps it now, so the
+    fraction may differ from the saved one. Hyper-parameters (``lr``, ``betas``, ...) come from
+    the checkpoint; structural options (fraction, modes) stay the optimizer's.
+
+    Raises:
+        ValueError: the checkpoint's param groups do not hold the same parameters (by FQN) as the
+            optimizer's, group by group.
+    """
+    opt = _seams.check_optimizer(optimizer, "set_optimizer_state_dict")
+    fqns = _fqns(model, opt, "set_optimizer_state_dict")
+    saved_groups = json.loads(state_dict["param_groups"]) if isinstance(state_dict["param_groups"], str) else state_dict["param_groups"]
+    if [g["params"] for g in saved_groups] != fqns:
+        raise ValueError(
+            "set_optimizer_state_dict: the checkpoint's param groups hold parameters "
+            f"{[g['params'][:3] for g in saved_groups]}... but the optimizer's are {[f[:3] for f in fqns]}...; build the "
+            "optimizer with the same groups, in the same order, as the one that was saved."
+        )
+    sd_state: dict[int, dict[str, Any]] = {}
+    groups = []
+    idx = 0
+    for sg, names in zip(saved_groups, fqns):
+        g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in sg.items() if k != "params"}
+        ids = []
+        for name in names:
+            st = state_dict["state"].get(name)
+            if st:
+                sd_state[idx] = {k: (local_shard(v) if torch.is_tensor(v) else v) for k, v in st.items()}
+            ids.append(idx)
+            idx += 1
+        g["params"] = ids
+        groups.append(g)
+    opt.load_state_dict({"state": sd_state, "param_groups": groups})
+
+
+def save_checkpoint(model: nn.Module, optimizer: Any, checkpoint_id: Any, *, process_group: Any = None) -> None:
+    """Save model and ``HybridDeviceOptimizer`` state with ``torch.distributed.checkpoint``.
+
+    Collective: every rank of ``process_group`` calls it. Loadable by :func:`load_checkpoint` at
+    another world size, another ``offload_fraction``, DDP or FSDP2 or a single process.
+
+    Args:
+        model (nn.Module): DDP-wrapped, ``fully_shard``-ed or plain; its ``state_dict()`` is saved
+            (a DDP wrapper's inner module, so keys carry no ``module.`` prefix).
+        optimizer (HybridDeviceOptimizer): built on ``model``'s parameters.
+        checkpoint_id (str | os.PathLike): checkpoint directory (DCP's ``FileSystemWriter``).
+        process_group: DCP's process group. Default: the default group (none: single process).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    sd = {_MODEL: _unwrap(model).state_dict(), _OPTIM: optimizer_state_dict(model, optimizer)}
+    dcp.save(sd, checkpoint_id=checkpoint_id, process_group=process_group)
+
+
+def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: Any, *, process_group: Any = None) -> None:
+    """Load a checkpoint of :func:`save_checkpoint` into ``model`` (in place) and ``optimizer``.
+
+    Weights are written into the existing parameters (no replacement, so the optimizer's local
+    shards stay valid), the optimizer's masters are re-seeded from them, then the optimizer state
+    is loaded in its own layout (Note [DCP layout]).
+
+    Args:
+        model (nn.Module): DDP-wrapped, ``fully_shard``-ed or plain, with the saved architecture.
+        optimizer (HybridDeviceOptimizer | None): built on ``model``'s parameters; ``None`` loads
+            the weights only.
+        checkpoint_id (str | os.PathLike): checkpoint directory.
+        process_group: DCP's process group. Default: the default group (none: single process).
+
+    Raises:
+        OffloadError: the checkpoint has no optimizer part (``optimizer`` given).
+        ValueError: parameter groups differ (see :func:`set_optimizer_state_dict`).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    inner = _unwrap(model)
+    msd = inner.state_dict()
+    dcp.load({_MODEL: msd}, checkpoint_id=checkpoint_id, process_group=process_group)
+    inner.load_state_dict(msd)
+    if optimizer is None:
+        return
+    opt = _seams.check_optimizer(optimizer, "load_checkpoint")
+    opt.reload_model_params()
+    fqns = _fqns(model, opt, "load_checkpoint")
+    md = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    osd = _template(model, opt, fqns, md, _OPTIM)
+    dcp.load({_OPTIM: osd}, checkpoint_id=checkpoint_id, process_group=process_group)
+    set_optimizer_state_dict(model, opt, osd)

@@ -1,0 +1,155 @@
+"""DDP: the host step sees all-reduced gradients, and each bucket's D2H starts when its all-reduce ends (private).
+
+Note [DDP and host-stepped gradients]: ``HybridDeviceOptimizer`` starts each offloaded gradient's
+D2H from a post-accumulate-grad hook. Under DDP that hook fires when autograd has accumulated the
+*local* gradient, before DDP's bucket all-reduce: the copy would carry this rank's gradient, not
+the mean. :func:`register_offload_comm_hook` therefore removes those hooks and installs a DDP
+communication hook that
+
+1. divides the bucket by the world size and all-reduces it (torch's default ``allreduce_hook``,
+   same bits: sum of the ``1/W``-scaled gradients);
+2. in the all-reduce future's callback (NCCL: on the launching thread, with the current stream
+   waiting on the collective; gloo: on a gloo worker thread after the reduction), starts the D2H of
+   every host-stepped parameter of the bucket through the optimizer's own path (ready event on the
+   current stream, D2H stream, pinned buffer).
+
+With ``gradient_as_bucket_view=True`` ``p.grad`` *is* the reduced bucket view, so the copy taken in
+the callback is what ``step()`` would copy, and ``step()`` recognises it (same tensor, same
+version) and does not copy again. Any later in-place change (``clip_grad_norm_``, a scaler's
+``unscale_``) bumps the version and is re-copied at ``step()``, as on one GPU. With the default
+``gradient_as_bucket_view=False`` DDP copies the reduced bucket into ``p.grad`` only at the end of
+backward, so the callback cannot copy yet: every D2H happens at ``step()`` (correct, not overlapped;
+a warning says so). ``ddp.no_sync()`` micro-batches run no hook; the synced backward copies.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _seams
+
+__all__: list[str] = []
+
+
+class OffloadCommHook:
+    """The DDP communication hook of :func:`register_offload_comm_hook` (one per DDP model).
+
+    Attributes:
+        copied_in_hook (int): host-stepped gradients whose D2H started in a bucket callback (cumulative).
+        copied_at_step (int): host-stepped gradients that ``step()`` still had to copy (cumulative;
+            stays 0 with ``gradient_as_bucket_view=True`` and no gradient change after backward).
+        overlapped (bool): ``gradient_as_bucket_view`` was on, so D2H starts in backward.
+    """
+
+    def __init__(self, opt: Any, process_group: Any, overlapped: bool) -> None:
+        self._opt = opt
+        self._pg = process_group
+        self._lock = threading.Lock()  # gloo runs bucket callbacks on several worker threads
+        self.overlapped = overlapped
+        self.copied_in_hook = 0
+        self.copied_at_step = 0
+        self._pre_step = None
+
+    def allreduce_then_copy(self, state, bucket):  # no annotations: DDP's _check_comm_hook compares them by value
+        """The hook DDP calls per bucket: mean all-reduce, then the D2H of its host-stepped gradients."""
+        buf = bucket.buffer()
+        buf.div_(self._pg.size() if self._pg is not None else dist.get_world_size())
+        params = list(bucket.parameters()) if self.overlapped else []
+        fut = dist.all_reduce(buf, group=self._pg, async_op=True).get_future()
+        return fut.then(lambda f: self._reduced(f, buf, params))
+
+    def _reduced(self, fut: torch.futures.Future, buf: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        out = fut.value()[0]
+        if not params:
+            return out
+        lo = out.data_ptr()
+        hi = lo + out.numel() * out.element_size()
+        with self._lock:
+            for p in params:
+                slot = _seams.host_slot(self._opt, p)
+                g = p.grad
+                if slot is None or g is None or not lo <= g.data_ptr() < hi:
+                    continue  # device-stepped, or the grad is not (yet) the reduced bucket view
+                _seams.grad_ready(self._opt, slot)
+                self.copied_in_hook += 1
+        return out
+
+    def _before_step(self, *_: Any) -> None:
+        for slot, on_host in _seams.slots(self._opt):
+            if on_host and slot.param.grad is not None and not _seams.grad_copied(slot, slot.param.grad):
+                self.copied_at_step += 1
+
+    def __repr__(self) -> str:
+        return f"OffloadCommHook(overlapped={self.overlapped}, copied_in_hook={self.copied_in_hook}, copied_at_step={self.copied_at_step})"
+
+
+def register_offload_comm_hook(ddp_model: Any, optimizer: Any) -> OffloadCommHook:
+    """Make a ``HybridDeviceOptimizer`` step DDP's reduced gradients, with each bucket's D2H after its all-reduce.
+
+    See Note [DDP and host-stepped gradients] in this module. Call once, after wrapping the model
+    in DDP and building the optimizer, before the first backward.
+
+    Args:
+        ddp_model (DistributedDataParallel): the wrapped model. ``gradient_as_bucket_view=True`` is
+            needed for the D2H to start in backward; without it every D2H happens at ``step()``.
+        optimizer (HybridDeviceOptimizer): built on ``ddp_model``'s parameters.
+
+    Returns:
+        OffloadCommHook: the installed hook, with copy counters.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, ``optimizer`` is not a
+            ``HybridDeviceOptimizer``.
+        ValueError: the optimizer steps a parameter the DDP model does not own, or it was built with
+            ``offload_gradients=True`` (under DDP the gradient bucket stays allocated, so freeing
+            ``p.grad`` saves nothing and breaks the bucket view).
+
+    Warns:
+        UserWarning: ``gradient_as_bucket_view=False`` (no D2H overlap with backward).
+
+    Example::
+
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        opt = HybridDeviceOptimizer(ddp.parameters(), offload_fraction=0.5, lr=1e-4)
+        register_offload_comm_hook(ddp, opt)
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"register_offload_comm_hook: ddp_model must be a torch.nn.parallel.DistributedDataParallel, got "
+            f"{type(ddp_model).__name__}; for FSDP2 (fully_shard) models use attach_optimizer(model, optimizer)."
+        )
+    opt = _seams.check_optimizer(optimizer, "register_offload_comm_hook")
+    if _seams.offloads_gradients(opt):
+        raise ValueError(
+            "register_offload_comm_hook: the optimizer has offload_gradients=True; under DDP the gradient bucket stays "
+            "allocated, so freeing p.grad saves no GPU memory and breaks gradient_as_bucket_view. Build it with "
+            "offload_gradients=False, or shard gradients with FSDP2 (fully_shard) instead."
+        )
+    owned = {id(p) for p in ddp_model.parameters()}
+    foreign = [tuple(p.shape) for g in opt.param_groups for p in g["params"] if id(p) not in owned]
+    if foreign:
+        raise ValueError(
+            f"register_offload_comm_hook: the optimizer steps {len(foreign)} parameter(s) the DDP model does not own "
+            f"(shapes {foreign[:3]}); build the optimizer on ddp_model.parameters()."
+        )
+    overlapped = bool(getattr(ddp_model, "gradient_as_bucket_view", False))
+    if not overlapped:
+        warnings.warn(
+            "register_offload_comm_hook: DistributedDataParallel(gradient_as_bucket_view=False) copies the reduced "
+            "gradients into p.grad only at the end of backward, so the host-stepped gradients are copied at step() "
+            "instead of during backward. Pass gradient_as_bucket_view=True to overlap the D2H with backward.",
+            UserWarning,
+            stacklevel=2,
+        )
+    hook = OffloadCommHook(opt, ddp_model.process_group, overlapped)
+    ddp_model.register_comm_hook(None, hook.allreduce_then_copy)  # raises itself if one is already registered
+    _seams.remove_grad_hooks(opt)
+    hook._pre_step = opt.register_step_pre_hook(hook._before_step)
+    return hook

@@ -1,0 +1,105 @@
+"""Parameter -> the tensor this rank stores, for plain tensors and DTensors (FSDP2) (private).
+
+Note [Local shards]: ``HybridDeviceOptimizer`` resolves each parameter to the tensor this rank
+owns once, at construction (``p.to_local()`` for a DTensor), and keeps host masters for exactly
+those elements. FSDP2 keeps the same DTensor parameter objects and the same local storage for the
+whole run (torch >= 2.6 re-pads at the first forward only when the local tensor changed), but a
+user who replaces a parameter (``load_state_dict(assign=True)``, ``module.to_empty``) or its local
+storage after the optimizer was built would otherwise train silently on a dead copy: the optimizer
+would write updates into storage the model no longer reads. :func:`check_local_shards` turns that
+into an ``OffloadError`` at the next ``step()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..errors import OffloadError
+from . import _seams
+
+__all__: list[str] = []
+
+
+def is_dtensor(t: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (checked by name: no distributed import needed)."""
+    return torch.is_tensor(t) and type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for ``t``: a DTensor's local shard (no autograd view), else ``t``.
+
+    Args:
+        t (torch.Tensor): a parameter, gradient or state tensor, plain or DTensor.
+
+    Returns:
+        torch.Tensor: shares storage with ``t``'s local data (writes are visible to the model).
+    """
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def shard_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local shape, global offset)`` of this rank's piece of ``t`` (``t.shape`` and zeros for a plain tensor).
+
+    Uses torch's own placement arithmetic, so uneven FSDP2 shards (a last rank with fewer rows or
+    none) come out as DCP sees them.
+    """
+    if not is_dtensor(t):
+        return tuple(t.shape), (0,) * t.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 and b.numel() == 0:
+        return True  # an empty shard has no storage to lose
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+def param_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str, str]]:
+    """``id(param) -> (owning module, attribute name, FQN)`` for every parameter of ``model``."""
+    out: dict[int, tuple[nn.Module, str, str]] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod.named_parameters(recurse=False):
+            out.setdefault(id(p), (mod, pname, f"{mname}.{pname}" if mname else pname))
+    return out
+
+
+def check_local_shards(opt: Any, owners: Optional[dict[int, tuple[nn.Module, str, str]]] = None, who: str = "HybridDeviceOptimizer") -> None:
+    """Raise if a parameter of ``opt`` was replaced, or its local storage moved, since construction.
+
+    Raises:
+        OffloadError: naming the parameter and what to do (build the optimizer after loading, or
+            load weights in place).
+    """
+    for slot, _ in _seams.slots(opt):
+        p = slot.param
+        name = "?"
+        if owners is not None and id(p) in owners:
+            mod, attr, name = owners[id(p)]
+            if getattr(mod, attr, None) is not p:
+                raise OffloadError(
+                    f"{who}: parameter {name!r} was replaced after the optimizer was built (e.g. load_state_dict(assign=True) "
+                    "or to_empty); the optimizer would keep updating the old tensor. Load weights in place "
+                    "(load_state_dict() without assign, or annotate_offload.distributed.load_checkpoint), or build the "
+                    "optimizer after replacing the parameters."
+                )
+        if not _same_storage(slot.local, local_shard(p)):
+            raise OffloadError(
+                f"{who}: the local shard of parameter {name!r} (shape {tuple(slot.local.shape)}) now lives in other storage "
+                "than when the optimizer was built (FSDP re-padding after an assign-style load, or .data replaced); its "
+                "updates would be lost. Build the HybridDeviceOptimizer after the model's first forward / after loading, "
+                "or load weights in place."
+            )

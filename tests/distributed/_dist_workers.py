@@ -1,0 +1,193 @@
+"""Per-rank bodies of the distributed tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from _dist_harness import LR, batches, full, loss_fn, make_model
+
+from annotate_offload.annotate import offload_transform
+from annotate_offload.distributed import _seams
+from annotate_offload.distributed import attach_optimizer, load_checkpoint, local_thread_budget, save_checkpoint
+from annotate_offload.errors import OffloadError
+from annotate_offload.optim import HybridDeviceOptimizer
+
+
+def _offload(model: nn.Module) -> nn.Module:
+    # min_offload_numel=1: the tiny model's activations are below the 256K default
+    return offload_transform(model, num_layers=2, min_offload_numel=1, prefetch_layers=1)
+
+
+def _train(model: nn.Module, opt: Any, rank: int, steps: int, first: int = 0, total: "int | None" = None) -> list[float]:
+    losses = []
+    data = batches(total or steps, dist.get_world_size())
+    for s in range(first, steps):
+        loss = loss_fn(model(data[s][rank]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: full(v).detach().clone() for k, v in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- DDP
+def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach: bool, steps: int = 3,
+              fraction: float = 0.5, offload: bool = True) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model()
+    if offload:
+        _offload(model)
+    # tiny buckets: several buckets, so D2H starts bucket by bucket
+    ddp = DDP(model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.001)
+    budget = local_thread_budget()
+    opt = HybridDeviceOptimizer(ddp.parameters(), offload_fraction=fraction, lr=LR, cpu_threads=budget.threads)
+    hook = None
+    caught: list[str] = []
+    if attach:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            hook = attach_optimizer(ddp, opt)
+        caught = [str(x.message) for x in w]
+    else:
+        late = [0]
+
+        def count_late(*_):  # what OffloadCommHook.copied_at_step counts, for the optimizer's own hooks
+            late[0] += sum(1 for p in opt.param_groups[0]["params"]
+                           if (s := _seams.host_slot(opt, p)) is not None and not _seams.grad_copied(s, p.grad))
+
+        opt.register_step_pre_hook(count_late)
+    losses = _train(ddp, opt, rank, steps)
+    return {
+        "weights": _weights(model), "losses": losses, "warnings": caught,
+        "copied_in_hook": None if hook is None else hook.copied_in_hook,
+        "copied_at_step": late[0] if hook is None else hook.copied_at_step,
+        "host_params": sum(1 for p in opt.placements if p.side == "cpu"),
+        "threads": opt.thread_budget, "budget": budget.threads,
+        "bytes_per_step": model.offload_plan.bytes_per_step if offload else None,
+    }
+
+
+def ddp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, Any]:
+    """All DDP scenarios in one pair of processes (spawning costs more than the scenarios)."""
+    return {
+        "bucket_view": ddp_train(rank, world, out_dir=out_dir, bucket_view=True, attach=True, steps=steps),
+        "no_bucket_view": ddp_train(rank, world, out_dir=out_dir, bucket_view=False, attach=True, steps=steps,
+                                    fraction=1.0, offload=False),
+        "unattached": ddp_train(rank, world, out_dir=out_dir, bucket_view=True, attach=False, steps=steps,
+                                fraction=1.0, offload=False),
+        "refusals": ddp_refusals(rank, world, out_dir=out_dir),
+    }
+
+
+def ddp_refusals(rank: int, world: int, *, out_dir: str) -> dict[str, str]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    model = make_model()
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    for name, call in {
+        "not_hdo": lambda: attach_optimizer(ddp, torch.optim.AdamW(ddp.parameters())),
+        "offload_gradients": lambda: attach_optimizer(ddp, HybridDeviceOptimizer(ddp.parameters(), offload_gradients=True)),
+        "foreign": lambda: attach_optimizer(ddp, HybridDeviceOptimizer([nn.Parameter(torch.ones(3))])),
+    }.items():
+        try:
+            call()
+            out[name] = "no error"
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+# --------------------------------------------------------------------------- FSDP2
+def _shard(model: nn.Module, reshard: bool = True) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for m in (model.inp, *model.layers, model.head):
+        fully_shard(m, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model
+
+
+def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction: float = 0.5, offload: bool = True,
+               offload_gradients: bool = False, clip: "float | None" = None) -> dict[str, Any]:
+    model = _shard(make_model())
+    if offload:
+        _offload(model)
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=fraction, lr=LR, offload_gradients=offload_gradients)
+    attach_optimizer(model, opt)
+    losses = []
+    data = batches(steps, world)
+    for s in range(steps):
+        loss = loss_fn(model(data[s][rank]))
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    refused = ""
+    try:
+        opt.clip_grad_norm_(1.0)
+    except OffloadError as e:
+        refused = str(e)
+    return {
+        "weights": _weights(model), "losses": losses, "clip_refused": refused,
+        "placements": opt.placements,
+        "bytes_per_step": model.offload_plan.bytes_per_step if offload else None,
+    }
+
+
+def fsdp_replaced_param(rank: int, world: int, *, out_dir: str) -> str:
+    model = _shard(make_model())
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=LR)
+    attach_optimizer(model, opt)
+    loss_fn(model(batches(1, world)[0][rank])).backward()
+    # replace a host-stepped parameter's local storage behind the optimizer's back
+    p = model.inp.weight
+    p._local_tensor = p._local_tensor.clone()
+    try:
+        opt.step()
+    except OffloadError as e:
+        return str(e)
+    return "no error"
+
+
+# --------------------------------------------------------------------------- checkpoints
+def fsdp_save(rank: int, world: int, *, out_dir: str, ckpt: str, steps: int, fraction: float, total: int) -> dict[str, Any]:
+    model = _offload(_shard(make_model()))
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=fraction, lr=LR)
+    attach_optimizer(model, opt)
+    losses = _train(model, opt, rank, steps, total=total)
+    save_checkpoint(model, opt, ckpt)
+    return {"losses": losses}
+
+
+def fsdp_resume(rank: int, world: int, *, out_dir: str, ckpt: str, first: int, steps: int, fraction: float) -> dict[str, Any]:
+    model = _offload(_shard(make_model()))
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=fraction, lr=LR)
+    attach_optimizer(model, opt)
+    load_checkpoint(model, opt, ckpt)
+    losses = _train(model, opt, rank, steps, first=first)
+    return {"weights": _weights(model), "losses": losses}
+
+
+def ddp_resume(rank: int, world: int, *, out_dir: str, ckpt: str, first: int, steps: int, fraction: float) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model()
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    opt = HybridDeviceOptimizer(ddp.parameters(), offload_fraction=fraction, lr=LR)
+    attach_optimizer(ddp, opt)
+    load_checkpoint(ddp, opt, ckpt)
+    losses = _train(ddp, opt, rank, steps, first=first)
+    return {"weights": _weights(model), "losses": losses}
