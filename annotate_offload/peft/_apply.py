@@ -1,0 +1,358 @@
+"""``apply_offload_marks``: the adapter marks for Hugging Face peft models, the head's input, frozen weights.
+
+Hugging Face peft's LoRA layers (``peft.tuners.lora.Linear`` and friends: a ``base_layer`` plus
+``lora_A``/``lora_B``/``lora_dropout`` ``ModuleDict``s keyed by adapter name) cannot be edited, so
+the marks :class:`LoRALinear` sets itself (Note [Adapter marks] in ``_policy.py``) come from
+forward hooks: a pre-hook on the LoRA layer (opt-in: tag its input; opt-out: mark the adapter
+weights), and pre/post hooks that run each ``lora_A[name]`` and ``lora_B[name]`` inside
+``marked_saves`` (which marks exactly the tensors autograd saves: views and autocast casts
+included) and mark ``lora_A``'s output, the rank-``r`` hidden.
+
+Two model-wide marks complete them:
+
+* The language-model head's input is never offloaded: a small GEMM over a huge vocabulary hides
+  no copy, and backward needs the input right away (torchtune/TRL keep the output projection out
+  of their offloading for the same reason). Hooks mark the head's input ``mark_not_offload`` and
+  run the head inside ``keep_saves``, so whatever it saves (the ``(B*T, H)`` view of its input,
+  the autocast cast, a LoRA-adapted head's tensors) stays on the device. The head is found
+  through ``DistributedDataParallel``, ``PeftModel`` and peft's tuner wrappers, and with tied
+  embeddings (the head module is hooked, not its weight, which is the embedding matrix).
+* Frozen weights: a pre-hook on every module that owns frozen parameters registers all frozen
+  parameters of the model with the open scope's synchronizer (``add_frozen_weights``), once per
+  synchronizer, so autocast casts of frozen weights are never offloaded.
+
+Every hook returns at once when no offload scope is open, so a model with marks computes exactly
+what it computes without them, and tracing (``torch.fx``) sees no side effects.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from annotate_offload.errors import OffloadError
+from annotate_offload.runtime import is_cpu_offload_enabled, mark_not_offload
+from annotate_offload.runtime._synchronizer import _active_synchronizer
+
+from ._lora import LoRALinear
+from ._policy import (
+    active_policy,
+    keep_saves,
+    mark_adapter_hidden,
+    mark_adapter_input,
+    mark_adapter_weights,
+    marked_saves,
+)
+
+__all__ = ["OffloadMarks", "apply_offload_marks", "remove_offload_marks", "find_lm_head", "unwrap_model"]
+
+_STATE = "_annotate_offload_peft_marks"
+_HEAD_NAMES = ("lm_head", "output", "output_layer", "head")
+
+
+def _from_peft(module: nn.Module) -> bool:
+    return type(module).__module__.split(".")[0] == "peft"
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside ``DistributedDataParallel``/``DataParallel``, ``PeftModel`` and peft's tuner.
+
+    ``PeftModel.base_model`` is peft's tuner (e.g. ``LoraModel``) and the tuner's ``.model`` is
+    the user's model; ``.module`` unwraps DDP. Any other model is returned as is.
+    """
+    seen: set[int] = set()
+    m = model
+    while id(m) not in seen:
+        seen.add(id(m))
+        inner = None
+        if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            inner = m.module
+        elif _from_peft(m):
+            inner = getattr(m, "base_model", None)
+            if not isinstance(inner, nn.Module) or inner is m:
+                inner = getattr(m, "model", None)
+        if not isinstance(inner, nn.Module):
+            break
+        m = inner
+    return m
+
+
+def find_lm_head(model: nn.Module) -> Optional[nn.Module]:
+    """The language-model head (output projection) of ``model``, or ``None`` if there is none.
+
+    Looks through wrappers (:func:`unwrap_model`), then asks Hugging Face's
+    ``get_output_embeddings()``, then tries the attributes ``lm_head``, ``output``,
+    ``output_layer`` and ``head``. With tied embeddings this is the head module (whose weight is
+    the embedding matrix), not the embedding.
+    """
+    inner = unwrap_model(model)
+    getter = getattr(inner, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            head = getter()
+        except (AttributeError, NotImplementedError):
+            head = None
+        if isinstance(head, nn.Module):
+            return head
+    for name in _HEAD_NAMES:
+        head = getattr(inner, name, None)
+        if isinstance(head, nn.Module) and not isinstance(head, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            return head
+    return None
+
+
+def _is_peft_lora(module: nn.Module) -> bool:
+    """A peft LoRA layer: ``base_layer`` plus ``lora_A``/``lora_B`` ``ModuleDict``s (duck-typed: no peft import)."""
+    return (
+        isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+        and isinstance(getattr(module, "lora_B", None), nn.ModuleDict)
+        and isinstance(getattr(module, "base_layer", None), nn.Module)
+    )
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+# --------------------------------------------------------------------------- hook objects
+
+
+def _peft_layer_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook of a peft LoRA layer: opt-in tags its input, opt-out marks its adapter weights."""
+    policy = active_policy()
+    if policy == "opt_in":
+        mark_adapter_input(policy, _first_tensor(args, kwargs))
+    elif policy == "opt_out":
+        mark_adapter_weights(policy, [p for d in (module.lora_A, module.lora_B) for p in d.parameters()])
+    return None
+
+
+class _SaveScope:
+    """Forward pre/post hooks that run a module inside a marking saved-tensors scope while offload is on.
+
+    ``role`` ``"input"``/``"hidden"``: :func:`marked_saves` for ``lora_A``/``lora_B`` (the post-hook of
+    ``"input"`` also marks ``lora_A``'s output, the rank-``r`` hidden); ``"keep"``: :func:`keep_saves`
+    for the LM head, whose input is also marked ``mark_not_offload`` directly.
+    """
+
+    __slots__ = ("role", "open")
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.open: list[Any] = []  # contexts entered by pre(), innermost last (None: nothing entered)
+
+    def pre(self, module: nn.Module, args: tuple) -> None:
+        policy = active_policy()
+        ctx = None
+        if policy is not None:
+            if self.role == "keep":
+                mark_not_offload(*[a for a in args if isinstance(a, torch.Tensor)])
+                ctx = keep_saves()
+            else:
+                ctx = marked_saves(policy, self.role)
+            ctx.__enter__()
+        self.open.append(ctx)
+        return None
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        ctx = self.open.pop() if self.open else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        if self.role == "input":
+            mark_adapter_hidden(active_policy(), output)
+        return None
+
+    def install(self, module: nn.Module, handles: list) -> None:
+        handles.append(module.register_forward_pre_hook(self.pre))
+        handles.append(module.register_forward_hook(self.post, always_call=True))
+
+    def __repr__(self) -> str:
+        return f"_SaveScope(role={self.role!r})"
+
+
+class _FrozenRegistry:
+    """Pre-hook shared by the modules owning frozen parameters: registers the model's frozen weights once per synchronizer."""
+
+    __slots__ = ("model", "done", "__weakref__")
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = weakref.ref(model)
+        self.done: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if not is_cpu_offload_enabled():
+            return None
+        sync = _active_synchronizer()
+        model = self.model()
+        if sync is None or model is None or sync in self.done:
+            return None
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        if frozen:
+            sync.add_frozen_weights(frozen)
+        self.done.add(sync)
+        return None
+
+    def __repr__(self) -> str:
+        return f"_FrozenRegistry(synchronizers={len(self.done)})"
+
+
+# --------------------------------------------------------------------------- public API
+
+
+class OffloadMarks:
+    """What :func:`apply_offload_marks` installed on a model; ``remove()`` undoes it.
+
+    Attributes:
+        lm_head (nn.Module | None): the head whose input is kept on the device.
+        peft_lora_layers (int): Hugging Face peft LoRA layers hooked.
+        lora_linear_layers (int): :class:`LoRALinear` layers (they mark themselves).
+        frozen_modules (int): modules whose pre-hook registers the frozen weights.
+    """
+
+    __slots__ = ("lm_head", "peft_lora_layers", "lora_linear_layers", "frozen_modules", "_handles", "_model")
+
+    def __init__(self, model: nn.Module, lm_head: Optional[nn.Module]) -> None:
+        self._model = weakref.ref(model)
+        self.lm_head = lm_head
+        self.peft_lora_layers = 0
+        self.lora_linear_layers = 0
+        self.frozen_modules = 0
+        self._handles: list[Any] = []
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove` has run."""
+        model = self._model()
+        return model is not None and model.__dict__.get(_STATE) is self
+
+    def remove(self) -> None:
+        """Remove every hook this call installed (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        model = self._model()
+        if model is not None and model.__dict__.get(_STATE) is self:
+            del model.__dict__[_STATE]
+
+    def __repr__(self) -> str:
+        head = type(self.lm_head).__name__ if self.lm_head is not None else None
+        return (
+            f"OffloadMarks(lm_head={head}, peft_lora_layers={self.peft_lora_layers}, "
+            f"lora_linear_layers={self.lora_linear_layers}, frozen_modules={self.frozen_modules}, "
+            f"active={self.active})"
+        )
+
+
+_AUTO = "auto"
+
+
+def apply_offload_marks(model: nn.Module, *, lm_head: Union[str, nn.Module, None] = _AUTO) -> OffloadMarks:
+    """Install the PEFT offload marks on ``model`` (a peft ``PeftModel``, a model with :class:`LoRALinear`, any model).
+
+    * peft LoRA layers get the marks :class:`LoRALinear` sets itself (Note [Adapter marks] in
+      ``annotate_offload/peft/_policy.py``): opt-in tags the adapter input and rank-``r`` hidden
+      ``activation_offloading = True``; opt-out marks the hidden and the adapter weights
+      ``mark_not_offload``;
+    * the language-model head's input is never offloaded;
+    * frozen weights are registered with the synchronizer (``add_frozen_weights``), so their
+      autocast casts are never offloaded as activations.
+
+    The hooks act only while an offload scope is open (``is_cpu_offload_enabled()``); outputs and
+    gradients are bit-identical with and without them. Calling it again on the same model (or on
+    a wrapper of it: marks live on the innermost model, see :func:`unwrap_model`) returns the same
+    handle.
+
+    Args:
+        model (nn.Module): the model, e.g. ``peft.get_peft_model(model, LoraConfig(...))``.
+        lm_head ("auto" | nn.Module | None): ``"auto"`` finds the head (:func:`find_lm_head`) and
+            warns when there is none; a module names it; ``None`` installs no head hook.
+            Default: ``"auto"``.
+
+    Returns:
+        OffloadMarks: the handle (``.remove()`` uninstalls the hooks).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``lm_head`` is not ``"auto"``, ``None`` or an
+            ``nn.Module``.
+        ValueError: ``lm_head`` is a module that is not part of ``model``.
+        OffloadError: marks were already applied with a different ``lm_head``.
+
+    Warns:
+        UserWarning: ``lm_head="auto"`` and no head was found.
+
+    Example::
+
+        peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+        apply_offload_marks(peft_model)
+        offload_transform(peft_model, num_layers=12)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_offload_marks: model must be an nn.Module, got {type(model).__name__}.")
+    if not (lm_head is None or isinstance(lm_head, nn.Module) or (isinstance(lm_head, str) and lm_head == _AUTO)):
+        raise TypeError(
+            f"apply_offload_marks: lm_head must be 'auto', None or an nn.Module, got {lm_head!r}; pass the "
+            "output projection module (e.g. model.lm_head) or None for a model without one."
+        )
+    inner = unwrap_model(model)
+    if isinstance(lm_head, nn.Module) and not any(m is lm_head for m in model.modules()):
+        raise ValueError(
+            f"apply_offload_marks: lm_head={type(lm_head).__name__} is not a submodule of {type(model).__name__}; "
+            "pass a module of this model (e.g. model.lm_head), 'auto' or None."
+        )
+    existing: Optional[OffloadMarks] = inner.__dict__.get(_STATE)
+    if existing is not None:
+        if lm_head == _AUTO or lm_head is existing.lm_head:
+            return existing
+        raise OffloadError(
+            f"apply_offload_marks: marks are already applied to {type(inner).__name__} with "
+            f"lm_head={type(existing.lm_head).__name__ if existing.lm_head is not None else None}; call "
+            "remove_offload_marks(model) first to change the head."
+        )
+    head = find_lm_head(model) if lm_head == _AUTO else lm_head
+    if lm_head == _AUTO and head is None:
+        warnings.warn(
+            f"apply_offload_marks: found no language-model head in {type(inner).__name__} (looked for "
+            f"get_output_embeddings() and {', '.join(_HEAD_NAMES)}); pass lm_head=<module> to keep its input on the "
+            "device, or lm_head=None if the model has none.",
+            UserWarning,
+            stacklevel=2,
+        )
+    marks = OffloadMarks(inner, head)
+    handles = marks._handles
+    for module in inner.modules():
+        if _is_peft_lora(module):
+            marks.peft_lora_layers += 1
+            handles.append(module.register_forward_pre_hook(_peft_layer_pre, with_kwargs=True))
+            for a in module.lora_A.values():
+                _SaveScope("input").install(a, handles)
+            for b in module.lora_B.values():
+                _SaveScope("hidden").install(b, handles)
+        elif isinstance(module, LoRALinear):
+            marks.lora_linear_layers += 1
+    registry = _FrozenRegistry(inner)
+    for module in inner.modules():
+        if any(not p.requires_grad for p in module.parameters(recurse=False)):
+            marks.frozen_modules += 1
+            handles.append(module.register_forward_pre_hook(registry))
+    if head is not None:
+        _SaveScope("keep").install(head, handles)
+    inner.__dict__[_STATE] = marks
+    return marks
+
+
+def remove_offload_marks(model: nn.Module) -> bool:
+    """Remove the hooks :func:`apply_offload_marks` installed; returns whether there were any."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remove_offload_marks: model must be an nn.Module, got {type(model).__name__}.")
+    marks = unwrap_model(model).__dict__.get(_STATE)
+    if marks is None:
+        return False
+    marks.remove()
+    return True
