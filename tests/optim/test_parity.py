@@ -157,3 +157,25 @@ def test_closure_called_once():
     loss_of(r, x).backward()
     ref.step()
     assert_same(m, r)
+
+
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_loss_scaler_skips_inf_steps(f):
+    """GradScaler (unscale in place, skip on inf) works: in-place unscaling is seen by the version check."""
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, lr=1e-2)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    s1, s2 = torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for i, x in enumerate(_xs(6)):
+        for model, o, sc in ((m, opt, s1), (r, ref, s2)):
+            sc.scale(loss_of(model, x)).backward()
+            if i == 2:
+                model.l1.weight.grad[0, 0] = float("inf")  # an overflow: this step must be skipped
+            sc.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+    assert s1.get_scale() == s2.get_scale() < 1024.0
+    assert_same(m, r)
+    assert opt.state[m.l1.weight]["step"] == 5
