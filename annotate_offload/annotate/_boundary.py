@@ -56,7 +56,8 @@ class LayerBoundary:
         offloaded (frozenset[int]): indices of offloaded layers (they get ``start_offload`` on their input).
     """
 
-    __slots__ = ("sync", "offloaded", "open_layer", "last_entered", "_measured", "_plan", "estimating")
+    __slots__ = ("sync", "offloaded", "open_layer", "last_entered", "_measured", "_plan", "estimating",
+                 "in_forward", "forward_last")
 
     def __init__(self, sync: Any, offloaded: frozenset[int], plan: Any = None) -> None:
         self.sync = sync
@@ -66,6 +67,8 @@ class LayerBoundary:
         self._measured = False
         self._plan = plan
         self.estimating = False  # set while _estimate runs the forward with a counting stand-in
+        self.in_forward = False  # inside the model's (offloaded) forward
+        self.forward_last = -1  # last layer entered in the current model forward
 
     # -- the two calls ---------------------------------------------------------------------
     def active(self) -> bool:
@@ -87,6 +90,16 @@ class LayerBoundary:
                 "state was dropped. Re-run the forward; if one layer calls another, declare only the "
                 "outer one a layer (layer_types= or filter_fn=)."
             )
+        if self.in_forward:
+            if index <= self.forward_last:
+                self.sync.abort()
+                raise OffloadError(
+                    f"offload_transform: layer {index} started after layer {self.forward_last} in the same "
+                    "forward (a layer called twice, or layers that run in another order than they are "
+                    "registered); one layer index must be one offload unit, entered in increasing order. "
+                    "Select the layers in execution order with filter_fn=, or leave shared modules out."
+                )
+            self.forward_last = index
         self.sync.enter_layer(index)
         self.open_layer = index
         self.last_entered = index

@@ -149,15 +149,18 @@ class _OffloadedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled() and not in_backward()
+        b = self.boundary
         prev, self.hook_state.forward_grad = self.hook_state.forward_grad, training
+        prev_in, prev_last, b.in_forward, b.forward_last = b.in_forward, b.forward_last, True, -1
         try:
             out = self.fn(*args, **kwargs)
         except BaseException:
             if training:
-                self.boundary.abort()
+                b.abort()
             raise
         finally:
             self.hook_state.forward_grad = prev
+            b.in_forward, b.forward_last = prev_in, prev_last
         if training:
             self.boundary.forward_done()
         return out

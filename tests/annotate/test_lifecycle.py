@@ -104,3 +104,31 @@ def test_import_does_not_initialise_cuda():
             "_fx_pass, _hooks, _estimate; print(torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+class SharedLayer(nn.Module):
+    """Calls layer 0 twice (weight sharing): not one offload unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([MLPBlock() for _ in range(3)])
+
+    def forward(self, x):
+        x = self.layers[0](x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_layer_called_twice_falls_back_then_refuses_clearly():
+    from annotate_offload.errors import OffloadError
+
+    model = SharedLayer()
+    _apply(model, path="auto", n=1)
+    plan = model.offload_plan
+    assert plan.path == "hooks" and "layers.0 is called more than once" in plan.fx_failure
+    with pytest.raises(OffloadError, match=r"layer 0 started after layer 0 in the same forward"):
+        run_step(model, X)
+    with torch.no_grad():
+        model(X)  # eval forwards never reach the runtime
+    assert sync_of(model)._step is None
