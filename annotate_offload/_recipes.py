@@ -342,6 +342,7 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
     cuda = device.type == "cuda"
     n_micro, iters = cfg.train.num_micro_batches, cfg.train.train_iters
     model = opt = tracer = bar = None
+    exit_stack = contextlib.ExitStack()
     try:
         if cuda:
             torch.cuda.empty_cache()
@@ -371,6 +372,12 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
             except ImportError:
                 bar = None
         act_peak = 0
+        if device.type == "cuda" and sdpa_backend == "efficient":
+            # the efficient SDPA backward is bit-reproducible only with deterministic algorithms
+            # (annotate_offload.testing); the whole step, backward included, needs it
+            from .testing import bit_reproducible
+
+            exit_stack.enter_context(bit_reproducible())
         for step in range(iters):
             if step == iters - 1:
                 tracer = _Tracer(model, read)
@@ -421,6 +428,7 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
     except torch.OutOfMemoryError as exc:
         res.failure = "out of memory: " + str(exc).strip().splitlines()[0][:160]
     finally:
+        exit_stack.close()
         if bar is not None:
             bar.close()
         if tracer is not None:

@@ -12,9 +12,9 @@ import argparse
 import contextlib
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from annotate_offload.models.gpt import GPTConfig, GPTStack
+from annotate_offload.testing import bit_reproducible
 from annotate_offload.runtime import DefaultOffloadSynchronizer
 from annotate_offload.runtime import _layer_state
 
@@ -37,7 +37,7 @@ def main() -> None:
     def step(sync):
         for p in model.parameters():
             p.grad = None
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        with bit_reproducible():
             h = x
             for i, layer in enumerate(model.layers):
                 if sync:

@@ -139,13 +139,13 @@ def device_name(device: torch.device) -> str:
 
 
 def _exact_sdpa(device: torch.device):
-    # Default SDPA backward (flash/cuDNN) is not bit-reproducible on the H200 (DESIGN.md);
-    # the memory-efficient backend is. CPU kernels are deterministic.
+    # Default SDPA backward (flash/cuDNN) is not bit-reproducible on the H200, and the
+    # memory-efficient one only with deterministic algorithms (annotate_offload.testing).
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from ..testing import bit_reproducible
 
-    return sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)
+    return bit_reproducible()
 
 
 def _one_step_grads(model, forward, x, grad, device):

@@ -1,0 +1,46 @@
+"""Helpers for exactness checks: a bit-reproducible baseline on CUDA.
+
+Offloading is a copy, so outputs and gradients must equal the run without it bit for bit. That
+can only be checked against a baseline that is itself bit-reproducible from run to run. Measured
+on the H200 (torch 2.11, DESIGN.md and benchmarks/NOTES.md): the flash and cuDNN SDPA backward
+are not reproducible even under ``torch.use_deterministic_algorithms(True)``; the
+memory-efficient backward is reproducible only with deterministic algorithms on (otherwise it
+splits the key dimension and accumulates ``dq`` with atomics at long sequence lengths: W1 shapes,
+8 layers x 2 x 4096 tokens, differed in 1 of 2 identical baseline runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+__all__ = ["bit_reproducible"]
+
+
+@contextlib.contextmanager
+def bit_reproducible() -> Iterator[None]:
+    """Pin a bit-reproducible SDPA backend and deterministic algorithms for the block.
+
+    On CUDA: ``SDPBackend.EFFICIENT_ATTENTION`` plus ``torch.use_deterministic_algorithms(True,
+    warn_only=True)`` (and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset, which cuBLAS reads when
+    its workspace is first created). The previous settings are restored on exit. On CPU the
+    kernels are deterministic already and the block runs unchanged. Speed benchmarks should not
+    use this: it selects slower kernels.
+    """
+    if not torch.cuda.is_available():
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
