@@ -60,8 +60,9 @@ class PipelineMixin:
             else:
                 buf.copy_(g, non_blocking=True)
                 s.d2h_ev = side.record(stream)
-        s.grad_ref = weakref.ref(g)
+        s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
         s.grad_ver = g._version
+        s.grad_ptr = g.data_ptr()
         s.valid = True
         side.record_stream(g, stream)  # g may be freed (zero_grad, offload_gradients) before the copy ran
         if self._offload_grads:

@@ -31,7 +31,7 @@ class HostSlot:
 
     __slots__ = (
         "param", "group", "index", "local", "master", "grad_bufs", "staging", "scratch", "chunk",
-        "grad_ref", "grad_ver", "valid", "use", "d2h_ev", "ready_ev", "scales", "p_ver", "submitted",
+        "grad_ref", "grad_ver", "grad_ptr", "valid", "use", "d2h_ev", "ready_ev", "scales", "p_ver", "submitted",
     )
 
     def __init__(self, param: torch.Tensor, group: int, index: int, local: torch.Tensor) -> None:
@@ -46,6 +46,7 @@ class HostSlot:
         self.chunk = -1
         self.grad_ref: Optional[weakref.ref] = None
         self.grad_ver = -1
+        self.grad_ptr = 0
         self.valid = False  # the host buffer holds this step's gradient
         self.use = False  # step this parameter in the current step
         self.d2h_ev: Any = None
@@ -55,8 +56,15 @@ class HostSlot:
         self.submitted = False
 
     def copied(self, g: torch.Tensor) -> bool:
-        """True if the host buffer holds exactly ``g`` as it is now."""
-        return self.valid and self.grad_ref is not None and self.grad_ref() is g and g._version == self.grad_ver
+        """True if the host buffer holds exactly ``g`` (the local gradient) as it is now.
+
+        Identity is checked on ``param.grad`` (stable also for DTensor gradients, whose
+        ``to_local()`` returns a new view object per call) and freshness on ``g``'s version.
+        """
+        return (
+            self.valid and self.grad_ref is not None and self.grad_ref() is self.param.grad
+            and self.grad_ptr == g.data_ptr() and g._version == self.grad_ver
+        )
 
     def reset_step(self, keep_grad: bool) -> None:
         self.use = False
