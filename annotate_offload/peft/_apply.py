@@ -72,9 +72,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             inner = m.module
         elif _from_peft(m):
-            inner = getattr(m, "base_model", None)
-            if not isinstance(inner, nn.Module) or inner is m:
-                inner = getattr(m, "model", None)
+            # registered children only: peft's and HF's __getattr__ fall through to the wrapped
+            # model (HF's own `base_model` property is the decoder body, one level too deep)
+            inner = m._modules.get("base_model")
+            if inner is None:
+                inner = m._modules.get("model")
         if not isinstance(inner, nn.Module):
             break
         m = inner

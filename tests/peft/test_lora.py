@@ -14,8 +14,8 @@ from annotate_offload.annotate import offload_transform
 from annotate_offload.models.llama import Llama
 from annotate_offload.peft import LoRALinear, apply_lora, apply_offload_marks
 
-from . import _helpers as h
-from ._helpers import L, R, OneScope, PackSpy, adapter_weights, assert_same, ids, lora_llama, step, weight_shapes
+import _peft_helpers as h
+from _peft_helpers import L, R, OneScope, PackSpy, adapter_weights, assert_same, ids, lora_llama, step, weight_shapes
 
 
 def _sync_of(model):

@@ -1,4 +1,5 @@
-"""Shared helpers of the PEFT tests: a small LoRA Llama, a spy on the runtime's pack hook, step comparison."""
+"""Shared helpers of the PEFT tests (tests/peft has no __init__.py: as a package named `peft` it would
+shadow Hugging Face peft): a small LoRA Llama, a spy on the runtime's pack hook, step comparison."""
 
 from __future__ import annotations
 
