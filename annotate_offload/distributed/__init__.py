@@ -1,7 +1,8 @@
 """Offload under torch.distributed, one process per device (DDP, FSDP2 ``fully_shard``), launched with torchrun.
 
 * optimizer wiring: :func:`attach_optimizer` (DDP or FSDP2), :func:`register_offload_comm_hook`
-  (DDP: reduced gradients, each bucket's D2H after its all-reduce);
+  (DDP: reduced gradients, each bucket's D2H after its all-reduce), :func:`clip_grad_norm_`
+  (global norm over FSDP2 shards, seen by the host step);
 * host threads: :func:`local_thread_budget` (cores / local ranks, NUMA-aware), :class:`ThreadBudget`;
 * shards: :func:`local_shard` (a DTensor parameter -> this rank's tensor);
 * checkpoints through ``torch.distributed.checkpoint`` at any world size and offload fraction:
@@ -14,6 +15,7 @@ Importing this module does not initialise CUDA or a process group.
 """
 
 from ._attach import ShardedAttachment, attach_optimizer
+from ._clip import clip_grad_norm_
 from ._checkpoint import load_checkpoint, optimizer_state_dict, save_checkpoint, set_optimizer_state_dict
 from ._ddp import OffloadCommHook, register_offload_comm_hook
 from ._shards import local_shard
@@ -25,6 +27,7 @@ __all__ = [
     "register_offload_comm_hook",
     "OffloadCommHook",
     "ShardedAttachment",
+    "clip_grad_norm_",
     # host threads and shards
     "local_thread_budget",
     "ThreadBudget",

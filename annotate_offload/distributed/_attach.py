@@ -25,27 +25,76 @@ from ._shards import check_local_shards, is_dtensor, param_owners
 __all__: list[str] = []
 
 
+class _SeenVersion:
+    """Post-accumulate-grad hook (runs after the optimizer's): the DTensor gradient's version when copied."""
+
+    __slots__ = ("seen", "slot")
+
+    def __init__(self, seen: dict[int, int], slot: Any) -> None:
+        self.seen, self.slot = seen, slot
+
+    def __call__(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.seen[id(self.slot)] = p.grad._version
+
+
 class ShardedAttachment:
     """What :func:`attach_optimizer` installed on an FSDP2 (or plain) model.
 
+    Note [DTensor gradient versions]: the optimizer skips the copy at ``step()`` of a gradient it
+    already copied in backward when the local tensor's version is unchanged. For a DTensor
+    gradient that signal is blind: in-place ops on a DTensor bump only the wrapper's version (the
+    local tensor's never moves), and ``torch._foreach_*`` ops (``torch.nn.utils.clip_grad_norm_``,
+    ``GradScaler.unscale_``) bump neither (measured on torch 2.13). The attachment records the
+    wrapper's version when the gradient lands and makes ``step()`` copy again when it moved; for
+    foreach transforms use :func:`clip_grad_norm_` of this package or call
+    :meth:`mark_gradients_changed` after them.
+
     Attributes:
         sharded (bool): some parameters are DTensors (each rank steps its local shard).
+        recopied (int): host gradients copied again at ``step()`` because they changed after backward.
     """
 
     def __init__(self, opt: Any, model: nn.Module, sharded: bool) -> None:
         self._opt = opt
         self._owners = param_owners(model)
         self.sharded = sharded
+        self.recopied = 0
+        self._seen: dict[int, int] = {}
+        self._watched: list[Any] = []
+        self._hooks = []
+        for slot, on_host in _seams.slots(opt):
+            if on_host and is_dtensor(slot.param) and slot.param.requires_grad:
+                self._watched.append(slot)
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(_SeenVersion(self._seen, slot)))
         self._handle = opt.register_step_pre_hook(self._before_step)
 
     def _before_step(self, *_: Any) -> None:
         check_local_shards(self._opt, self._owners, who="HybridDeviceOptimizer.step")
+        for slot in self._watched:
+            g = slot.param.grad
+            if g is not None and self._seen.get(id(slot), g._version) != g._version:
+                _seams.forget_grad_copy(slot)
+                self.recopied += 1
+        self._seen.clear()
+
+    def mark_gradients_changed(self) -> None:
+        """Declare that gradients were modified in place after backward in a way versions do not show
+        (``torch._foreach_*``): ``step()`` copies every host-stepped gradient again."""
+        for slot in self._watched:
+            if slot.param.grad is not None:
+                _seams.forget_grad_copy(slot)
+                self.recopied += 1
+        self._seen.clear()
 
     def detach(self) -> None:
-        """Remove the step pre-hook (idempotent)."""
+        """Remove the hooks (idempotent)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
             self._opt.__dict__.pop("clip_grad_norm_", None)
 
     def __repr__(self) -> str:
@@ -55,8 +104,8 @@ class ShardedAttachment:
 def _refuse_local_clip(*_: Any, **__: Any) -> torch.Tensor:
     raise OffloadError(
         "HybridDeviceOptimizer.clip_grad_norm_: under FSDP2 its norm would cover only this rank's shard. Clip with "
-        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) (global norm over DTensor gradients; needs "
-        "offload_gradients=False so the gradients are still on the device) before optimizer.step()."
+        "annotate_offload.distributed.clip_grad_norm_(model.parameters(), max_norm) (global norm over the DTensor "
+        "gradients, applied so the optimizer sees the change; needs offload_gradients=False) before optimizer.step()."
     )
 
 

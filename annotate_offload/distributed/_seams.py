@@ -79,3 +79,9 @@ def offloads_gradients(opt: HybridDeviceOptimizer) -> bool:
 
 def steps_in_backward(opt: HybridDeviceOptimizer) -> bool:
     return bool(opt._in_backward)
+
+
+def forget_grad_copy(slot: Any) -> None:
+    """Make ``step()`` copy ``slot``'s gradient again (its device gradient changed unseen)."""
+    slot.valid = False
+    slot.grad_ref = None

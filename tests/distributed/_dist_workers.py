@@ -13,7 +13,7 @@ from _dist_harness import LR, batches, full, loss_fn, make_model
 
 from annotate_offload.annotate import offload_transform
 from annotate_offload.distributed import _seams
-from annotate_offload.distributed import attach_optimizer, load_checkpoint, local_thread_budget, save_checkpoint
+from annotate_offload.distributed import attach_optimizer, clip_grad_norm_, load_checkpoint, local_thread_budget, save_checkpoint
 from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer
 
@@ -119,19 +119,20 @@ def _shard(model: nn.Module, reshard: bool = True) -> nn.Module:
 
 
 def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction: float = 0.5, offload: bool = True,
-               offload_gradients: bool = False, clip: "float | None" = None) -> dict[str, Any]:
-    model = _shard(make_model())
+               offload_gradients: bool = False, clip: "float | None" = None, reshard: bool = True) -> dict[str, Any]:
+    model = make_model()
     if offload:
-        _offload(model)
+        _offload(model)  # before fully_shard, as torchtitan applies activation checkpointing (see test docstring)
+    _shard(model, reshard)
     opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=fraction, lr=LR, offload_gradients=offload_gradients)
-    attach_optimizer(model, opt)
+    att = attach_optimizer(model, opt)
     losses = []
     data = batches(steps, world)
     for s in range(steps):
         loss = loss_fn(model(data[s][rank]))
         loss.backward()
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            clip_grad_norm_(model.parameters(), clip, optimizer=opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -142,7 +143,7 @@ def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction:
         refused = str(e)
     return {
         "weights": _weights(model), "losses": losses, "clip_refused": refused,
-        "placements": opt.placements,
+        "placements": opt.placements, "recopied": att.recopied,
         "bytes_per_step": model.offload_plan.bytes_per_step if offload else None,
     }
 
@@ -164,7 +165,7 @@ def fsdp_replaced_param(rank: int, world: int, *, out_dir: str) -> str:
 
 # --------------------------------------------------------------------------- checkpoints
 def fsdp_save(rank: int, world: int, *, out_dir: str, ckpt: str, steps: int, fraction: float, total: int) -> dict[str, Any]:
-    model = _offload(_shard(make_model()))
+    model = _shard(_offload(make_model()))
     opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=fraction, lr=LR)
     attach_optimizer(model, opt)
     losses = _train(model, opt, rank, steps, total=total)
@@ -173,7 +174,7 @@ def fsdp_save(rank: int, world: int, *, out_dir: str, ckpt: str, steps: int, fra
 
 
 def fsdp_resume(rank: int, world: int, *, out_dir: str, ckpt: str, first: int, steps: int, fraction: float) -> dict[str, Any]:
-    model = _offload(_shard(make_model()))
+    model = _shard(_offload(make_model()))
     opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=fraction, lr=LR)
     attach_optimizer(model, opt)
     load_checkpoint(model, opt, ckpt)
@@ -191,3 +192,13 @@ def ddp_resume(rank: int, world: int, *, out_dir: str, ckpt: str, first: int, st
     load_checkpoint(ddp, opt, ckpt)
     losses = _train(ddp, opt, rank, steps, first=first)
     return {"weights": _weights(model), "losses": losses}
+
+
+def fsdp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, Any]:
+    """All FSDP2 scenarios in one pair of processes."""
+    return {
+        "half": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=0.5),
+        "all_offload_grads": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=1.0, offload_gradients=True),
+        "clipped": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=0.5, clip=0.05),
+        "replaced": fsdp_replaced_param(rank, world, out_dir=out_dir),
+    }

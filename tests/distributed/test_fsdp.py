@@ -1,0 +1,96 @@
+"""FSDP2 ``fully_shard`` (gloo, 2 processes, CPU): HybridDeviceOptimizer on DTensor shards + activation offload.
+
+Each rank steps its own local shard; the result equals the single-process reference bit for bit.
+One pair of processes runs every scenario (``fsdp_suite``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist_harness import LR, assert_bitwise, batches, loss_fn, make_model, reference, run_ranks
+from _dist_workers import fsdp_suite
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, torch.Tensor]:
+    return reference(STEPS, 2)
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_ranks(fsdp_suite, steps=STEPS)
+
+
+def test_fsdp_half_offload_matches_reference(ref, runs):
+    r0, r1 = (r["half"] for r in runs)
+    assert_bitwise(r0["weights"], ref)
+    assert_bitwise(r1["weights"], ref)
+    # each rank offloads its own shard: local shapes, uneven for the 5-row head (3 + 2 rows)
+    p0 = {(p.group, p.index): p for p in r0["placements"]}
+    p1 = {(p.group, p.index): p for p in r1["placements"]}
+    assert p0[(0, 0)].shape == p1[(0, 0)].shape == (8, 8)  # inp.weight 16x8 split in rows
+    head_w = max(p0)[0], max(p0)[1] - 1
+    assert (p0[head_w].shape, p1[head_w].shape) == ((3, 16), (2, 16))
+    assert {p.side for p in r0["placements"]} == {"cpu", "gpu"}
+
+
+def test_fsdp_full_offload_with_offloaded_gradients_matches_reference(ref, runs):
+    for r in runs:
+        assert_bitwise(r["all_offload_grads"]["weights"], ref)
+        assert {p.side for p in r["all_offload_grads"]["placements"]} == {"cpu"}
+
+
+def test_fsdp_unsharded_parameters_are_never_offloaded(runs):
+    # FSDP2 registers the all-gathered (unsharded) weights as the layer's parameters during
+    # forward; the runtime keeps them (they are parameters) and frees nothing FSDP reshards.
+    # The bytes moved per step equal those of the same model without FSDP: activations only.
+    from annotate_offload.annotate import offload_transform
+
+    model = offload_transform(make_model(), num_layers=2, min_offload_numel=1, prefetch_layers=1)
+    loss_fn(model(batches(1, 2)[0][0])).backward()
+    want = model.offload_plan.bytes_per_step
+    assert want > 0
+    for r in runs:
+        assert r["half"]["bytes_per_step"] == want
+
+
+def test_fsdp_global_clip_matches_reference(runs):
+    # annotate_offload.distributed.clip_grad_norm_ uses the global norm over the DTensor shards and
+    # multiplies each gradient in place, so the optimizer re-copies the clipped gradients at step()
+    # (torch's foreach multiply leaves no version trace on DTensor gradients and the host would step
+    # the unclipped copy). Reference: clip the averaged full gradients, then step.
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    for xs in batches(STEPS, 2):
+        grads = []
+        for x in xs:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads):
+            p.grad = (g0 + g1) / 2
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    want = {k: v.detach() for k, v in model.state_dict().items()}
+    for r in runs:
+        got = r["clipped"]["weights"]
+        # the norm is reduced across ranks (a different summation order than one process): not bitwise
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+        # every clipped host-stepped gradient was copied again at step(), none in the unclipped run
+        assert r["clipped"]["recopied"] == STEPS * sum(p.side == "cpu" for p in r["clipped"]["placements"])
+        assert r["half"]["recopied"] == 0
+
+
+def test_fsdp_refuses_the_optimizers_shard_local_clip(runs):
+    msg = runs[0]["half"]["clip_refused"]
+    assert "only this rank's shard" in msg and "annotate_offload.distributed.clip_grad_norm_" in msg
+
+
+def test_fsdp_replaced_local_shard_is_an_error(runs):
+    msg = runs[0]["replaced"]
+    assert "'inp.weight'" in msg and "other storage" in msg
