@@ -133,3 +133,21 @@ def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def train_single(model: nn.Module, opt: Any, first: int, steps: int, world: int = 2) -> None:
+    """One process doing what ``world`` DDP/FSDP ranks do: per-rank micro-batch grads, averaged, one step."""
+    data = batches(steps, world)
+    for s in range(first, steps):
+        grads = []
+        for x in data[s]:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            acc = gs[0].clone()
+            for g in gs[1:]:
+                acc += g
+            p.grad = acc / world
+        opt.step()
+        opt.zero_grad(set_to_none=True)

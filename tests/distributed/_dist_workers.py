@@ -202,3 +202,13 @@ def fsdp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, 
         "clipped": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=0.5, clip=0.05),
         "replaced": fsdp_replaced_param(rank, world, out_dir=out_dir),
     }
+
+
+def checkpoint_suite(rank: int, world: int, *, out_dir: str, ckpt_single: str, ckpt_fsdp: str, half: int,
+                     steps: int) -> dict[str, Any]:
+    """Resume a 1-process checkpoint under FSDP2, then write an FSDP2 one and resume it under DDP."""
+    return {
+        "fsdp_from_single": fsdp_resume(rank, world, out_dir=out_dir, ckpt=ckpt_single, first=half, steps=steps, fraction=0.5),
+        "fsdp_save": fsdp_save(rank, world, out_dir=out_dir, ckpt=ckpt_fsdp, steps=half, fraction=0.5, total=steps),
+        "ddp_from_fsdp": ddp_resume(rank, world, out_dir=out_dir, ckpt=ckpt_fsdp, first=half, steps=steps, fraction=0.25),
+    }
