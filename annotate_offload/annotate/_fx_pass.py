@@ -18,7 +18,6 @@ import operator
 import warnings
 from typing import Any, Callable
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils.checkpoint as _cp

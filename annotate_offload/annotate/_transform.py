@@ -4,193 +4,28 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.nn as nn
 import torch.utils.checkpoint as _cp
 
 from annotate_offload.errors import OffloadError
 
-from ._boundary import LayerBoundary, in_backward
+from ._boundary import LayerBoundary
 from ._discover import LayerRef, find_layers
 from ._estimate import estimate_bytes
+from ._forwards import ByMode, OffloadedForward, RecomputeForward
 from ._fx_pass import FxTraceError, insert_boundaries, ordered_layers, trace_layers
 from ._hooks import HookState, install_hooks
 from ._plan import LayerPlan, OffloadPlan
+from ._settings import check_count, resolve
 
 __all__ = ["offload_transform", "remove_offload"]
 
 _STATE = "_annotate_offload_state"
 _ORIG_CHECKPOINT = _cp.checkpoint
 _PATHS = ("auto", "fx", "hooks")
-
-
-# --------------------------------------------------------------------------- settings
-
-
-@dataclass
-class _Settings:
-    num_layers: int | str
-    policy: str | None = None
-    min_offload_numel: int | None = None
-    release_lag: int | None = None
-    prefetch_layers: int | None = None
-    config_layers: int | None = None  # config.num_layers, checked against the model
-    notes: list[str] = field(default_factory=list)
-
-
-def _model_section(config: Any) -> Any:
-    """``Config`` holds the activation fields in ``.model``; a ``ModelConfig`` (or look-alike) has them itself."""
-    if hasattr(config, "cpu_offloading") or hasattr(config, "cpu_offloading_num_layers"):
-        return config
-    model_cfg = getattr(config, "model", None)
-    if model_cfg is not None and (hasattr(model_cfg, "cpu_offloading") or hasattr(model_cfg, "cpu_offloading_num_layers")):
-        return model_cfg
-    raise TypeError(
-        f"offload_transform: config={type(config).__name__} has no activation-offload fields; pass an "
-        "annotate_offload.config.ModelConfig or Config (or an object with Megatron Bridge names: "
-        "cpu_offloading, cpu_offloading_num_layers, ...)."
-    )
-
-
-def _resolve(
-    num_layers: Any, config: Any, release_lag: Any, prefetch_layers: Any, policy: Any, min_offload_numel: Any
-) -> _Settings | None:
-    """Merge keyword arguments and config; ``None`` means the config turns offloading off."""
-    s = _Settings(num_layers=num_layers, policy=policy, min_offload_numel=min_offload_numel,
-                  release_lag=release_lag, prefetch_layers=prefetch_layers)
-    if config is not None:
-        validate = getattr(config, "validate", None)
-        if callable(validate):
-            validate()  # dataclass configs validate in __post_init__; duck-typed ones may offer this
-        cfg = _model_section(config)
-        if getattr(cfg, "cpu_offloading", True) is False:
-            if num_layers is not None:
-                raise ValueError(
-                    f"offload_transform: num_layers={num_layers!r} was given but config.cpu_offloading=False; "
-                    "set model.cpu_offloading=True in the config, or drop num_layers."
-                )
-            return None
-        if getattr(cfg, "cpu_offloading_weights", False):
-            warnings.warn(
-                "offload_transform: config.cpu_offloading_weights=True has no effect: weights are never "
-                "offloaded (as in TransformerEngine), only activations. Use optimizer offload "
-                "(HybridDeviceOptimizer) to move optimizer state off the GPU.",
-                UserWarning,
-                stacklevel=3,
-            )
-            s.notes.append("cpu_offloading_weights=True ignored: weights are never offloaded")
-        if getattr(cfg, "cpu_offloading_double_buffering", False):
-            warnings.warn(
-                "offload_transform: config.cpu_offloading_double_buffering=True has no effect (as in "
-                "TransformerEngine's current runtime); reload look-ahead is set with prefetch_layers.",
-                UserWarning,
-                stacklevel=3,
-            )
-            s.notes.append("cpu_offloading_double_buffering=True has no effect")
-        if not getattr(cfg, "cpu_offloading_activations", True):
-            return None  # nothing to offload (weights-only is a no-op, warned above)
-        cfg_n = getattr(cfg, "cpu_offloading_num_layers", None)
-        if num_layers is None:
-            s.num_layers = cfg_n
-        elif cfg_n is not None and cfg_n != num_layers:
-            raise ValueError(
-                f"offload_transform: num_layers={num_layers!r} differs from config.cpu_offloading_num_layers="
-                f"{cfg_n!r}; give the count once (drop num_layers=, or make them equal)."
-            )
-        for name in ("release_lag", "prefetch_layers", "min_offload_numel"):
-            if getattr(s, name) is None:
-                setattr(s, name, getattr(cfg, name, None))
-        if s.policy is None:
-            p = getattr(cfg, "offload_policy", None)
-            s.policy = getattr(p, "value", p)
-        s.config_layers = getattr(cfg, "num_layers", None)
-    if s.num_layers is None:
-        raise ValueError(
-            "offload_transform: num_layers is required (None given and no config with "
-            "cpu_offloading_num_layers); pass num_layers=N to offload the first N layers, or "
-            "num_layers='auto' with memory_budget= and example_inputs=."
-        )
-    n = s.num_layers
-    if n != "auto" and (isinstance(n, bool) or not isinstance(n, int)):
-        raise TypeError(
-            f"offload_transform: num_layers must be an int or 'auto', got {n!r} ({type(n).__name__}); "
-            "pass e.g. num_layers=4."
-        )
-    for name, low in (("release_lag", 0), ("prefetch_layers", 1)):
-        v = getattr(s, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-            raise ValueError(f"offload_transform: {name} must be None or an int >= {low}, got {v!r}.")
-    return s
-
-
-def _check_count(n: int, eligible: int, total: int) -> None:
-    if not 0 <= n < eligible:
-        kept = f" ({total - eligible} declared @offload_layer(offload=False))" if total != eligible else ""
-        fix = (f"choose 0 <= num_layers <= {eligible - 1} (the first N of the {eligible} offloadable layers{kept} "
-               "are offloaded; the last one never is)") if eligible else "declare at least two offloadable layers"
-        raise ValueError(
-            f"CPU offloading can be done only for layers less than {eligible} (num_layers={n}). Fix: {fix}."
-        )
-
-
-# --------------------------------------------------------------------------- forwards we install
-
-
-class _OffloadedForward:
-    """The model's instance-level forward: runs the transformed graph (fx) or the original forward
-    (hooks), records whether the forward trains, and drops the step's offload state on an exception."""
-
-    def __init__(self, fn: Callable[..., Any], boundary: LayerBoundary, hook_state: HookState, wrapped: Any) -> None:
-        self.fn, self.boundary, self.hook_state = fn, boundary, hook_state
-        functools.update_wrapper(self, wrapped)  # inspect.signature(model.forward) still works
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        training = torch.is_grad_enabled() and not in_backward()
-        b = self.boundary
-        prev, self.hook_state.forward_grad = self.hook_state.forward_grad, training
-        prev_in, prev_last, b.in_forward, b.forward_last = b.in_forward, b.forward_last, True, -1
-        try:
-            out = self.fn(*args, **kwargs)
-        except BaseException:
-            if training:
-                b.abort()
-            raise
-        finally:
-            self.hook_state.forward_grad = prev
-            b.in_forward, b.forward_last = prev_in, prev_last
-        if training:
-            self.boundary.forward_done()
-        return out
-
-    def __repr__(self) -> str:
-        name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__name__)
-        return f"<offloaded forward of {name}>"
-
-
-class _ByMode:
-    """Runs the train-mode or the eval-mode transformed graph, following ``model.training``."""
-
-    def __init__(self, model: nn.Module, train_fn: Callable[..., Any], eval_fn: Callable[..., Any]) -> None:
-        self.model, self.train_fn, self.eval_fn = model, train_fn, eval_fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return (self.train_fn if self.model.training else self.eval_fn)(*args, **kwargs)
-
-
-class _RecomputeForward:
-    """A layer's instance-level forward for ``recompute``/``recompute_offload``: non-reentrant checkpoint."""
-
-    def __init__(self, fwd: Callable[..., Any]) -> None:
-        self.fwd = fwd
-        functools.update_wrapper(self, fwd)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.fwd(*args, **kwargs)
-        return _ORIG_CHECKPOINT(self.fwd, *args, use_reentrant=False, **kwargs)
 
 
 @dataclass
@@ -302,7 +137,7 @@ def offload_transform(
         raise ValueError(f"offload_transform: path must be one of {_PATHS}, got {path!r}.")
     if not isinstance(recompute, bool):
         raise TypeError(f"offload_transform: recompute must be a bool, got {recompute!r}.")
-    settings = _resolve(num_layers, config, release_lag, prefetch_layers, policy, min_offload_numel)
+    settings = resolve(num_layers, config, release_lag, prefetch_layers, policy, min_offload_numel)
     if settings is None:
         return model
     refs, how = find_layers(model, layer_types=layer_types, filter_fn=filter_fn)
@@ -321,7 +156,7 @@ def offload_transform(
                 "pass both, e.g. memory_budget=4 * 2**30, example_inputs=(x,)."
             )
     else:
-        _check_count(settings.num_layers, eligible, len(refs))  # type: ignore[arg-type]
+        check_count(settings.num_layers, eligible, len(refs))  # type: ignore[arg-type]
 
     # ---- trace (fx) or fall back (hooks)
     gm, gm_eval, fx_failure, added = None, None, None, []
@@ -420,7 +255,7 @@ def offload_transform(
         fn = functools.partial(type(gm).forward, model)
         if gm_eval is not None:
             insert_boundaries(gm_eval, refs, boundary, offloaded)
-            fn = _ByMode(model, fn, functools.partial(type(gm_eval).forward, model))
+            fn = ByMode(model, fn, functools.partial(type(gm_eval).forward, model))
     else:
         handles = install_hooks(refs, boundary, hook_state)
         fn = wrapped
@@ -428,8 +263,8 @@ def offload_transform(
     for r, c in zip(refs, choices):
         if c in ("recompute", "recompute_offload"):
             recompute_layers.append((r.module, r.module.__dict__.get("forward", _MISSING)))
-            r.module.forward = _RecomputeForward(r.module.forward)
-    model.forward = _OffloadedForward(fn, boundary, hook_state, wrapped)
+            r.module.forward = RecomputeForward(r.module.forward)
+    model.forward = OffloadedForward(fn, boundary, hook_state, wrapped)
     model.__dict__[_STATE] = _Applied(boundary, handles, prev_forward, recompute_layers, added, gm, gm_eval)
     model.offload_plan = plan
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

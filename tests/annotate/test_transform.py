@@ -14,7 +14,7 @@ from annotate_offload.annotate import OffloadPlan, offload_layer, offload_transf
 from annotate_offload.config import Config, ModelConfig
 from annotate_offload.errors import OffloadError
 
-from ._models import MLPBlock, Stack, assert_same_step, gpt, run_step, sync_of
+from ._models import Stack, assert_same_step, gpt, run_step, sync_of
 
 L = 4
 X = lambda: torch.randn(2, 32, 64)  # noqa: E731

@@ -1,0 +1,116 @@
+"""Settings of ``offload_transform``: keyword arguments merged with a Megatron Bridge style config, validated."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Settings", "resolve", "check_count"]
+
+
+
+@dataclass
+class Settings:
+    num_layers: int | str
+    policy: str | None = None
+    min_offload_numel: int | None = None
+    release_lag: int | None = None
+    prefetch_layers: int | None = None
+    config_layers: int | None = None  # config.num_layers, checked against the model
+    notes: list[str] = field(default_factory=list)
+
+
+def _model_section(config: Any) -> Any:
+    """``Config`` holds the activation fields in ``.model``; a ``ModelConfig`` (or look-alike) has them itself."""
+    if hasattr(config, "cpu_offloading") or hasattr(config, "cpu_offloading_num_layers"):
+        return config
+    model_cfg = getattr(config, "model", None)
+    if model_cfg is not None and (hasattr(model_cfg, "cpu_offloading") or hasattr(model_cfg, "cpu_offloading_num_layers")):
+        return model_cfg
+    raise TypeError(
+        f"offload_transform: config={type(config).__name__} has no activation-offload fields; pass an "
+        "annotate_offload.config.ModelConfig or Config (or an object with Megatron Bridge names: "
+        "cpu_offloading, cpu_offloading_num_layers, ...)."
+    )
+
+
+def resolve(
+    num_layers: Any, config: Any, release_lag: Any, prefetch_layers: Any, policy: Any, min_offload_numel: Any
+) -> Settings | None:
+    """Merge keyword arguments and config; ``None`` means the config turns offloading off."""
+    s = Settings(num_layers=num_layers, policy=policy, min_offload_numel=min_offload_numel,
+                  release_lag=release_lag, prefetch_layers=prefetch_layers)
+    if config is not None:
+        validate = getattr(config, "validate", None)
+        if callable(validate):
+            validate()  # dataclass configs validate in __post_init__; duck-typed ones may offer this
+        cfg = _model_section(config)
+        if getattr(cfg, "cpu_offloading", True) is False:
+            if num_layers is not None:
+                raise ValueError(
+                    f"offload_transform: num_layers={num_layers!r} was given but config.cpu_offloading=False; "
+                    "set model.cpu_offloading=True in the config, or drop num_layers."
+                )
+            return None
+        if getattr(cfg, "cpu_offloading_weights", False):
+            warnings.warn(
+                "offload_transform: config.cpu_offloading_weights=True has no effect: weights are never "
+                "offloaded (as in TransformerEngine), only activations. Use optimizer offload "
+                "(HybridDeviceOptimizer) to move optimizer state off the GPU.",
+                UserWarning,
+                stacklevel=3,
+            )
+            s.notes.append("cpu_offloading_weights=True ignored: weights are never offloaded")
+        if getattr(cfg, "cpu_offloading_double_buffering", False):
+            warnings.warn(
+                "offload_transform: config.cpu_offloading_double_buffering=True has no effect (as in "
+                "TransformerEngine's current runtime); reload look-ahead is set with prefetch_layers.",
+                UserWarning,
+                stacklevel=3,
+            )
+            s.notes.append("cpu_offloading_double_buffering=True has no effect")
+        if not getattr(cfg, "cpu_offloading_activations", True):
+            return None  # nothing to offload (weights-only is a no-op, warned above)
+        cfg_n = getattr(cfg, "cpu_offloading_num_layers", None)
+        if num_layers is None:
+            s.num_layers = cfg_n
+        elif cfg_n is not None and cfg_n != num_layers:
+            raise ValueError(
+                f"offload_transform: num_layers={num_layers!r} differs from config.cpu_offloading_num_layers="
+                f"{cfg_n!r}; give the count once (drop num_layers=, or make them equal)."
+            )
+        for name in ("release_lag", "prefetch_layers", "min_offload_numel"):
+            if getattr(s, name) is None:
+                setattr(s, name, getattr(cfg, name, None))
+        if s.policy is None:
+            p = getattr(cfg, "offload_policy", None)
+            s.policy = getattr(p, "value", p)
+        s.config_layers = getattr(cfg, "num_layers", None)
+    if s.num_layers is None:
+        raise ValueError(
+            "offload_transform: num_layers is required (None given and no config with "
+            "cpu_offloading_num_layers); pass num_layers=N to offload the first N layers, or "
+            "num_layers='auto' with memory_budget= and example_inputs=."
+        )
+    n = s.num_layers
+    if n != "auto" and (isinstance(n, bool) or not isinstance(n, int)):
+        raise TypeError(
+            f"offload_transform: num_layers must be an int or 'auto', got {n!r} ({type(n).__name__}); "
+            "pass e.g. num_layers=4."
+        )
+    for name, low in (("release_lag", 0), ("prefetch_layers", 1)):
+        v = getattr(s, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            raise ValueError(f"offload_transform: {name} must be None or an int >= {low}, got {v!r}.")
+    return s
+
+
+def check_count(n: int, eligible: int, total: int) -> None:
+    if not 0 <= n < eligible:
+        kept = f" ({total - eligible} declared @offload_layer(offload=False))" if total != eligible else ""
+        fix = (f"choose 0 <= num_layers <= {eligible - 1} (the first N of the {eligible} offloadable layers{kept} "
+               "are offloaded; the last one never is)") if eligible else "declare at least two offloadable layers"
+        raise ValueError(
+            f"CPU offloading can be done only for layers less than {eligible} (num_layers={n}). Fix: {fix}."
+        )
