@@ -142,7 +142,7 @@ def train_single(model: nn.Module, opt: Any, first: int, steps: int, world: int 
         grads = []
         for x in data[s]:
             model.zero_grad(set_to_none=True)
-            loss_fn(model(x)).backward()
+            loss_fn(model(x.to(next(model.parameters()).dtype))).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, *gs in zip(model.parameters(), *grads):
             acc = gs[0].clone()

@@ -67,3 +67,42 @@ def test_checkpoint_has_fraction_independent_keys(runs):
     # fp32 model: masters equal the weights and are not written twice
     assert not any(k.endswith(".master_param") for k in keys)
     assert "model.head.weight" in keys
+
+
+def test_bf16_fp32_masters_round_trip_across_fractions(tmp_path):
+    # bf16 weights with fp32 masters: the masters carry information the weights do not, so they are
+    # written, and land in the new optimizer's masters whichever side steps them now.
+    model = make_model(torch.bfloat16)
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=LR, param_update_in_fp32=True)
+    train_single(model, opt, 0, 1)
+    save_checkpoint(model, opt, str(tmp_path))
+    want = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(model.parameters())}
+    assert all("master_param" in st and st["master_param"].dtype == torch.float32 for st in want.values())
+
+    model2 = make_model(torch.bfloat16)
+    opt2 = HybridDeviceOptimizer(model2.parameters(), offload_fraction=1.0, lr=LR, param_update_in_fp32=True)
+    load_checkpoint(model2, opt2, str(tmp_path))
+    for i, p in enumerate(model2.parameters()):
+        got = opt2.state[p]
+        assert set(got) == set(want[i])
+        for k in want[i]:
+            torch.testing.assert_close(got[k], want[i][k], rtol=0, atol=0, check_device=False)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    # and the two continue identically
+    train_single(model, opt, 1, 2)
+    train_single(model2, opt2, 1, 2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_load_rejects_a_model_with_other_parameters(tmp_path):
+    model = make_model()
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=LR)
+    train_single(model, opt, 0, 1)
+    save_checkpoint(model, opt, str(tmp_path))
+    model2 = make_model()
+    groups = [{"params": list(model2.layers.parameters())}, {"params": [*model2.inp.parameters(), *model2.head.parameters()]}]
+    opt2 = HybridDeviceOptimizer(groups, offload_fraction=0.5, lr=LR)
+    with pytest.raises(ValueError, match="param groups"):
+        load_checkpoint(model2, opt2, str(tmp_path))
