@@ -71,13 +71,19 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 
 class _Entry:
-    """One storage unit of a layer: device bytes ``[lo, lo+nbytes)`` and its host copy."""
+    """One storage unit: device bytes ``[lo, lo+nbytes)``, its host copy and its reload.
+
+    An entry may be shared by several layers of one step (a layer's output saved again by the
+    next layer): it is copied to host memory once, owned by the layer that saved it first, and
+    borrowed by the others. Its host buffer goes back to the pool when the entry itself dies.
+    """
 
     __slots__ = (
-        "src", "key", "nbytes", "version", "host", "d2h_queued", "ready", "reloaded", "h2d_event"
+        "src", "key", "nbytes", "version", "host", "d2h_queued", "ready", "reloaded",
+        "h2d_event", "pool", "handles", "unpacks_left",
     )
 
-    def __init__(self, src: torch.Tensor, key: tuple, nbytes: int, version: int):
+    def __init__(self, src: torch.Tensor, key: tuple, nbytes: int, version: int, pool):
         self.src: Optional[torch.Tensor] = src  # flat uint8 alias of the device storage
         self.key = key
         self.nbytes = nbytes
@@ -87,6 +93,17 @@ class _Entry:
         self.ready: Any = None  # ready event parked until start_offload (manual mode)
         self.reloaded: Optional[torch.Tensor] = None
         self.h2d_event: Any = None
+        self.pool = pool
+        self.handles = 0  # pack handles that point here
+        self.unpacks_left = 0  # unpacks still expected for the current reload
+
+    def __del__(self) -> None:
+        host, self.host = self.host, None
+        if host is not None:
+            try:
+                self.pool.release(host, self.h2d_event)
+            except Exception:  # noqa: BLE001 - never raise from a finalizer
+                pass
 
 
 class _Kept:
@@ -107,6 +124,7 @@ class _Packed:
     def __init__(self, layer: "_LayerState", entry: _Entry, meta: _ViewMeta, t: torch.Tensor):
         self.layer = layer
         self.entry = entry
+        entry.handles += 1
         self.meta = meta
         self.version = t._version
         self.ref = weakref.ref(t)
@@ -152,7 +170,9 @@ class _LayerState:
         "stats",
         "eager_d2h",
         "entries",
+        "borrowed",
         "by_storage",
+        "shared",
         "state",
         "d2h_done",
         "__weakref__",
@@ -165,14 +185,18 @@ class _LayerState:
         pool: PinnedBufferPool,
         stats: OffloadStats,
         eager_d2h: bool,
+        shared: Optional[dict] = None,
     ):
         self.index = index
         self.backend = backend
         self.pool = pool
         self.stats = stats
         self.eager_d2h = eager_d2h
-        self.entries: list[_Entry] = []
+        self.entries: list[_Entry] = []  # owned: copied by this layer
+        self.borrowed: list[_Entry] = []  # owned by an earlier layer of the same step
         self.by_storage: dict[int, list[_Entry]] = {}
+        # storage id -> [(weakref to the saved tensor, entry)] for the whole step (default mode)
+        self.shared = shared
         self.state = "not_offloaded"
         self.d2h_done: Any = None
 
@@ -200,9 +224,14 @@ class _LayerState:
                 if not e.d2h_queued and ready_event is not None:
                     e.ready = ready_event  # an aliased unit waits for its latest ready event
                 return e
-        entry = _Entry(_flat_bytes(t, lo, hi), (sid, lo), hi - lo, version)
+        borrowed = self._borrow(t, sid, lo, hi, version)
+        if borrowed is not None:
+            return borrowed
+        entry = _Entry(_flat_bytes(t, lo, hi), (sid, lo), hi - lo, version, self.pool)
         self.entries.append(entry)
         self.by_storage.setdefault(sid, []).append(entry)
+        if self.shared is not None:
+            self.shared.setdefault(sid, []).append((weakref.ref(t), entry))
         self.stats._resident(entry.nbytes)
         if self.eager_d2h:
             self._enqueue_d2h(entry, ready_event)
@@ -210,6 +239,23 @@ class _LayerState:
         else:
             entry.ready = ready_event if ready_event is not None else self._ready_now()
         return entry
+
+    def _borrow(self, t: torch.Tensor, sid: int, lo: int, hi: int, version: int):
+        """An earlier layer's entry for the same bytes (same storage, still alive, same version)."""
+        if self.shared is None:
+            return None
+        for ref, e in self.shared.get(sid, ()):
+            owner_tensor = ref()
+            if owner_tensor is None or not e.d2h_queued or e.version != version:
+                continue
+            if owner_tensor.untyped_storage()._cdata != sid:
+                continue  # the storage id was reused by a new allocation
+            if e.key[1] <= lo and hi <= e.key[1] + e.nbytes:
+                if not any(b is e for b in self.borrowed) and not any(o is e for o in self.entries):
+                    self.borrowed.append(e)
+                self.stats.tensors_deduplicated += 1
+                return e
+        return None
 
     def _ready_now(self) -> Any:
         return self.backend.record(self.backend.current_stream())
@@ -269,7 +315,13 @@ class _LayerState:
     # -- backward ---------------------------------------------------------------------------
     def start_reload(self) -> None:
         """Enqueue the H2D of every released unit (buffers allocated on the compute stream)."""
-        todo = [e for e in self.entries if e.src is None and e.reloaded is None and e.host]
+        # Last saved first: backward consumes a layer's tensors in reverse order of their saves,
+        # so its first node can start while the rest of the layer is still crossing the link.
+        todo = [
+            e
+            for e in reversed(self.entries + self.borrowed)
+            if e.src is None and e.reloaded is None and e.host
+        ]
         self.state = "reload_started"
         if not todo:
             return
@@ -283,6 +335,7 @@ class _LayerState:
             for e, buf in zip(todo, buffers):
                 buf.copy_(e.host.tensor, non_blocking=e.host.pinned)
                 e.reloaded = buf
+                e.unpacks_left = e.handles
                 e.h2d_event = backend.record(h2d)
                 self.stats.bytes_reloaded += e.nbytes
                 self.stats._resident(e.nbytes)
@@ -327,6 +380,13 @@ class _LayerState:
                 self.start_reload()
             self.backend.current_stream().wait_event(e.h2d_event)
             flat = e.reloaded
+            e.unpacks_left -= 1
+            if e.unpacks_left <= 0:
+                # Every handle of this unit has been served: drop our reference now, so the
+                # buffer is freed as soon as autograd is done with it (the compute stream has
+                # already waited for its H2D above).
+                e.reloaded = None
+                self.stats._resident(-e.nbytes)
         return _rebuild(flat, handle.meta)
 
     def offloaded_bytes(self) -> int:
@@ -334,13 +394,13 @@ class _LayerState:
 
     def __del__(self) -> None:
         try:
+            if self.d2h_done is not None and any(
+                e.src is not None and e.d2h_queued for e in self.entries
+            ):
+                # device copies dropped without the schedule: never before their D2H is done
+                self.backend.current_stream().wait_event(self.d2h_done)
             for e in self.entries:
-                if e.src is not None and e.d2h_queued and self.d2h_done is not None:
-                    self.backend.current_stream().wait_event(self.d2h_done)
                 e.src = None
-                if e.host is not None:
-                    self.pool.release(e.host, e.h2d_event)
-                    e.host = None
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 

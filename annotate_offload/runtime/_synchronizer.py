@@ -76,11 +76,12 @@ def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> i
 class _Step:
     """Per-step state: layer states of one forward, and backward bookkeeping."""
 
-    __slots__ = ("index", "layers", "bwd_active", "bwd_seen", "__weakref__")
+    __slots__ = ("index", "layers", "shared", "bwd_active", "bwd_seen", "__weakref__")
 
     def __init__(self, index: int):
         self.index = index
         self.layers: Any = {}  # dict[int, _LayerState]; weak values once backward ended
+        self.shared: dict = {}  # storage units copied in this step, for cross-layer dedup
         self.bwd_active = False
         self.bwd_seen: set[int] = set()
 
@@ -277,7 +278,12 @@ class OffloadSynchronizer:
         state = step.layers.get(index)
         if state is None and (self._manual or self._layer_offloaded(index)):
             state = step.layers[index] = _LayerState(
-                index, self.backend, self.pool, self.stats, self._eager_d2h
+                index,
+                self.backend,
+                self.pool,
+                self.stats,
+                self._eager_d2h,
+                step.shared if self._eager_d2h else None,
             )
         self._cur = state
         self._scope_index = index
@@ -366,6 +372,7 @@ class OffloadSynchronizer:
         self._step = _Step(self.stats.step)
 
     def _release_step(self, step: _Step) -> None:
+        step.shared = {}  # borrowing happens only within a step's forward
         for state in list(step.layers.values()):
             state.release_all()
         self.stats.pinned_bytes = self.pool.cached_bytes
@@ -401,6 +408,7 @@ class OffloadSynchronizer:
         # alive: a graph freed by this backward returns its buffers to the pool at once, and a
         # retained graph can still be prefetched in its next backward.
         step.layers = weakref.WeakValueDictionary(step.layers)
+        step.shared = {}
         step.bwd_active = False
         step.bwd_seen.clear()
         if step is self._step and self._scope is None:

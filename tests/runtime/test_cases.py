@@ -362,3 +362,21 @@ def test_two_forwards_before_one_backward():
     for a, b in zip(grads(blocks), grads(ref)):
         torch.testing.assert_close(a, b)
     assert first_step.bytes_reloaded == first_step.bytes_offloaded > 0
+
+
+def test_a06_cpu_twin_each_storage_crosses_once_across_layers():
+    """ReLU saves its output, the next layer's Linear saves the same tensor as its input: one copy."""
+    layers = nn.ModuleList([nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(10)])
+    s = DefaultOffloadSynchronizer(10, 9, device="cpu", min_offload_numel=0, release_lag=0,
+                                   prefetch_layers=1)
+    x = torch.randn(64, 256)
+    h = x
+    for i, layer in enumerate(layers):
+        s.enter_layer(i)
+        h = s.commit_layer(layer(h), i)
+    unit = 64 * 256 * 4
+    assert s.stats.bytes_offloaded == (1 + 9) * unit  # x, then each offloaded layer's output
+    assert s.stats.tensors_deduplicated == 8
+    h.sum().backward()
+    assert s.stats.bytes_reloaded == s.stats.bytes_offloaded and s.stats.on_demand_reloads == 0
+    assert s.stats.resident_bytes == 0
