@@ -73,6 +73,14 @@ def offload_transform(
     layers and repeated forwards cannot desynchronise it. When tracing fails (Hugging Face models),
     forward pre/post hooks on the layers make the same calls (``plan.path == "hooks"``).
 
+    Like any ``torch.fx`` trace, the fx path fixes Python control flow at transform time; flow on
+    ``self.training`` is handled (both graphs are kept and ``model.training`` picks one), other
+    Python flags are not: after changing such a flag call ``remove_offload`` and transform again,
+    or pass ``path="hooks"``. ``torch.utils.checkpoint`` around a layer stays in the graph, so the
+    checkpoint's saved inputs are offloaded; on the hook path a checkpoint around an offloaded
+    layer is refused (``OffloadError``), use ``recompute=True`` instead. Only the fx path marks
+    tensors the forward also returns with ``mark_not_offload``.
+
     The model object is changed in place, like torchao's ``quantize_``: same object, class,
     methods (``generate``), parameters and ``state_dict`` keys; its instance-level ``forward``
     runs the transformed graph. ``model.offload_plan`` (:class:`OffloadPlan`) shows per layer
