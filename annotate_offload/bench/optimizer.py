@@ -157,6 +157,62 @@ def _measure(name, model, x, device, steps, warmup, *, bound_ms=None, **opt_kw) 
     return row
 
 
+def _measure_peer(name, make, model, x, device, steps, warmup) -> Optional[dict[str, Any]]:
+    """Time a peer optimizer built by ``make(params)``; ``None`` when it cannot be imported or built."""
+    _free(device)
+    try:
+        opt = make(model.parameters())
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not raised
+        return {"name": f"{name} (not run: {type(exc).__name__}: {str(exc)[:80]})", "skip": True}
+    if opt is None:
+        return {"name": f"{name} (not importable)", "skip": True}
+    clock = _Clock(device)
+
+    def step():
+        _loss(model, x, device).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        for _ in range(warmup):
+            step()
+        _peak_reset(device)
+        ms = clock.time(step, steps)
+    except Exception as exc:  # noqa: BLE001
+        del opt
+        model.zero_grad(set_to_none=True)
+        _free(device)
+        return {"name": f"{name} (failed: {type(exc).__name__}: {str(exc)[:80]})", "skip": True}
+    row = {"name": name, "fraction": 1.0, "step_ms": ms, "peak_bytes": _peak(device),
+           "offloaded_numel": 0, "host_step_ms": float("nan"), "cpu_gparams_s": float("nan"),
+           "bound_ms": None, "peer": True}
+    del opt
+    model.zero_grad(set_to_none=True)
+    _free(device)
+    return row
+
+
+def _peer_rows(model, x, device, steps, warmup, say) -> list[dict[str, Any]]:
+    """W3 peers at f=1 when importable: torchao's CPUOffloadOptimizer and Megatron's HDO."""
+    if device.type != "cuda":
+        return []
+    from . import _peers
+
+    peers = [
+        ("torchao CPUOffloadOptimizer (offload_gradients)",
+         lambda ps: _peers.make_torchao_cpu_offload_optimizer(ps, lr=1e-5, offload_gradients=True)),
+        ("Megatron HybridDeviceOptimizer f=1 (fused CPU AdamW)",
+         lambda ps: _peers.make_megatron_hybrid_device_optimizer(ps, lr=1e-5, cpu_optimizer="fused")),
+        ("Megatron HybridDeviceOptimizer f=1 (default CPU AdamW)",
+         lambda ps: _peers.make_megatron_hybrid_device_optimizer(ps, lr=1e-5, cpu_optimizer="default")),
+    ]
+    rows = []
+    for name, make in peers:
+        say(name)
+        rows.append(_measure_peer(name, make, model, x, device, steps, warmup))
+    return rows
+
+
 def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions: Sequence[float] = (0.0, 0.25, 0.5, 1.0),
         modes: bool = True, steps: Optional[int] = None, warmup: Optional[int] = None,
         log: Optional[Callable[[str], None]] = None) -> list[dict[str, Any]]:
@@ -203,6 +259,7 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
             row = _measure(name, model, x, device, steps, warmup, bound_ms=bound, offload_fraction=1.0, offload_gradients=og, **kw)
             row["mem_bound_bytes"] = weights + GiB  # + activations: see format_table
             rows.append(row)
+        rows += _peer_rows(model, x, device, steps, warmup, say)
     for r in rows:
         r.setdefault("device", torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
         r.setdefault("weights_bytes", weights)
@@ -226,6 +283,12 @@ def format_table(rows: list[dict[str, Any]], command: str = "") -> str:
     ]
     for r in rows:
         if r["name"] == "reference":
+            continue
+        if r.get("skip"):
+            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - |")
+            continue
+        if r.get("peer"):
+            lines.append(f"| {r['name']} | - | {r['step_ms']:.1f} | - | {r['peak_bytes'] / GiB:.2f} | - | - | - | - |")
             continue
         bound = r.get("bound_ms")
         ratio = f"{r['step_ms'] / bound:.2f}x" if bound else "-"
