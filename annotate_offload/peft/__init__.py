@@ -12,7 +12,14 @@ No dependency on peft or transformers: peft's LoRA layers are recognised by thei
 Importing this package does not initialise CUDA.
 """
 
-from ._apply import OffloadMarks, apply_offload_marks, find_lm_head, remove_offload_marks, unwrap_model
+from ._apply import (
+    OffloadMarks,
+    apply_offload_marks,
+    find_lm_head,
+    has_offload_marks,
+    remove_offload_marks,
+    unwrap_model,
+)
 from ._lora import LoRALinear, apply_lora
 
 __all__ = [
@@ -22,6 +29,7 @@ __all__ = [
     # offload marks (own adapters, Hugging Face peft, LM head, frozen weights)
     "apply_offload_marks",
     "remove_offload_marks",
+    "has_offload_marks",
     "OffloadMarks",
     # helpers
     "find_lm_head",

@@ -48,7 +48,14 @@ from ._policy import (
     marked_saves,
 )
 
-__all__ = ["OffloadMarks", "apply_offload_marks", "remove_offload_marks", "find_lm_head", "unwrap_model"]
+__all__ = [
+    "OffloadMarks",
+    "apply_offload_marks",
+    "has_offload_marks",
+    "remove_offload_marks",
+    "find_lm_head",
+    "unwrap_model",
+]
 
 _STATE = "_annotate_offload_peft_marks"
 _HEAD_NAMES = ("lm_head", "output", "output_layer", "head")
@@ -255,7 +262,9 @@ class OffloadMarks:
 _AUTO = "auto"
 
 
-def apply_offload_marks(model: nn.Module, *, lm_head: Union[str, nn.Module, None] = _AUTO) -> OffloadMarks:
+def apply_offload_marks(
+    model: nn.Module, *, lm_head: Union[str, nn.Module, None] = _AUTO, warn: bool = True
+) -> OffloadMarks:
     """Install the PEFT offload marks on ``model`` (a peft ``PeftModel``, a model with :class:`LoRALinear`, any model).
 
     * peft LoRA layers get the marks :class:`LoRALinear` sets itself (Note [Adapter marks] in
@@ -276,6 +285,8 @@ def apply_offload_marks(model: nn.Module, *, lm_head: Union[str, nn.Module, None
         lm_head ("auto" | nn.Module | None): ``"auto"`` finds the head (:func:`find_lm_head`) and
             warns when there is none; a module names it; ``None`` installs no head hook.
             Default: ``"auto"``.
+        warn (bool): warn when ``"auto"`` finds no head (``offload_transform`` passes ``False``:
+            most of its models are not language models). Default: ``True``.
 
     Returns:
         OffloadMarks: the handle (``.remove()`` uninstalls the hooks).
@@ -318,7 +329,7 @@ def apply_offload_marks(model: nn.Module, *, lm_head: Union[str, nn.Module, None
             "remove_offload_marks(model) first to change the head."
         )
     head = find_lm_head(model) if lm_head == _AUTO else lm_head
-    if lm_head == _AUTO and head is None:
+    if lm_head == _AUTO and head is None and warn:
         warnings.warn(
             f"apply_offload_marks: found no language-model head in {type(inner).__name__} (looked for "
             f"get_output_embeddings() and {', '.join(_HEAD_NAMES)}); pass lm_head=<module> to keep its input on the "
@@ -347,6 +358,11 @@ def apply_offload_marks(model: nn.Module, *, lm_head: Union[str, nn.Module, None
         _SaveScope("keep").install(head, handles)
     inner.__dict__[_STATE] = marks
     return marks
+
+
+def has_offload_marks(model: nn.Module) -> bool:
+    """Whether :func:`apply_offload_marks` hooks are installed on ``model`` (or the model it wraps)."""
+    return isinstance(model, nn.Module) and _STATE in unwrap_model(model).__dict__
 
 
 def remove_offload_marks(model: nn.Module) -> bool:

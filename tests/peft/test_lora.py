@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from annotate_offload.annotate import offload_transform
 from annotate_offload.models.llama import Llama
-from annotate_offload.peft import LoRALinear, apply_lora, apply_offload_marks
+from annotate_offload.peft import LoRALinear, apply_lora, apply_offload_marks, has_offload_marks
 
 import _peft_helpers as h
 from _peft_helpers import L, R, OneScope, PackSpy, adapter_weights, assert_same, ids, lora_llama, step, weight_shapes
@@ -247,8 +247,9 @@ def test_tied_trainable_head_input_kept():
 
 def test_apply_offload_marks_handle():
     model = lora_llama()
+    assert not has_offload_marks(model)
     marks = apply_offload_marks(model)
-    assert apply_offload_marks(model) is marks and marks.active
+    assert apply_offload_marks(model) is marks and marks.active and has_offload_marks(model)
     assert "lm_head=Linear" in repr(marks) and "lora_linear_layers=8" in repr(marks)
     with pytest.raises(ValueError, match=r"lm_head=Linear is not a submodule"):
         apply_offload_marks(model, lm_head=nn.Linear(2, 2))
@@ -261,7 +262,7 @@ def test_apply_offload_marks_handle():
     n_hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     assert n_hooks > 0
     marks.remove()
-    assert not marks.active
+    assert not marks.active and not has_offload_marks(model)
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
 
 
@@ -271,5 +272,10 @@ def test_apply_offload_marks_warns_without_head():
         marks = apply_offload_marks(model)
     assert marks.lm_head is None
     marks.remove()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_offload_marks(model, warn=False).remove()
     with pytest.raises(TypeError, match=r"model must be an nn.Module"):
         apply_offload_marks(object())
