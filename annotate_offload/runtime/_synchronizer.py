@@ -185,9 +185,13 @@ class OffloadSynchronizer:
             return "fake"
         if _is_param_alias(t) or (t.is_leaf and t.requires_grad):
             return "parameter"  # weights and other leaves the user holds: copying frees nothing
-        if getattr(t, "_TE_do_not_offload", False) or getattr(t, "_do_not_offload", False):
-            return "marked"
-        if self.policy == "opt_in" and not getattr(t, "activation_offloading", False):
+        base = t._base
+        if _marked(t) or (base is not None and _marked(base)):
+            return "marked"  # a view of a marked tensor (Linear on 3-D input saves a view)
+        if self.policy == "opt_in" and not (
+            getattr(t, "activation_offloading", False)
+            or (base is not None and getattr(base, "activation_offloading", False))
+        ):
             return "not_selected"
         if t.layout != torch.strided or t.is_quantized or (
             type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
@@ -450,6 +454,10 @@ class OffloadSynchronizer:
             f"{type(self).__name__}(num_layers={self.num_layers}, policy={self.policy!r}, "
             f"backend={self.backend!r})"
         )
+
+
+def _marked(t: torch.Tensor) -> bool:
+    return bool(getattr(t, "_TE_do_not_offload", False) or getattr(t, "_do_not_offload", False))
 
 
 def _iter_tensors(obj: Any):

@@ -217,3 +217,24 @@ def test_get_offloaded_total_size_mb():
     s.commit_layer(y, 0)
     assert s.get_offloaded_total_size_mb() == pytest.approx(1.0)
     y.backward()
+
+
+def test_marks_on_a_base_cover_its_views():
+    """nn.Linear on a 3-D input saves a view of it: the mark on the base must still count."""
+    from annotate_offload import mark_activation_offload, mark_not_offload
+
+    s = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0)
+    x = torch.randn(2, 8, 16)
+    mark_not_offload(x)
+    lin = torch.nn.Linear(16, 16)
+    s.enter_layer(0)
+    y = s.commit_layer(lin(x).sum(), 0)
+    y.backward()
+    assert s.stats.bytes_offloaded == 0 and s.stats.kept["marked"] >= 1
+    s = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0, policy="opt_in")
+    x = torch.randn(2, 8, 16)
+    mark_activation_offload(x)
+    s.enter_layer(0)
+    y = s.commit_layer(lin(x).sum(), 0)
+    y.backward()
+    assert s.stats.bytes_offloaded == x.nbytes
