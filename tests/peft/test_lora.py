@@ -279,3 +279,13 @@ def test_apply_offload_marks_warns_without_head():
         apply_offload_marks(model, warn=False).remove()
     with pytest.raises(TypeError, match=r"model must be an nn.Module"):
         apply_offload_marks(object())
+
+
+def test_lean_import():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, annotate_offload.peft, annotate_offload.bench.lora; "
+            "assert not torch.cuda.is_initialized(); "
+            "assert 'peft' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
