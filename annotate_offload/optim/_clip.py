@@ -78,4 +78,7 @@ def clip_hybrid(opt: "HybridDeviceOptimizer", max_norm: float, norm_type: float,
         for s in pre_copied:
             gl = local_grad(s.param)
             s.grad_ver = gl._version  # the host copy + pending coefficient equals the scaled GPU gradient
-    return total
+    # like torch.nn.utils.clip_grad_norm_, the norm lives on the parameters' device (get_total_norm
+    # puts it on the device of the first tensor, which is a host buffer when that grad is offloaded)
+    first = next((p for g in opt.param_groups for p in g["params"]), None)
+    return total.to(first.device) if first is not None else total

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from annotate_offload.testing import bit_reproducible
 
 from annotate_offload.annotate import offload_transform, remove_offload
 from annotate_offload.models import GPTConfig, GPTStack
@@ -31,7 +31,7 @@ def _step(model, x):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+    with bit_reproducible():
         loss = model(x).float().square().mean()
         torch.cuda.synchronize()
         after_forward = torch.cuda.memory_allocated() - base
