@@ -24,9 +24,10 @@ __all__ = ["bit_reproducible"]
 def bit_reproducible() -> Iterator[None]:
     """Pin a bit-reproducible SDPA backend and deterministic algorithms for the block.
 
-    On CUDA: ``SDPBackend.EFFICIENT_ATTENTION`` plus ``torch.use_deterministic_algorithms(True,
-    warn_only=True)`` (and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset, which cuBLAS reads when
-    its workspace is first created). The previous settings are restored on exit. On CPU the
+    On CUDA: ``SDPBackend.EFFICIENT_ATTENTION`` plus ``torch.use_deterministic_algorithms(True)``
+    (``warn_only=False``: the efficient backward only switches to its deterministic kernel then,
+    and an op without a deterministic implementation raises instead of silently differing), and
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset (cuBLAS reads it when a workspace is created). The previous settings are restored on exit. On CPU the
     kernels are deterministic already and the block runs unchanged. Speed benchmarks should not
     use this: it selects slower kernels.
     """
@@ -38,7 +39,7 @@ def bit_reproducible() -> Iterator[None]:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=False)
     try:
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             yield
