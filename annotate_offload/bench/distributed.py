@@ -1,0 +1,306 @@
+"""Weak scaling of activation offload + ``HybridDeviceOptimizer`` on several GPUs (issue 9), launched with torchrun.
+
+Workload: issue 4's model, :class:`annotate_offload.models.gpt.GPTStack` (24 layers, hidden 2048, 16
+heads, hidden states in and out: 1.21 G parameters), fp32 weights, forward under
+``torch.autocast(bfloat16)``, loss ``mean(out.float()**2)``, ``--batch`` x ``--seq`` tokens *per GPU*;
+activations of the first ``--offload-layers`` layers offloaded (``offload_transform``), optimizer
+state of ``--fraction`` of each rank's parameters stepped on the host (``HybridDeviceOptimizer``,
+AdamW), one process per GPU with DDP (``gradient_as_bucket_view=True`` and the offload comm hook)
+or FSDP2 (``fully_shard`` per block), each rank's host threads from ``local_thread_budget``.
+
+Runs, all in one ``torchrun`` launch:
+
+1. ``1 GPU`` (rank 0 alone, the other ranks wait): the same per-GPU work without communication,
+   host threads as a single process on this host would get (``local_thread_budget(0, 1)``).
+2. ``1 GPU, accumulated``: rank 0 alone, ``W`` micro-batches per step (the ones the ``W`` ranks
+   get) with gradient accumulation: the update ``W`` GPUs make, for loss parity.
+3. ``W GPUs``: every rank; step time is the slowest rank's.
+
+Step time is the mean over ``--steps`` steps after ``--warmup`` steps, one synchronize at the end.
+Weak-scaling efficiency = ``T(1 GPU) / T(W GPUs)`` at equal per-GPU work (issue 9 asks >= 90% at
+f = 0.5). Loss parity: the per-step loss of run 3 (mean over ranks) against run 2, max relative
+difference over ``--parity-steps`` steps from the same initial weights (not bitwise on GPU:
+all-reduce order and bf16 autocast; CPU/gloo runs are bit-identical, tests/distributed).
+
+Run (2-GPU machine; keep NVLink multicast off)::
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m annotate_offload.bench.distributed --parallel ddp
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m annotate_offload.bench.distributed --parallel fsdp
+
+``--tiny`` runs a 2-layer, hidden-64 model on CPU processes (gloo) in seconds, also without torchrun
+(one process): a smoke run for CI whose numbers carry no claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..annotate import offload_transform
+from ..distributed import attach_optimizer, local_thread_budget
+from ..models.gpt import GPTConfig, GPTStack
+from ..optim import HybridDeviceOptimizer
+
+__all__ = ["main", "format_report"]
+
+GiB = 1024**3
+_NAMES = {"ddp": "DDP", "fsdp": "FSDP2"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m annotate_offload.bench.distributed", description=__doc__.split("\n")[0])
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="DDP or FSDP2 fully_shard (default: ddp)")
+    p.add_argument("--fraction", type=float, default=0.5, help="HybridDeviceOptimizer offload_fraction (default: 0.5)")
+    p.add_argument("--offload-layers", type=int, help="layers whose activations are offloaded (default: layers // 2)")
+    p.add_argument("--layers", type=int, help="GPT layers (default: 24, tiny: 2)")
+    p.add_argument("--hidden", type=int, help="hidden size (default: 2048, tiny: 64)")
+    p.add_argument("--heads", type=int, help="attention heads (default: 16, tiny: 4)")
+    p.add_argument("--batch", type=int, help="sequences per GPU (default: 4, tiny: 2)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: 1024, tiny: 16)")
+    p.add_argument("--steps", type=int, help="timed steps (default: 10, tiny: 2)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default: 3, tiny: 1)")
+    p.add_argument("--parity-steps", type=int, help="steps compared for loss parity (default: 5, tiny: 2)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
+    p.add_argument("--parity-rtol", type=float, default=5e-3, help="loss parity passes below this relative difference")
+    p.add_argument("--min-efficiency", type=float, default=0.9, help="weak-scaling efficiency target (default: 0.9)")
+    p.add_argument("--tiny", action="store_true", help="tiny model on CPU (gloo) for CI; numbers carry no claim")
+    p.add_argument("--out", metavar="FILE", help="also write the markdown report here (rank 0)")
+    return p
+
+
+def _settings(a: argparse.Namespace) -> argparse.Namespace:
+    big = dict(layers=24, hidden=2048, heads=16, batch=4, seq=1024, steps=10, warmup=3, parity_steps=5)
+    tiny = dict(layers=2, hidden=64, heads=4, batch=2, seq=16, steps=2, warmup=1, parity_steps=2)
+    for k, v in (tiny if a.tiny else big).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.offload_layers is None:
+        a.offload_layers = a.layers // 2
+    for k in ("layers", "hidden", "heads", "batch", "seq", "steps", "parity_steps"):
+        if getattr(a, k) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}.")
+    if a.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {a.warmup}.")
+    if not 0 <= a.offload_layers < a.layers:
+        raise ValueError(f"--offload-layers must be in [0, layers={a.layers}), got {a.offload_layers}.")
+    if not 0 <= a.fraction <= 1:
+        raise ValueError(f"--fraction must be in [0, 1], got {a.fraction}.")
+    return a
+
+
+class _Env:
+    def __init__(self, tiny: bool) -> None:
+        self.distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if tiny or not torch.cuda.is_available():
+            if not tiny:
+                raise SystemExit("annotate_offload.bench.distributed: no CUDA device; pass --tiny for the CPU smoke run.")
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        if self.distributed:
+            kw: dict[str, Any] = {"timeout": datetime.timedelta(minutes=10)}
+            if self.device.type == "cuda":
+                kw["device_id"] = self.device
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", **kw)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def _model(a: argparse.Namespace, env: _Env) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPTStack(GPTConfig(hidden=a.hidden, heads=a.heads, layers=a.layers), device=env.device)
+    if a.offload_layers:
+        kw = {"min_offload_numel": 1} if a.tiny else {}
+        offload_transform(model, num_layers=a.offload_layers, prefetch_layers=1, **kw)
+    return model
+
+
+def _batch(a: argparse.Namespace, env: _Env, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    return torch.randn(a.batch, a.seq, a.hidden, generator=g).to(env.device, non_blocking=True)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, env: _Env) -> torch.Tensor:
+    with torch.autocast(env.device.type, dtype=torch.bfloat16):
+        out = model(x)
+    return out.float().square().mean()
+
+
+def _peak_reset(env: _Env) -> None:
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+
+def _peak(env: _Env) -> float:
+    return torch.cuda.max_memory_allocated(env.device) / GiB if env.device.type == "cuda" else float("nan")
+
+
+def _free(env: _Env, opt: HybridDeviceOptimizer) -> None:
+    opt.close()  # stops its worker thread; the caller drops its model and optimizer references
+    import gc
+
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDeviceOptimizer, rank: int, micro: int = 1,
+           collective: bool = False) -> dict[str, Any]:
+    """Train ``warmup + steps`` (at least ``parity_steps``) steps; losses of the first ``parity_steps``
+    (averaged over ranks when ``collective``: every rank must then call it)."""
+    total = max(a.warmup + a.steps, a.parity_steps)
+    losses: list[float] = []
+    host_s: list[float] = []
+    t0 = 0.0
+    _peak_reset(env)
+    for s in range(total):
+        if s == a.warmup:
+            env.sync()
+            t0 = time.perf_counter()
+        step_loss = None
+        for m in range(micro):
+            loss = _loss(model, _batch(a, env, s, rank if micro == 1 else m), env)
+            (loss / micro).backward()
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if s < a.parity_steps:
+            v = step_loss / micro
+            if collective:
+                dist.all_reduce(v)
+                v = v / env.world
+            losses.append(float(v))  # a host sync, only in the parity steps
+        if s >= a.warmup:
+            host_s.append(opt.host_step_seconds)
+    env.sync()
+    dt = (time.perf_counter() - t0) / max(1, total - a.warmup)
+    return {"step_s": dt, "losses": losses, "peak_gib": _peak(env), "host_s": statistics.mean(host_s) if host_s else float("nan")}
+
+
+def _single(a: argparse.Namespace, env: _Env, micro: int) -> dict[str, Any]:
+    model = _model(a, env)
+    budget = local_thread_budget(0, 1)
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
+    r = _timed(a, env, model, opt, 0, micro=micro)
+    r.update(threads=budget.threads, host_numel=opt.offloaded_numel, numel=sum(p.numel() for p in model.parameters()))
+    _free(env, opt)
+    return r
+
+
+def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
+    model = _model(a, env)
+    budget = local_thread_budget()
+    if a.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped: nn.Module = DDP(model, gradient_as_bucket_view=True, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
+    attach_optimizer(wrapped, opt)
+    r = _timed(a, env, wrapped, opt, env.rank, collective=True)
+    t = torch.tensor([r["step_s"], r["peak_gib"], r["host_s"]], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    r.update(step_s=t[0].item(), peak_gib=t[1].item(), host_s=t[2].item(), threads=budget.threads, numa=budget.numa_node,
+             host_numel=opt.offloaded_numel)
+    _free(env, opt)
+    return r
+
+
+def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: dict[str, Any], many: Optional[dict[str, Any]], cmd: str) -> str:
+    """The markdown report (rank 0)."""
+    W = env.world
+    tok = a.batch * a.seq
+    dev = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "CPU (gloo, smoke run: no claim)"
+    lines = [
+        f"### Weak scaling, activation offload + HybridDeviceOptimizer ({_NAMES[a.parallel] if W > 1 else '1 process'})",
+        "",
+        f"`{cmd}`  ",
+        f"torch {torch.__version__}, {dev}, world size {W}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}; "
+        f"GPT {a.layers} layers x hidden {a.hidden} ({one['numel'] / 1e9:.2f} G params), {a.batch} x {a.seq} tokens per GPU, "
+        f"autocast bf16, offload_fraction={a.fraction}, activations of {a.offload_layers} layers offloaded",
+        "",
+        "| run | GPUs | step (ms) | tokens/s | peak GPU mem (GiB) | host params / rank | host threads / rank | host AdamW (G params/s per rank) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def row(name: str, n: int, r: dict[str, Any]) -> str:
+        thr = r["host_numel"] / r["host_s"] / 1e9 if r["host_s"] and r["host_s"] == r["host_s"] and r["host_s"] > 0 else float("nan")
+        return (f"| {name} | {n} | {r['step_s'] * 1e3:.1f} | {n * tok / r['step_s']:,.0f} | {r['peak_gib']:.2f} | "
+                f"{r['host_numel'] / 1e6:.3g} M | {r['threads']} | {thr:.2f} |")
+
+    lines.append(row("1 GPU", 1, one))
+    if many is not None:
+        lines.append(row(f"{W} GPUs {_NAMES[a.parallel]}", W, many))
+        eff = one["step_s"] / many["step_s"]
+        ok = "meets" if eff >= a.min_efficiency else "MISSES"
+        lines += ["", f"**Weak-scaling efficiency** T(1 GPU) / T({W} GPUs) = **{eff * 100:.1f}%** ({ok} the {a.min_efficiency * 100:.0f}% target)."]
+        lines += ["", f"| step | loss, 1 GPU accumulating {W} micro-batches | loss, {W} GPUs | rel. diff |", "|---:|---:|---:|---:|"]
+        worst = 0.0
+        for i, (x, y) in enumerate(zip(acc["losses"], many["losses"])):
+            rd = abs(x - y) / max(abs(x), 1e-30)
+            worst = max(worst, rd)
+            lines.append(f"| {i} | {x:.6f} | {y:.6f} | {rd:.2e} |")
+        ok = "passes" if worst <= a.parity_rtol else "FAILS"
+        lines += ["", f"**Loss parity**: max relative difference {worst:.2e} ({ok} rtol {a.parity_rtol:g})."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point (every rank of a torchrun launch, or one process). Returns the exit status.
+
+    0: the report was printed (targets met or not: the report says); 2: bad arguments.
+    """
+    try:
+        a = _settings(_parser().parse_args(argv))
+    except ValueError as e:
+        print(f"annotate_offload.bench.distributed: {e}", file=sys.stderr)
+        return 2
+    env = _Env(a.tiny)
+    try:
+        one = acc = None
+        if env.rank == 0:
+            one = _single(a, env, micro=1)
+            acc = _single(a, env, micro=env.world) if env.world > 1 else None
+        env.barrier()
+        many = _multi(a, env) if env.distributed else None
+        if env.rank == 0:
+            argv_s = " ".join(argv if argv is not None else sys.argv[1:])
+            launcher = f"torchrun --nproc-per-node {env.world} -m annotate_offload.bench.distributed" if env.distributed else "python -m annotate_offload.bench.distributed"
+            report = format_report(a, env, one, acc, many, f"{launcher} {argv_s}".strip())
+            print(report, flush=True)
+            if a.out:
+                with open(a.out, "w") as f:
+                    f.write(report + "\n")
+        return 0
+    finally:
+        if env.distributed:
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
