@@ -109,27 +109,31 @@ def ddp_refusals(rank: int, world: int, *, out_dir: str) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- FSDP2
-def _shard(model: nn.Module, reshard: bool = True) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def _shard(model: nn.Module, reshard: bool = True, mp: bool = False) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mp else {}
     for m in (model.inp, *model.layers, model.head):
-        fully_shard(m, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(m, reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=reshard, **kw)
     return model
 
 
 def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction: float = 0.5, offload: bool = True,
-               offload_gradients: bool = False, clip: "float | None" = None, reshard: bool = True) -> dict[str, Any]:
+               offload_gradients: bool = False, clip: "float | None" = None, reshard: bool = True,
+               mp: bool = False, autocast: bool = False) -> dict[str, Any]:
     model = make_model()
     if offload:
-        _offload(model)  # before fully_shard, as torchtitan applies activation checkpointing (see test docstring)
-    _shard(model, reshard)
+        _offload(model)  # before fully_shard (fx tracing would run FSDP's pre-forward hooks), as torchtitan orders AC
+    _shard(model, reshard, mp)
     opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=fraction, lr=LR, offload_gradients=offload_gradients)
     att = attach_optimizer(model, opt)
     losses = []
     data = batches(steps, world)
     for s in range(steps):
-        loss = loss_fn(model(data[s][rank]))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(data[s][rank])
+        loss = loss_fn(out)
         loss.backward()
         if clip is not None:
             clip_grad_norm_(model.parameters(), clip, optimizer=opt)
@@ -201,6 +205,12 @@ def fsdp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, 
         "all_offload_grads": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=1.0, offload_gradients=True),
         "clipped": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=0.5, clip=0.05),
         "replaced": fsdp_replaced_param(rank, world, out_dir=out_dir),
+        # FSDP2 mixed precision (bf16 all-gathered weights) and autocast (bf16 casts of the weights),
+        # each with and without activation offload
+        "mp": fsdp_train(rank, world, out_dir=out_dir, steps=2, mp=True),
+        "mp_plain": fsdp_train(rank, world, out_dir=out_dir, steps=2, mp=True, offload=False),
+        "autocast": fsdp_train(rank, world, out_dir=out_dir, steps=2, autocast=True),
+        "autocast_plain": fsdp_train(rank, world, out_dir=out_dir, steps=2, autocast=True, offload=False),
     }
 
 

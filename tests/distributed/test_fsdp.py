@@ -58,6 +58,26 @@ def test_fsdp_unsharded_parameters_are_never_offloaded(runs):
         assert r["half"]["bytes_per_step"] == want
 
 
+@pytest.mark.parametrize("kind", ["mp", "autocast"])
+def test_fsdp_low_precision_weights_are_never_offloaded(runs, kind):
+    # mp: MixedPrecisionPolicy(param_dtype=bf16) all-gathers bf16 unsharded weights; autocast: fp32
+    # unsharded weights cast to bf16 per op. Either way the saved weights (and their casts) stay:
+    # offloading changes no bit, and moves exactly the bytes the same computation moves in one
+    # process, where no parameter is ever offloaded.
+    from annotate_offload.annotate import offload_transform
+
+    for r in runs:
+        assert_bitwise(r[kind]["weights"], r[f"{kind}_plain"]["weights"])
+        assert r[kind]["losses"] == r[f"{kind}_plain"]["losses"]
+    single = offload_transform(make_model(torch.bfloat16 if kind == "mp" else torch.float32), num_layers=2,
+                               min_offload_numel=1, prefetch_layers=1)
+    x = batches(1, 2)[0][0]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):
+        out = single(x.to(torch.bfloat16) if kind == "mp" else x)
+    loss_fn(out).backward()
+    assert runs[0][kind]["bytes_per_step"] == single.offload_plan.bytes_per_step > 0
+
+
 def test_fsdp_global_clip_matches_reference(runs):
     # annotate_offload.distributed.clip_grad_norm_ uses the global norm over the DTensor shards and
     # multiplies each gradient in place, so the optimizer re-copies the clipped gradients at step()
