@@ -41,7 +41,7 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------------------------- DDP
 def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach: bool, steps: int = 3,
-              fraction: float = 0.5, offload: bool = True) -> dict[str, Any]:
+              fraction: float = 0.5, offload: bool = True, **opt_kw: Any) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = make_model()
@@ -50,7 +50,7 @@ def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach:
     # tiny buckets: several buckets, so D2H starts bucket by bucket
     ddp = DDP(model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.001)
     budget = local_thread_budget()
-    opt = HybridDeviceOptimizer(ddp.parameters(), offload_fraction=fraction, lr=LR, cpu_threads=budget.threads)
+    opt = HybridDeviceOptimizer(ddp.parameters(), offload_fraction=fraction, lr=LR, cpu_threads=budget.threads, **opt_kw)
     hook = None
     caught: list[str] = []
     if attach:
@@ -86,6 +86,9 @@ def ddp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, A
         "unattached": ddp_train(rank, world, out_dir=out_dir, bucket_view=True, attach=False, steps=steps,
                                 fraction=1.0, offload=False),
         "refusals": ddp_refusals(rank, world, out_dir=out_dir),
+        # the host step of a chunk starts in backward, once DDP has reduced all its gradients
+        "step_in_backward": ddp_train(rank, world, out_dir=out_dir, bucket_view=True, attach=True, steps=steps,
+                                      fraction=1.0, chunk_bytes=1024, step_in_backward=True),
     }
 
 

@@ -59,6 +59,13 @@ def test_ddp_unattached_optimizer_copies_everything_at_step(ref, runs):
     assert r0["copied_at_step"] == STEPS * r0["host_params"]
 
 
+def test_ddp_step_in_backward_steps_reduced_gradients(ref, runs):
+    for r in runs:
+        got = r["step_in_backward"]
+        assert_bitwise(got["weights"], ref)
+        assert got["copied_in_hook"] == STEPS * got["host_params"] and got["copied_at_step"] == 0
+
+
 def test_ddp_refusals(runs):
     out = runs[0]["refusals"]
     assert out["not_hdo"].startswith("TypeError") and "HybridDeviceOptimizer" in out["not_hdo"]
