@@ -39,6 +39,7 @@ class _Applied:
     root_attrs: list[str]
     graph_module: Any  # the transformed graph (train mode, or both modes when they are the same)
     graph_module_eval: Any = None  # the eval-mode graph when it differs
+    peft_marks: Any = None  # adapter / LM-head / frozen-weight marks this transform installed
 
 
 _MISSING = object()
@@ -272,8 +273,16 @@ def offload_transform(
         if c in ("recompute", "recompute_offload"):
             recompute_layers.append((r.module, r.module.__dict__.get("forward", _MISSING)))
             r.module.forward = RecomputeForward(r.module.forward)
+    # Offload marks for LoRA adapters (Hugging Face peft or ours), the LM head's input and frozen
+    # weights' autocast casts (issue 5). They act only while an offload scope is open, so outputs
+    # and gradients are unchanged; a user's own apply_offload_marks call is left alone.
+    from annotate_offload.peft import apply_offload_marks, has_offload_marks
+
+    peft_marks = None if has_offload_marks(model) else apply_offload_marks(model, warn=False)
     model.forward = OffloadedForward(fn, boundary, hook_state, wrapped)
-    model.__dict__[_STATE] = _Applied(boundary, handles, prev_forward, recompute_layers, added, gm, gm_eval)
+    model.__dict__[_STATE] = _Applied(
+        boundary, handles, prev_forward, recompute_layers, added, gm, gm_eval, peft_marks
+    )
     model.offload_plan = plan
 
     if example_inputs is not None:
@@ -306,6 +315,8 @@ def remove_offload(model: nn.Module) -> nn.Module:
     applied.boundary.abort()
     for h in applied.handles:
         h.remove()
+    if applied.peft_marks is not None:
+        applied.peft_marks.remove()
     for module, prev in applied.recompute_layers:
         _restore_forward(module, prev)
     _restore_forward(model, applied.prev_forward)

@@ -38,7 +38,12 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from annotate_offload.runtime import is_cpu_offload_enabled, mark_activation_offload, mark_not_offload
+from annotate_offload.runtime import (
+    active_offload_policy,
+    is_cpu_offload_enabled,
+    mark_activation_offload,
+    mark_not_offload,
+)
 from annotate_offload.runtime._synchronizer import _active_synchronizer
 
 __all__ = [
@@ -54,10 +59,7 @@ __all__ = [
 
 def active_policy() -> Optional[str]:
     """The selection policy of the offload scope open on this thread, or ``None`` when none is open."""
-    if not is_cpu_offload_enabled():
-        return None
-    sync = _active_synchronizer()
-    return None if sync is None else sync.policy
+    return active_offload_policy()
 
 
 _NOT_OFFLOAD = "_TE_do_not_offload"  # the attribute mark_not_offload sets (TE's name)

@@ -41,12 +41,22 @@ from ._synchronizer import (
     _active_synchronizer,
 )
 
-__all__ = ["get_cpu_offload_context", "is_cpu_offload_enabled"]
+__all__ = ["get_cpu_offload_context", "is_cpu_offload_enabled", "active_offload_policy"]
 
 
 def is_cpu_offload_enabled() -> bool:
     """True while a layer's offload scope is open on this thread (modules sample it in forward)."""
     return _active_synchronizer() is not None
+
+
+def active_offload_policy() -> Optional[str]:
+    """Selection policy of the open offload scope: ``"opt_out"``, ``"opt_in"``, or ``None``.
+
+    Modules that mark their tensors (LoRA adapters) read it in forward: under ``"opt_in"`` they tag
+    what should move (``activation_offloading=True``), under ``"opt_out"`` what should stay.
+    """
+    sync = _active_synchronizer()
+    return None if sync is None else sync.policy
 
 
 def _identity(tensor: Any) -> Any:

@@ -197,13 +197,16 @@ class OffloadSynchronizer:
             type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
         ):
             return "unsupported"
-        if (
-            self._frozen_shapes
-            and t.grad_fn is None
-            and not t.requires_grad
-            and tuple(t.shape) in self._frozen_shapes
-        ):
-            return "parameter"
+        if self._frozen_shapes and t.grad_fn is None and not t.requires_grad:
+            # a fresh cast of a frozen weight, or the .t() view F.linear saves of it; activations
+            # of layer 0 in a frozen-embedding model have no grad_fn either, and a view of a
+            # (B*T, H) activation can match a weight's shape by chance: require the base to match
+            shapes = self._frozen_shapes
+            if base is None:
+                if tuple(t.shape) in shapes:
+                    return "parameter"
+            elif tuple(base.shape) in shapes and tuple(t.shape) in shapes:
+                return "parameter"
         return None
 
     # -- saved-tensor hooks (TE names) -------------------------------------------------------

@@ -80,9 +80,13 @@ def test_peft_grads_bit_identical_and_marks(policy, dropout):
 
 
 def test_peft_without_marks_offloads_rank_r():
-    """Negative control: without apply_offload_marks, peft's rank-r hidden is offloaded in opt-out mode."""
+    """Negative control: without the marks (offload_transform installs them; removed here),
+    peft's rank-r hidden is offloaded in opt-out mode."""
+    from annotate_offload.peft import remove_offload_marks
+
     model = _hf()
     spy = _transform(model, "opt_out")
+    assert remove_offload_marks(model)
     step(model, ids())
     assert len(spy.packed_rank_r()) == 2 * (L - 1)
 
@@ -125,8 +129,6 @@ def test_peft_without_marks_head_would_move():
     assert [t for t in spy.packed_with_shape(frozen) if t.grad_fn is None]
 
 
-@pytest.mark.xfail(strict=True, reason="offload_transform does not call apply_offload_marks yet: "
-                                       "docs/requests_peft.md R1 (remove this marker when it does)")
 def test_offload_transform_applies_the_marks():
     model = _hf()
     spy = _transform(model, "opt_out")
