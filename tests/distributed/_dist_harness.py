@@ -94,15 +94,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: str, kwargs: dict[str, Any]) -> None:
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: str, kwargs: dict[str, Any], backend: str) -> None:
     os.environ.update(
         LOCAL_RANK=str(rank), RANK=str(rank), LOCAL_WORLD_SIZE=str(world), WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
     )
     torch.set_num_threads(1)
+    extra: dict[str, Any] = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120), **extra,
     )
     try:
         result = fn(rank, world, out_dir=out_dir, **kwargs)
@@ -111,13 +115,14 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: st
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int = 2, out_dir: "str | None" = None, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world, out_dir=..., **kwargs)`` in ``world`` gloo processes; return each rank's result."""
+def run_ranks(fn: Callable[..., Any], world: int = 2, out_dir: "str | None" = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world, out_dir=..., **kwargs)`` in ``world`` processes (gloo; ``"nccl"``: one GPU
+    each); return each rank's result."""
     own = out_dir is None
     tmp = tempfile.TemporaryDirectory() if own else None
     d = tmp.name if tmp is not None else out_dir
     try:
-        mp.start_processes(_entry, args=(fn, world, free_port(), d, kwargs), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(fn, world, free_port(), d, kwargs, backend), nprocs=world, join=True, start_method="spawn")
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     finally:
         if tmp is not None:

@@ -225,3 +225,45 @@ def checkpoint_suite(rank: int, world: int, *, out_dir: str, ckpt_single: str, c
         "fsdp_save": fsdp_save(rank, world, out_dir=out_dir, ckpt=ckpt_fsdp, steps=half, fraction=0.5, total=steps),
         "ddp_from_fsdp": ddp_resume(rank, world, out_dir=out_dir, ckpt=ckpt_fsdp, first=half, steps=steps, fraction=0.25),
     }
+
+
+# --------------------------------------------------------------------------- CUDA (2 GPUs, NCCL)
+def cuda_suite(rank: int, world: int, *, out_dir: str, steps: int, ckpt: str, device: str = "cuda") -> dict[str, Any]:
+    """DDP and FSDP2 on ``cuda:rank`` with NCCL; then a DCP round trip FSDP2 f=0.5 -> FSDP2 f=0.25.
+    (``device="cpu"`` runs the same code on gloo, to check the test itself without a GPU.)"""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    data = batches(steps, world)
+    out: dict[str, Any] = {}
+    for kind in ("ddp", "fsdp"):
+        model = _offload(make_model().to(dev))
+        wrapped = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.001) if kind == "ddp" else _shard(model)
+        opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=0.5, lr=LR)
+        att = attach_optimizer(wrapped, opt)
+        for s in range(steps):
+            loss_fn(wrapped(data[s][rank].to(dev))).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        out[kind] = {"weights": {k: v.cpu() for k, v in _weights(model).items()},
+                     "host_params": sum(p.side == "cpu" for p in opt.placements),
+                     "copied_in_hook": getattr(att, "copied_in_hook", None), "copied_at_step": getattr(att, "copied_at_step", None)}
+        if kind == "fsdp":
+            save_checkpoint(model, opt, ckpt)
+            want = {i: {k: local_shard_cpu(v) for k, v in opt.state[p].items()} for i, p in enumerate(model.parameters())}
+            model2 = _shard(_offload(make_model().to(dev)))
+            opt2 = HybridDeviceOptimizer(model2.parameters(), offload_fraction=0.25, lr=LR)
+            attach_optimizer(model2, opt2)
+            load_checkpoint(model2, opt2, ckpt)
+            got = {i: {k: local_shard_cpu(v) for k, v in opt2.state[p].items()} for i, p in enumerate(model2.parameters())}
+            out["ckpt_equal"] = all(
+                set(got[i]) == set(want[i]) and all(torch.equal(got[i][k], want[i][k]) for k in want[i]) for i in want
+            )
+            out["ckpt_weights_equal"] = all(torch.equal(full(a).cpu(), full(b).cpu()) for a, b in zip(model.parameters(), model2.parameters()))
+    return out
+
+
+def local_shard_cpu(v: Any) -> Any:
+    return v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
