@@ -44,7 +44,7 @@ class _CpuSide:
     def use(self, stream: Any) -> Iterator[None]:
         yield
 
-    def record(self, stream: Any = None) -> Any:
+    def record(self, stream: Any = None, timing: bool = False) -> Any:
         return None
 
     def wait_event(self, stream: Any, event: Any) -> None:
@@ -89,8 +89,8 @@ class _CudaSide:
     def use(self, stream: Any) -> Any:
         return torch.cuda.stream(stream)
 
-    def record(self, stream: Any = None) -> Any:
-        ev = torch.cuda.Event()
+    def record(self, stream: Any = None, timing: bool = False) -> Any:
+        ev = torch.cuda.Event(enable_timing=timing)
         ev.record(stream if stream is not None else self.current_stream())
         return ev
 

@@ -6,7 +6,8 @@ in ``_host.py`` for pinned memory and Note [Thread budget] in ``_threads.py`` fo
 
 from __future__ import annotations
 
-import collections
+import threading
+import time
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
@@ -18,6 +19,7 @@ from . import _state
 from ._build import _IMPL_KEYS, _STRUCTURAL_KEYS, BuildMixin, _check_cls, _flag, _hyper_defaults
 from ._clip import clip_hybrid
 from ._device import pick_side
+from ._phases import StepPhases
 from ._pipeline import PipelineMixin, _GradHook
 from ._slots import DevSlot, HostSlot
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
@@ -207,8 +209,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._d2h = side.new_stream() if self._overlap else None
         self._h2d = side.new_stream() if self._overlap else None
         self._host_s = 0.0  # host optimizer compute of the current/last step, seconds
-        self._inflight: collections.deque = collections.deque()  # Note [Gradient residency]
-        self._inflight_bytes = 0
+        self._timing = False  # CUDA timing events for Note [Step phases] (the benchmark turns it on)
+        self._ph = StepPhases()  # stamps of the step in progress (Note [Step phases])
+        self._last_ph: Optional[StepPhases] = None
+        self._last_d2h_ev: Any = None
+        self._lock = threading.Lock()  # delayed mode: worker vs step() on ``Chunk.pending`` / ``_applying``
+        self._applying = False  # delayed mode: step() has begun, finished chunks go H2D at once
         self._buf = 0  # which gradient buffer this step's D2H fills (two in delayed mode)
         self._begun = False
         self._hooks: list[Any] = []
@@ -256,6 +262,22 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         ``offloaded_numel / host_step_seconds`` is the host throughput in params/s.
         """
         return self._host_s
+
+    @property
+    def last_step_phases(self) -> dict[str, float]:
+        """Where the last ``step()`` spent its time (Note [Step phases] in ``_phases.py``), in ms.
+
+        Host times count from the ``step()`` call: ``return_ms``, ``first_chunk_ms`` /
+        ``last_chunk_ms`` (host step of the first chunk began after its D2H wait / last chunk
+        finished and its H2D was issued; negative when ``step_in_backward`` ran it during backward),
+        ``host_busy_ms`` (optimizer compute summed over chunks), ``d2h_wait_ms`` (worker blocked on
+        gradient copies), ``chunks``, ``host_gparams_s`` and the min/median/max per-chunk throughput
+        in G params/s. ``d2h_done_ms``/``h2d_done_ms`` (last gradient D2H / last H2D finished,
+        relative to the step entry on the compute stream) are NaN unless CUDA timing events were on
+        (the benchmark's ``--phases``). In delayed mode the host fields describe the host work that
+        this step submitted: call :meth:`flush` first. Empty before the first step.
+        """
+        return self._last_ph.summary() if self._last_ph is not None else {}
 
     @property
     def thread_budget(self) -> int:
@@ -340,23 +362,25 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         side = self._side
-        if self._worker is not None and not self._in_backward:
-            self._worker.drain()  # delayed mode: the previous host step
+        ph = self._ph
+        ph.t_call = time.perf_counter()
+        if self._worker is not None and not self._in_backward and not self._delayed:
+            self._worker.drain()  # nothing should be in flight; re-raise a failure of the last step's host work
         try:
-            self._begin()
             cur = side.current_stream()
             if not self._overlap:
+                self._begin()
                 self._serial_step(cur)
                 return loss
-            start = side.record(cur)
+            start = side.record(cur, self._timing)
+            ph.entry_ev = start
             side.wait_event(self._d2h, start)
             side.wait_event(self._h2d, start)
             if self._delayed:
-                for c in self._chunks:
-                    if c.pending:
-                        self._h2d_chunk(c, c.pending, self._h2d)
-                        c.pending = []
+                self._apply_previous()
+            self._begin()
             self._collect(self._d2h)
+            ph.d2h_ev = self._last_d2h_ev
             for ci, c in enumerate(self._chunks):
                 if not c.slots[0].submitted:
                     self._submit(ci)
@@ -366,10 +390,32 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             else:
                 assert self._worker is not None
                 self._worker.drain()
-            side.wait_event(cur, side.record(self._h2d))
+            ph.h2d_ev = side.record(self._h2d, self._timing)
+            side.wait_event(cur, ph.h2d_ev)
             return loss
         finally:
+            ph.t_return = time.perf_counter()
             self._end_step()
+
+    def _apply_previous(self) -> None:
+        """Delayed mode, at ``step()``: put the previous step's host update into the model.
+
+        Backward is over, so the weights may change: chunks the worker already finished go H2D now,
+        and the worker issues the H2D of each remaining chunk as soon as it finishes it (instead of
+        all of them after the last one), so only the last chunk's copy is left after the host step.
+        """
+        assert self._worker is not None
+        with self._lock:
+            self._applying = True
+            for c in self._chunks:
+                if c.pending:
+                    self._h2d_chunk(c, c.pending, self._h2d)
+                    c.pending = []
+        try:
+            self._worker.drain()
+        finally:
+            with self._lock:
+                self._applying = False
 
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also apply the pending update to the model.

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import OffloadError
 from ._clip import _host_scale
+from ._phases import StepPhases
 from ._slots import Chunk, HostSlot
 from ._split import local_grad
 from ._threads import num_threads
@@ -59,34 +60,24 @@ class PipelineMixin:
                 s.d2h_ev = None
             else:
                 buf.copy_(g, non_blocking=True)
-                s.d2h_ev = side.record(stream)
+                s.d2h_ev = side.record(stream, self._timing)
+                self._last_d2h_ev = s.d2h_ev
         s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
         s.grad_ver = g._version
         s.grad_ptr = g.data_ptr()
         s.valid = True
-        side.record_stream(g, stream)  # g may be freed (zero_grad, offload_gradients) before the copy ran
+        # Note [Gradient residency]: the copy may still be in flight when the last reference to
+        # ``g`` goes (here with offload_gradients, or at zero_grad). ``record_stream`` keeps the
+        # allocator from handing its block out again before the D2H stream is past the copy; the
+        # caching allocator counts the block as free at once (``memory_allocated`` drops now) and,
+        # should an allocation not fit, synchronizes such pending events before it gives up
+        # (``release_cached_blocks``). Nothing here ever blocks the backward thread: an earlier
+        # version waited on the oldest copy once a chunk's worth was in flight, which stalled
+        # the launch of backward kernels at PCIe speed (the 1.2 B W3 model: 4.8 GB of fp32
+        # gradients, ~87 ms at 55 GB/s, against a 53 ms backward) and bought no memory.
+        side.record_stream(g, stream)
         if self._offload_grads:
             s.param.grad = None
-            if side.is_accel and s.d2h_ev is not None:
-                self._throttle(s.d2h_ev, g.numel() * g.element_size())
-
-    def _throttle(self, ev: Any, nbytes: int) -> None:
-        """Keep at most ``chunk_bytes`` of freed-but-still-copying gradients on the GPU.
-
-        Note [Gradient residency]: a gradient freed with ``record_stream`` only returns to the
-        allocator once its D2H has run. When backward produces gradients faster than PCIe drains
-        them (the 1.2 B W3 model: 4.8 GB of fp32 gradients, ~87 ms at 55 GB/s, against a shorter
-        backward), they would pile up; waiting on the oldest copy bounds the pile to one chunk plus
-        the newest gradient (issue 4 item 6) and costs nothing when PCIe keeps up. The newest copy
-        is never waited for here, so the host keeps running ahead of the GPU.
-        """
-        q = self._inflight
-        q.append((ev, nbytes))
-        self._inflight_bytes += nbytes
-        while q and (q[0][0].query() or (len(q) > 1 and self._inflight_bytes > self.defaults["chunk_bytes"])):
-            old, n = q.popleft()
-            self._side.synchronize(old)
-            self._inflight_bytes -= n
 
     def _on_grad(self, s: HostSlot) -> None:
         g = local_grad(s.param)
@@ -143,12 +134,14 @@ class PipelineMixin:
         for s in self._chunks[ci].slots:
             s.submitted = True
         assert self._worker is not None
-        self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed))
+        self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed, self._ph))
 
-    def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool) -> None:
+    def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool,
+                   ph: StepPhases) -> None:
         """Host step of one chunk (worker thread, or the training thread on the serial path)."""
         side = self._side
         c = self._chunks[ci]
+        t_in = time.perf_counter()
         with torch.no_grad():
             if self._delayed:
                 side.synchronize(c.h2d_ev)  # the previous update's H2D reads masters/staging we overwrite
@@ -169,11 +162,19 @@ class PipelineMixin:
                 s.master.grad = None
                 if s.staging is not None:
                     s.staging.copy_(s.master)
-            self._host_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self._host_s += t1 - t0
             if copy_back:
                 self._h2d_chunk(c, stepped, stream)
             else:
-                c.pending = stepped
+                # delayed mode: once step() has opened the apply window (backward is over), the
+                # worker issues each chunk's H2D itself, overlapping the host steps still to come
+                with self._lock:
+                    if self._applying:
+                        self._h2d_chunk(c, stepped, stream)
+                    else:
+                        c.pending = stepped
+        ph.chunk_done(t0, t1, time.perf_counter(), t0 - t_in, sum(s.master.numel() for s in stepped))
 
     def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any) -> None:
         side = self._side
@@ -208,6 +209,7 @@ class PipelineMixin:
         for c in self._chunks:
             c.landed = 0
         self._begun = False
+        self._last_ph, self._ph = self._ph, StepPhases()
         for s in self._host_slots:
             st = self.state[s.param]
             if st and "master_param" not in st:
@@ -229,5 +231,5 @@ class PipelineMixin:
         side.synchronize(side.record(cur))
         with num_threads(self._threads):
             for ci in range(len(self._chunks)):
-                self._run_chunk(ci, self._plan(ci), 0, cur, True)
+                self._run_chunk(ci, self._plan(ci), 0, cur, True, self._ph)
 

@@ -221,25 +221,42 @@ def test_import_does_not_initialise_cuda():
     assert out.stdout.strip() == "False"
 
 
-def test_throttle_bounds_gradients_in_flight():
-    class Ev:
-        def __init__(self):
-            self.done = False
+def test_offloaded_gradients_are_unreferenced_right_after_their_hook():
+    """Issue 4 item 6: nothing of ours keeps a host-stepped gradient alive once it is copied.
 
-        def query(self):
-            return self.done
+    A spy hook registered before the optimizer's records a weak reference to each gradient; the
+    optimizer's hook runs next. Right after backward every one of them must be dead (CPU tensors die
+    on their last reference), so on a GPU only the allocator's record_stream guard remains.
+    """
+    import weakref
 
     m = Tiny()
+    refs = []
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: refs.append(weakref.ref(q.grad)))
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, offload_gradients=True, chunk_bytes=100, lr=1e-2)
-    evs = [Ev() for _ in range(6)]
-    for ev in evs[:3]:
-        opt._throttle(ev, 40)  # 40, 80, then 120 > 100: the oldest is waited for
-    assert opt._inflight_bytes == 80 and len(opt._inflight) == 2
-    opt._throttle(evs[3], 500)  # a big newest gradient is never waited for itself
-    assert [e for e, _ in opt._inflight] == [evs[3]]
-    evs[3].done = True
-    opt._throttle(evs[4], 10)  # finished copies are dropped without waiting
-    assert [e for e, _ in opt._inflight] == [evs[4]] and opt._inflight_bytes == 10
+    loss_of(m, _xs(1)[0]).backward()
+    assert len(refs) == len(list(m.parameters()))
+    assert all(r() is None for r in refs)
+    assert all(p.grad is None for p in m.parameters())
+    opt.step()
+    opt.zero_grad()
+    refs.clear()
+    loss_of(m, _xs(1)[0]).backward()  # second step: no accumulation buffer (scratch) appears either
+    assert all(r() is None for r in refs) and all(s.scratch is None for s in opt._host_slots)
+    opt.close()
+
+
+def test_step_phases_are_recorded():
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, chunk_bytes=512, lr=1e-2)
+    train(m, opt, _xs(2))
+    ph = opt.last_step_phases
+    assert ph["chunks"] == len(opt._chunks) > 1
+    assert 0 <= ph["first_chunk_ms"] <= ph["last_chunk_ms"] <= ph["return_ms"]
+    assert ph["host_busy_ms"] > 0 and ph["host_gparams_s"] > 0
+    assert ph["chunk_gparams_min"] <= ph["chunk_gparams_median"] <= ph["chunk_gparams_max"]
+    opt.close()
 
 
 def test_empty_group_is_tolerated():
