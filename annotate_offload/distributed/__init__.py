@@ -10,7 +10,24 @@
   :func:`set_optimizer_state_dict`.
 
 Activation offload needs nothing extra: ``offload_transform`` works per rank, and FSDP2's
-unsharded parameters (and their casts) are parameters, so the runtime never offloads them.
+unsharded parameters (and their bf16 all-gathers or autocast casts) are parameters, so the runtime
+never offloads them, and resharding frees nothing a saved tensor still needs. Apply
+``offload_transform`` *before* ``fully_shard`` (like activation checkpointing in torchtitan), or pass
+``path="hooks"`` afterwards: torch.fx tracing calls the FSDP modules' pre-forward hooks and leaves
+FSDP's lazy-init state broken when tracing falls back.
+
+Usage (one process per GPU, under torchrun)::
+
+    offload_transform(model, num_layers=8)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)                      # or: model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=3e-4,
+                                cpu_threads=local_thread_budget().threads)
+    attach_optimizer(model, opt)
+    ...
+    save_checkpoint(model, opt, "ckpt/step1000")     # loadable at any world size / fraction
+
 Importing this module does not initialise CUDA or a process group.
 """
 

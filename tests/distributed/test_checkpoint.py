@@ -8,7 +8,6 @@ parallelisms and offload fractions; every resumed run equals the uninterrupted r
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
