@@ -17,11 +17,36 @@ def test_tiny_bench_rows_and_table():
     assert rows[1]["offloaded_numel"] == 0 and rows[2]["offloaded_numel"] == ref["numel"]
     for r in rows[1:]:
         assert r["step_ms"] > 0 and math.isfinite(r["step_ms"])
+    for r in rows[1:]:
+        ph = r["phases"]
+        assert ph["return_ms"] >= 0 and "host_busy_ms" in ph and "h2d_done_ms" in ph
+        if r["offloaded_numel"]:
+            assert ph["chunks"] >= 1 and ph["host_busy_ms"] > 0
     table = bench.format_table(rows, "cmd")
     assert "| W3 step_in_backward |" in table and "`cmd`" in table
+    assert "| run | return | last D2H done |" in table  # the phases table
+
+
+def test_expected_peak_with_offloaded_gradients_never_below_forward_floor():
+    # W3 on the H200: f=0 peak 22.78 GiB at the end of forward (weights + state + activations), so
+    # offloading gradients cannot lower it below weights + activations (13.78 GiB)
+    G = 1 << 30
+    n = 1_209_000_000
+    base = {"peak_bytes": int(22.78 * G)}
+    row = {"offloaded_numel": n, "offload_gradients": True, "weights_bytes": 4 * n, "gpu_state_bytes": 0,
+           "activation_bytes": int(22.78 * G) - 12 * n}
+    assert bench._expected_peak(row, base) == 4 * n + row["activation_bytes"]
+    row["offload_gradients"] = False
+    assert bench._expected_peak(row, base) == base["peak_bytes"] - 8 * n
 
 
 def test_main_prints_table(capsys):
-    assert bench.main(["--tiny", "--fractions", "0.5", "--no-modes", "--steps", "1", "--warmup", "0"]) == 0
+    assert bench.main(["--tiny", "--fractions", "0.5", "--no-modes", "--steps", "1", "--warmup", "0", "--cpu-threads", "1",
+                       "--chunk-mib", "1"]) == 0
     out = capsys.readouterr().out
     assert "| fraction 0.5 |" in out
+
+
+def test_host_adamw_diagnostic_variants_run():
+    for _, _, kw in bench._CPU_VARIANTS:  # pinning and DMA fall back to plain host tensors without CUDA
+        assert bench._cpu_adamw_ms(5000, 1, 1, **kw) > 0
