@@ -21,8 +21,10 @@ checkpoint's metadata, lets DCP reshard into them, and hands a torch-format stat
 
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any, Optional
+import warnings
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -34,6 +36,21 @@ from ._shards import is_dtensor, local_shard, param_owners, shard_of
 __all__: list[str] = []
 
 _MODEL, _OPTIM = "model", "optim"
+
+
+def _no_dist() -> bool:
+    """No process group: DCP then reads/writes as one process (said explicitly, so it does not warn)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process save/load even with ``no_dist=True``; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -208,7 +225,8 @@ def save_checkpoint(model: nn.Module, optimizer: Any, checkpoint_id: Any, *, pro
     import torch.distributed.checkpoint as dcp
 
     sd = {_MODEL: _unwrap(model).state_dict(), _OPTIM: optimizer_state_dict(model, optimizer)}
-    dcp.save(sd, checkpoint_id=checkpoint_id, process_group=process_group)
+    with _quiet_single_process():
+        dcp.save(sd, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
 
 
 def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: Any, *, process_group: Any = None) -> None:
@@ -233,7 +251,8 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
 
     inner = _unwrap(model)
     msd = inner.state_dict()
-    dcp.load({_MODEL: msd}, checkpoint_id=checkpoint_id, process_group=process_group)
+    with _quiet_single_process():
+        dcp.load({_MODEL: msd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
     inner.load_state_dict(msd)
     if optimizer is None:
         return
@@ -242,5 +261,6 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
     fqns = _fqns(model, opt, "load_checkpoint")
     md = dcp.FileSystemReader(checkpoint_id).read_metadata()
     osd = _template(model, opt, fqns, md, _OPTIM)
-    dcp.load({_OPTIM: osd}, checkpoint_id=checkpoint_id, process_group=process_group)
+    with _quiet_single_process():
+        dcp.load({_OPTIM: osd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
     set_optimizer_state_dict(model, opt, osd)
