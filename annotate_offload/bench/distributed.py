@@ -16,7 +16,8 @@ Runs, all in one ``torchrun`` launch:
    get) with gradient accumulation: the update ``W`` GPUs make, for loss parity.
 3. ``W GPUs``: every rank; step time is the slowest rank's.
 
-Step time is the mean over ``--steps`` steps after ``--warmup`` steps, one synchronize at the end.
+Step time is the mean over ``--steps`` steps after ``--warmup`` steps, one synchronize at the end;
+inputs are generated (CPU generator, seeded by step and rank) and moved to the GPU before timing.
 Weak-scaling efficiency = ``T(1 GPU) / T(W GPUs)`` at equal per-GPU work (issue 9 asks >= 90% at
 f = 0.5). Loss parity: the per-step loss of run 3 (mean over ranks) against run 2, max relative
 difference over ``--parity-steps`` steps from the same initial weights (not bitwise on GPU:
@@ -136,7 +137,7 @@ def _model(a: argparse.Namespace, env: _Env) -> nn.Module:
 
 def _batch(a: argparse.Namespace, env: _Env, step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1_000_003 * step + rank)
-    return torch.randn(a.batch, a.seq, a.hidden, generator=g).to(env.device, non_blocking=True)
+    return torch.randn(a.batch, a.seq, a.hidden, generator=g).to(env.device)
 
 
 def _loss(model: nn.Module, x: torch.Tensor, env: _Env) -> torch.Tensor:
@@ -168,6 +169,10 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
     """Train ``warmup + steps`` (at least ``parity_steps``) steps; losses of the first ``parity_steps``
     (averaged over ranks when ``collective``: every rank must then call it)."""
     total = max(a.warmup + a.steps, a.parity_steps)
+    # inputs made up front (CPU generator: the same numbers for a rank here and in the parity run),
+    # so neither generation nor H2D of inputs competes with the host optimizer step inside the timing
+    xs = [[_batch(a, env, s, rank if micro == 1 else m) for m in range(micro)] for s in range(total)]
+    env.sync()
     losses: list[float] = []
     host_s: list[float] = []
     t0 = 0.0
@@ -178,7 +183,7 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
             t0 = time.perf_counter()
         step_loss = None
         for m in range(micro):
-            loss = _loss(model, _batch(a, env, s, rank if micro == 1 else m), env)
+            loss = _loss(model, xs[s][m], env)
             (loss / micro).backward()
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         opt.step()
