@@ -175,6 +175,9 @@ class _LayerState:
         "shared",
         "state",
         "d2h_done",
+        "reload_bytes",
+        "consumed_bytes",
+        "on_half_consumed",
         "__weakref__",
     )
 
@@ -199,6 +202,9 @@ class _LayerState:
         self.shared = shared
         self.state = "not_offloaded"
         self.d2h_done: Any = None
+        self.reload_bytes = 0  # bytes of the last reload batch
+        self.consumed_bytes = 0  # of those, units whose every handle has been unpacked
+        self.on_half_consumed: Any = None  # callback: the next layer's deferred prefetch
 
     # -- forward ----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, ready_event: Any = None) -> Any:
@@ -325,6 +331,8 @@ class _LayerState:
         self.state = "reload_started"
         if not todo:
             return
+        self.reload_bytes = sum(e.nbytes for e in todo)
+        self.consumed_bytes = 0
         backend = self.backend
         compute = backend.current_stream()
         buffers = [torch.empty(e.nbytes, dtype=torch.uint8, device=backend.device) for e in todo]
@@ -387,6 +395,11 @@ class _LayerState:
                 # already waited for its H2D above).
                 e.reloaded = None
                 self.stats._resident(-e.nbytes)
+                self.consumed_bytes += e.nbytes
+                callback = self.on_half_consumed
+                if callback is not None and 2 * self.consumed_bytes >= self.reload_bytes:
+                    self.on_half_consumed = None
+                    callback()
         return _rebuild(flat, handle.meta)
 
     def offloaded_bytes(self) -> int:

@@ -582,9 +582,27 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
 
     def _prefetch(self, step: _Step, index: int) -> None:
         low = index - self.prefetch_layers
+        current = step.layers.get(index)
+        if current is not None:
+            current.start_reload()  # normally prefetched already; reload it now if it was not
         for j in sorted(step.layers.keys(), reverse=True):
             state = step.layers.get(j)
-            if state is not None and low <= j <= index:
+            if state is None or not low <= j < index:
+                continue
+            if (
+                self.prefetch_layers == 1
+                and current is not None
+                and current.reload_bytes > 0
+                and 2 * current.consumed_bytes < current.reload_bytes
+            ):
+                # Note [Half-layer prefetch]: with a look-ahead of one layer, start layer j's
+                # reload once half of the current layer's reloaded bytes have been consumed
+                # rather than at its first node. The H2D stream is still fed (the current
+                # layer's second half is in flight then), but only ~1.5 offloaded layers are
+                # on the device in backward instead of 2. If that point is never reached the
+                # pre-hook of layer j (or its first unpack) reloads it.
+                current.on_half_consumed = state.start_reload
+            else:
                 state.start_reload()
 
     def schedule(self) -> dict:
