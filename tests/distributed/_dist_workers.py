@@ -124,12 +124,12 @@ def _shard(model: nn.Module, reshard: bool = True, mp: bool = False) -> nn.Modul
 
 def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction: float = 0.5, offload: bool = True,
                offload_gradients: bool = False, clip: "float | None" = None, reshard: bool = True,
-               mp: bool = False, autocast: bool = False) -> dict[str, Any]:
+               mp: bool = False, autocast: bool = False, **opt_kw: Any) -> dict[str, Any]:
     model = make_model()
     if offload:
         _offload(model)  # before fully_shard (fx tracing would run FSDP's pre-forward hooks), as torchtitan orders AC
     _shard(model, reshard, mp)
-    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=fraction, lr=LR, offload_gradients=offload_gradients)
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=fraction, lr=LR, offload_gradients=offload_gradients, **opt_kw)
     att = attach_optimizer(model, opt)
     losses = []
     data = batches(steps, world)
@@ -208,6 +208,8 @@ def fsdp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, 
         "all_offload_grads": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=1.0, offload_gradients=True),
         "clipped": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=0.5, clip=0.05),
         "replaced": fsdp_replaced_param(rank, world, out_dir=out_dir),
+        "step_in_backward": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=1.0, chunk_bytes=1024,
+                                       step_in_backward=True),
         # FSDP2 mixed precision (bf16 all-gathered weights) and autocast (bf16 casts of the weights),
         # each with and without activation offload
         "mp": fsdp_train(rank, world, out_dir=out_dir, steps=2, mp=True),

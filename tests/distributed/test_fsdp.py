@@ -44,6 +44,13 @@ def test_fsdp_full_offload_with_offloaded_gradients_matches_reference(ref, runs)
         assert {p.side for p in r["all_offload_grads"]["placements"]} == {"cpu"}
 
 
+def test_fsdp_step_in_backward_matches_reference(ref, runs):
+    # FSDP2 runs the shard's post-accumulate-grad hooks after the reduce-scatter, so chunks stepped
+    # in backward see reduced gradients
+    for r in runs:
+        assert_bitwise(r["step_in_backward"]["weights"], ref)
+
+
 def test_fsdp_unsharded_parameters_are_never_offloaded(runs):
     # FSDP2 registers the all-gathered (unsharded) weights as the layer's parameters during
     # forward; the runtime keeps them (they are parameters) and frees nothing FSDP reshards.
