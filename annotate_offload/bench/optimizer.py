@@ -109,21 +109,64 @@ def _activation_bytes(model, x, device) -> int:
     return act
 
 
-def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: bool, per_piece: bool, worker: bool, dma: bool) -> float:
+class _HostBuffers:
+    """fp32 host tensors for the AdamW diagnostics: pageable, pinned (``cudaHostAlloc``) or registered.
+
+    ``registered``: pageable memory advised to use transparent huge pages (``madvise(MADV_HUGEPAGE)``,
+    2 MiB aligned, touched) and then page-locked with ``cudaHostRegister``; it tells whether the
+    page size of pinned memory (not the pinning itself) slows the bandwidth-bound CPU kernel.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode if torch.cuda.is_available() else "pageable"
+        self.registered: list[int] = []
+        self.keep: list[torch.Tensor] = []  # registered memory must outlive cudaHostUnregister
+
+    def empty(self, numel: int) -> torch.Tensor:
+        if self.mode == "pinned":
+            return torch.empty(numel, pin_memory=True)
+        if self.mode != "registered":
+            return torch.empty(numel)
+        import ctypes
+
+        huge = 2 << 20
+        raw = torch.empty(numel + huge // 4)
+        off = (-raw.data_ptr()) % huge // 4
+        t = raw.narrow(0, off, numel)
+        nbytes = numel * 4
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(nbytes - nbytes % 4096), 14)  # MADV_HUGEPAGE
+        t.zero_()  # fault the pages in (as huge pages where the kernel allows)
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(rc) == 0:
+            self.registered.append(t.data_ptr())
+            self.keep.append(raw)
+        return t
+
+    def close(self) -> None:
+        for ptr in self.registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self.registered = []
+        self.keep = []
+
+
+def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: Any = False, per_piece: bool, worker: bool, dma: bool) -> float:
     """Fused CPU AdamW over ``n`` fp32 params in 64 MiB pieces; ms per step (mean of ``reps``).
 
-    ``pinned``: params and grads page-locked (as the optimizer's masters and gradient buffers);
-    ``per_piece``: one optimizer instance and ``step()`` per piece (the pipeline's chunk calls);
-    ``worker``: stepped from a :class:`CpuWorker` thread (its own OpenMP team) instead of this thread;
-    ``dma``: pinned D2H and H2D copies run on side streams throughout (the pipeline's PCIe traffic).
+    ``pinned``: params and grads page-locked (``True``/``"pinned"``: as the optimizer's masters and
+    gradient buffers; ``"registered"``: huge-page pageable memory registered with CUDA, see
+    :class:`_HostBuffers`); ``per_piece``: one optimizer instance and ``step()`` per piece (the
+    pipeline's chunk calls); ``worker``: stepped from a :class:`CpuWorker` thread (its own OpenMP team)
+    instead of this thread; ``dma``: pinned D2H and H2D copies run on side streams throughout (the
+    pipeline's PCIe traffic).
     """
     from ..optim._threads import CpuWorker
 
     piece = 16 << 20  # 64 MiB of fp32, like the optimizer's chunks
-    pin = pinned and torch.cuda.is_available()
-    host = [torch.zeros(min(piece, n - i), pin_memory=pin) for i in range(0, n, piece)]
+    bufs = _HostBuffers("pinned" if pinned is True else (pinned or "pageable"))
+    host = [bufs.empty(min(piece, n - i)).zero_() for i in range(0, n, piece)]
     for t in host:
-        t.grad = torch.empty(t.numel(), pin_memory=pin).normal_()
+        t.grad = bufs.empty(t.numel()).normal_()
     opts = [torch.optim.AdamW([t], lr=1e-5, fused=True) for t in host] if per_piece else [torch.optim.AdamW(host, lr=1e-5, fused=True)]
 
     def one() -> None:
@@ -164,12 +207,17 @@ def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: bool, per_piece: b
         torch.cuda.synchronize()
     if w is not None:
         w.close()
-    del opts, host, copies
+    del opts, copies
+    for t in host:
+        t.grad = None
+    del host
+    bufs.close()
     return total * 1e3 / reps
 
 
-_CPU_VARIANTS = (  # (key, label, kwargs) of the host AdamW diagnostics (Note in the NOTES.md W3 section)
+_CPU_VARIANTS = (  # (key, label, kwargs) of the host AdamW diagnostics (benchmarks/NOTES.md, "W3 optimizer")
     ("t_cpu_pinned_ms", "pinned", dict(pinned=True, per_piece=False, worker=False, dma=False)),
+    ("t_cpu_registered_ms", "huge-page registered", dict(pinned="registered", per_piece=False, worker=False, dma=False)),
     ("t_cpu_chunked_ms", "pinned, one step() per piece, worker thread", dict(pinned=True, per_piece=True, worker=True, dma=False)),
     ("t_cpu_dma_ms", "pinned, per piece, worker, with D2H+H2D running", dict(pinned=True, per_piece=True, worker=True, dma=True)),
 )
