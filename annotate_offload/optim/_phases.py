@@ -79,12 +79,20 @@ class StepPhases:
         }
         ent = self.entry_ev
         if ent is not None and hasattr(ent, "elapsed_time"):
-            if self.h2d_ev is not None:
-                out["h2d_done_ms"] = ent.elapsed_time(self.h2d_ev)
-            if self.d2h_ev is not None:
-                base = self.bwd_start_ev
-                if base is not None:  # both intervals positive: robust to events recorded before the entry
-                    out["d2h_done_ms"] = base.elapsed_time(self.d2h_ev) - base.elapsed_time(ent)
-                else:
-                    out["d2h_done_ms"] = ent.elapsed_time(self.d2h_ev)
+            out["h2d_done_ms"] = _elapsed(ent, self.h2d_ev)
+            base = self.bwd_start_ev
+            if base is not None:  # both intervals positive: robust to events recorded before the entry
+                out["d2h_done_ms"] = _elapsed(base, self.d2h_ev) - _elapsed(base, ent)
+            else:
+                out["d2h_done_ms"] = _elapsed(ent, self.d2h_ev)
         return out
+
+
+def _elapsed(a: Any, b: Any) -> float:
+    """``a.elapsed_time(b)`` in ms, NaN when either event is missing, untimed or not yet complete."""
+    if a is None or b is None:
+        return float("nan")
+    try:
+        return float(a.elapsed_time(b))
+    except RuntimeError:  # recorded without enable_timing (timing was off), or not finished
+        return float("nan")
