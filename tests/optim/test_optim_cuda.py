@@ -260,3 +260,23 @@ def test_delayed_mode_worker_h2d_matches_flush():
     for s in opt._host_slots:
         torch.testing.assert_close(s.param.detach().cpu(), s.master, rtol=0, atol=0)
     opt.close()
+
+
+def test_step_phases_on_gpu():
+    m = Wide().cuda()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, offload_gradients=True, lr=1e-2, chunk_bytes=4 << 20)
+    x = torch.randn(4, 2048, device="cuda")
+    m(x).square().mean().backward()
+    opt.step()
+    ph = opt.last_step_phases  # timing events off: device fields are NaN, host fields real
+    assert ph["h2d_done_ms"] != ph["h2d_done_ms"] and ph["host_busy_ms"] > 0
+    opt.zero_grad()
+    opt._timing = True
+    m(x).square().mean().backward()
+    torch.cuda.synchronize()
+    opt.step()
+    torch.cuda.synchronize()
+    ph = opt.last_step_phases
+    assert 0 <= ph["h2d_done_ms"] < 10_000 and ph["d2h_done_ms"] < 10_000
+    assert ph["last_chunk_ms"] <= ph["return_ms"]
+    opt.close()
