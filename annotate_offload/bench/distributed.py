@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..annotate import offload_transform
-from ..distributed import attach_optimizer, local_thread_budget
+from ..distributed import attach_optimizer, bind_to_budget, local_thread_budget
 from ..models.gpt import GPTConfig, GPTStack
 from ..optim import HybridDeviceOptimizer
 
@@ -73,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
     p.add_argument("--parity-rtol", type=float, default=5e-3, help="loss parity passes below this relative difference")
     p.add_argument("--min-efficiency", type=float, default=0.9, help="weak-scaling efficiency target (default: 0.9)")
+    p.add_argument("--bind", action="store_true", help="pin each rank to its thread budget's CPUs (its GPU's NUMA node) "
+                   "before building the model and optimizer, so host state is allocated on that node")
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU (gloo) for CI; numbers carry no claim")
     p.add_argument("--out", metavar="FILE", help="also write the markdown report here (rank 0)")
     return p
@@ -212,8 +214,10 @@ def _single(a: argparse.Namespace, env: _Env, micro: int) -> dict[str, Any]:
 
 
 def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
-    model = _model(a, env)
     budget = local_thread_budget()
+    if a.bind:
+        bind_to_budget(budget)
+    model = _model(a, env)
     if a.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -230,7 +234,7 @@ def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
     t = torch.tensor([r["step_s"], r["peak_gib"], r["host_s"]], dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     r.update(step_s=t[0].item(), peak_gib=t[1].item(), host_s=t[2].item(), threads=budget.threads, numa=budget.numa_node,
-             host_numel=opt.offloaded_numel)
+             host_numel=opt.offloaded_numel, cpus=len(budget.cpus))
     _free(env, opt)
     return r
 
@@ -260,6 +264,8 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
     lines.append(row("1 GPU", 1, one))
     if many is not None:
         lines.append(row(f"{W} GPUs {_NAMES[a.parallel]}", W, many))
+        lines.append(f"\nRank 0's host share in the {W}-GPU run: {many['cpus']} CPUs on NUMA node {many['numa']} "
+                     f"({'bound' if a.bind else 'not bound; --bind pins it'}); the 1-GPU run used {one['threads']} threads.")
         eff = one["step_s"] / many["step_s"]
         ok = "meets" if eff >= a.min_efficiency else "MISSES"
         lines += ["", f"**Weak-scaling efficiency** T(1 GPU) / T({W} GPUs) = **{eff * 100:.1f}%** ({ok} the {a.min_efficiency * 100:.0f}% target)."]

@@ -3,7 +3,8 @@
 * optimizer wiring: :func:`attach_optimizer` (DDP or FSDP2), :func:`register_offload_comm_hook`
   (DDP: reduced gradients, each bucket's D2H after its all-reduce), :func:`clip_grad_norm_`
   (global norm over FSDP2 shards, seen by the host step);
-* host threads: :func:`local_thread_budget` (cores / local ranks, NUMA-aware), :class:`ThreadBudget`;
+* host threads: :func:`local_thread_budget` (cores / local ranks, NUMA-aware), :class:`ThreadBudget`,
+  :func:`bind_to_budget`;
 * shards: :func:`local_shard` (a DTensor parameter -> this rank's tensor);
 * checkpoints through ``torch.distributed.checkpoint`` at any world size and offload fraction:
   :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`optimizer_state_dict`,
@@ -36,7 +37,7 @@ from ._clip import clip_grad_norm_
 from ._checkpoint import load_checkpoint, optimizer_state_dict, save_checkpoint, set_optimizer_state_dict
 from ._ddp import OffloadCommHook, register_offload_comm_hook
 from ._shards import local_shard
-from ._threads import ThreadBudget, local_thread_budget
+from ._threads import ThreadBudget, bind_to_budget, local_thread_budget
 
 __all__ = [
     # optimizer wiring
@@ -47,6 +48,7 @@ __all__ = [
     "clip_grad_norm_",
     # host threads and shards
     "local_thread_budget",
+    "bind_to_budget",
     "ThreadBudget",
     "local_shard",
     # checkpoints (torch.distributed.checkpoint)

@@ -9,7 +9,10 @@ each rank's host optimizer step single-threaded; the budget here ignores ``OMP_N
     cpus     = this process's affinity (``os.sched_getaffinity``: honours taskset/numactl/cgroups)
     nodes    = NUMA nodes from /sys/devices/system/node/node*/cpulist, each restricted to ``cpus``
                (nodes left with no usable CPU are dropped; no /sys -> one node holding ``cpus``)
-    node(r)  = nodes[r * len(nodes) // local_world_size]    (contiguous blocks of local ranks)
+    node(r)  = the node of rank r's GPU (``cuda:r``, /sys/bus/pci/devices/<pci>/numa_node) when the
+               local GPUs' nodes are known and r's is usable, shared with the ranks whose GPUs sit on
+               the same node; else nodes[r * len(nodes) // local_world_size] (contiguous blocks), or
+               whole nodes when there are at least as many nodes as local ranks (one process: all)
     share(r) = the CPUs of node(r) dealt out among the local ranks of that node, in rank order
     threads  = max(1, len(share(r)) - (1 if len(share(r)) >= 4 else 0))
 
@@ -70,6 +73,28 @@ def numa_nodes(root: str = _NODE_ROOT) -> dict[int, list[int]]:
     return nodes
 
 
+def gpu_numa_nodes(count: int) -> Optional[list[int]]:
+    """NUMA node of ``cuda:0 .. cuda:count-1`` from /sys/bus/pci (``None`` when CUDA or /sys does not tell).
+
+    Reads the device's PCI address from ``torch.cuda.get_device_properties`` (initialises CUDA, never
+    at import) and ``/sys/bus/pci/devices/<address>/numa_node`` (``-1``, one node, counts as 0).
+    """
+    import torch
+
+    try:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < count:
+            return None
+        out = []
+        for i in range(count):
+            prop = torch.cuda.get_device_properties(i)
+            addr = f"{prop.pci_domain_id:04x}:{prop.pci_bus_id:02x}:{prop.pci_device_id:02x}.0"
+            with open(f"/sys/bus/pci/devices/{addr}/numa_node") as f:
+                out.append(max(0, int(f.read().strip())))
+        return out
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return None
+
+
 def _affinity() -> list[int]:
     try:
         return sorted(os.sched_getaffinity(0))
@@ -94,7 +119,8 @@ class ThreadBudget:
     Attributes:
         threads (int): threads for the host optimizer step (``HybridDeviceOptimizer(cpu_threads=...)``).
         cpus (tuple[int, ...]): the CPU ids this rank's share consists of.
-        numa_node (int): index of the NUMA node the share lies on (``-1`` when /sys gives no nodes).
+        numa_node (int): the NUMA node the share lies on (``-1``: no NUMA information, or a share
+            spanning several nodes, as for a single process on a multi-node host).
         local_rank (int): the rank this budget is for.
         local_world_size (int): processes on this host.
     """
@@ -112,6 +138,7 @@ def local_thread_budget(
     *,
     cpus: Optional[list[int]] = None,
     nodes: Optional["dict[int, list[int]] | list[list[int]]"] = None,
+    rank_nodes: Optional[list[int]] = None,
 ) -> ThreadBudget:
     """The host-thread budget of one local rank (Note [Rank thread budget] in this module).
 
@@ -122,6 +149,10 @@ def local_thread_budget(
         nodes (dict[int, list[int]] | list[list[int]] | None): CPU ids per NUMA node (a list is
             indexed by node id). Default: read from ``/sys/devices/system/node``; empty means "no
             NUMA information".
+        rank_nodes (list[int] | None): NUMA node of each local rank's GPU. Default: read from /sys
+            for ``cuda:0 .. cuda:local_world_size-1`` when this process sees that many GPUs (local rank
+            ``r`` drives ``cuda:r``, as under torchrun), else ranks fill the nodes in contiguous blocks.
+            Nodes with no usable CPU (e.g. outside a ``torchrun --numa-binding`` affinity) are ignored.
 
     Returns:
         ThreadBudget: ``threads`` to pass as ``HybridDeviceOptimizer(cpu_threads=...)``, the CPU share
@@ -165,11 +196,26 @@ def local_thread_budget(
     node_ids = [i for i, _ in pairs]
     node_cpus = [c for _, c in pairs]
     k = len(node_cpus)
-    which = lr * k // lws
-    # local ranks placed on the same node, in rank order
-    peers = [r for r in range(lws) if r * k // lws == which]
+    rn = (gpu_numa_nodes(lws) if lws > 1 else None) if rank_nodes is None else list(rank_nodes)
+    if rn is not None and len(rn) != lws:
+        raise ValueError(
+            f"local_thread_budget: rank_nodes has {len(rn)} entries for local_world_size={lws}; give one NUMA node id per "
+            "local rank (the node of the GPU that rank drives)."
+        )
+    if rn is not None and rn[lr] in node_ids:
+        # this rank on its GPU's node, sharing it with the ranks whose GPUs sit there too (other
+        # nodes may be outside this process's affinity, e.g. under torchrun --numa-binding=node)
+        mine = [node_ids.index(rn[lr])]
+        peers = [r for r in range(lws) if rn[r] == rn[lr]]
+    elif k >= lws:
+        mine = list(range(lr * k // lws, (lr + 1) * k // lws))  # whole nodes; one rank alone gets all
+        peers = [lr]
+    else:
+        first = lr * k // lws  # contiguous blocks of ranks per node
+        mine = [first]
+        peers = [r for r in range(lws) if r * k // lws == first]
     pos = peers.index(lr)
-    pool = node_cpus[which]
+    pool = sorted(c for i in mine for c in node_cpus[i])
     if len(peers) > len(pool):
         share = [pool[pos % len(pool)]]  # more ranks than cores: ranks share cores
     else:
@@ -178,7 +224,7 @@ def local_thread_budget(
         share = pool[start : start + base + (1 if pos < extra else 0)]
     n = len(share)
     threads = max(1, n - 1 if n >= 4 else n)
-    return ThreadBudget(threads=threads, cpus=tuple(share), numa_node=node_ids[which], local_rank=lr, local_world_size=lws)
+    return ThreadBudget(threads=threads, cpus=tuple(share), numa_node=node_ids[mine[0]] if len(mine) == 1 else -1, local_rank=lr, local_world_size=lws)
 
 
 def bind_to_budget(budget: ThreadBudget) -> None:

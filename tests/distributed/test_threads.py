@@ -44,6 +44,11 @@ def test_affinity_restricts_nodes_and_uneven_split_goes_to_low_ranks():
     assert [x.numa_node for x in one] == [-1, -1, -1]
 
 
+def test_one_process_gets_every_node():
+    b = local_thread_budget(0, 1, cpus=list(range(32)), nodes=TWO_NODES)
+    assert b.cpus == tuple(range(32)) and b.threads == 31 and b.numa_node == -1
+
+
 def test_more_ranks_than_cores_still_one_thread_each():
     b = [local_thread_budget(r, 8, cpus=[0, 1], nodes={}) for r in range(8)]
     assert {x.threads for x in b} == {1}
@@ -83,3 +88,27 @@ def test_validation(monkeypatch):
         local_thread_budget()
     with pytest.raises(ValueError, match="no usable CPU"):
         local_thread_budget(0, 1, cpus=[])
+
+
+def test_ranks_follow_their_gpus_numa_node():
+    # GPU 0 on node 1, GPU 1 on node 0: each rank gets the cores next to its own GPU
+    b = [local_thread_budget(r, 2, cpus=list(range(32)), nodes=TWO_NODES, rank_nodes=[1, 0]) for r in range(2)]
+    assert [x.numa_node for x in b] == [1, 0]
+    assert b[0].cpus == tuple(range(16, 32))
+    # both GPUs on node 0: both ranks share node 0 (8 cores each), node 1 is left alone
+    b = [local_thread_budget(r, 2, cpus=list(range(32)), nodes=TWO_NODES, rank_nodes=[0, 0]) for r in range(2)]
+    assert [x.cpus for x in b] == [tuple(range(8)), tuple(range(8, 16))]
+    # torchrun --numa-binding=node: this rank's affinity is its node (the other one is not usable here);
+    # it still gets the whole of its own node
+    b1 = local_thread_budget(1, 2, cpus=list(range(16, 32)), nodes=TWO_NODES, rank_nodes=[0, 1])
+    assert b1.cpus == tuple(range(16, 32)) and b1.threads == 15
+    with pytest.raises(ValueError, match="rank_nodes has 1 entries"):
+        local_thread_budget(0, 2, cpus=list(range(32)), nodes=TWO_NODES, rank_nodes=[0])
+
+
+def test_no_cuda_means_no_gpu_nodes():
+    from annotate_offload.distributed._threads import gpu_numa_nodes
+    import torch
+
+    if not torch.cuda.is_available():
+        assert gpu_numa_nodes(2) is None
