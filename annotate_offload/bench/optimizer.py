@@ -344,6 +344,9 @@ def _measure_peer(name, make, model, x, device, steps, warmup) -> Optional[dict[
         opt.step()
         opt.zero_grad()
 
+    params = [p for p in model.parameters() if p.requires_grad]
+    probe = [params[0], params[len(params) // 2], params[-1]] if params else []
+    before = [p.detach().clone() for p in probe]
     try:
         for _ in range(warmup):
             step()
@@ -354,9 +357,14 @@ def _measure_peer(name, make, model, x, device, steps, warmup) -> Optional[dict[
         model.zero_grad(set_to_none=True)
         _free(device)
         return {"name": f"{name} (failed: {type(exc).__name__}: {str(exc)[:80]})", "skip": True}
-    row = {"name": name, "fraction": 1.0, "step_ms": ms, "peak_bytes": _peak(device),
-           "offloaded_numel": 0, "host_step_ms": float("nan"), "cpu_gparams_s": float("nan"),
-           "bound_ms": None, "peer": True}
+    if hasattr(opt, "flush"):
+        opt.flush()
+    clock.sync()
+    # a peer whose weights did not move did not step (its time then means nothing)
+    moved = all(not torch.equal(b, p.detach()) for b, p in zip(before, probe))
+    row = {"name": name if moved else f"{name} (weights unchanged: not stepping)", "fraction": 1.0, "step_ms": ms,
+           "peak_bytes": _peak(device), "offloaded_numel": 0, "host_step_ms": float("nan"), "cpu_gparams_s": float("nan"),
+           "bound_ms": None, "peer": True, "stepped": moved}
     del opt
     model.zero_grad(set_to_none=True)
     _free(device)

@@ -50,3 +50,16 @@ def test_main_prints_table(capsys):
 def test_host_adamw_diagnostic_variants_run():
     for _, _, kw in bench._CPU_VARIANTS:  # pinning and DMA fall back to plain host tensors without CUDA
         assert bench._cpu_adamw_ms(5000, 1, 1, **kw) > 0
+
+
+def test_peer_that_does_not_step_is_flagged():
+    import torch
+
+    from annotate_offload.models.gpt import GPTConfig, GPTStack
+
+    m = GPTStack(GPTConfig(hidden=32, heads=2, layers=1))
+    x = torch.randn(1, 4, 32)
+    cpu = torch.device("cpu")
+    assert bench._measure_peer("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3), m, x, cpu, 1, 0)["stepped"]
+    row = bench._measure_peer("frozen", lambda ps: torch.optim.SGD(ps, lr=0.0), m, x, cpu, 1, 0)
+    assert not row["stepped"] and "not stepping" in row["name"]
