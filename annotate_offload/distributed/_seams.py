@@ -18,7 +18,7 @@ from ..optim._slots import HostSlot
 
 __all__: list[str] = []
 
-_NEEDED = ("_hooks", "_slot_of", "_host_slots", "_dev_slots", "_on_grad", "_offload_grads", "_in_backward")
+_NEEDED = ("_hooks", "_slot_of", "_host_slots", "_dev_slots", "_on_grad")
 
 
 def check_optimizer(opt: Any, who: str) -> HybridDeviceOptimizer:
@@ -74,11 +74,8 @@ def grad_copied(slot: Any, g: Optional[torch.Tensor]) -> bool:
 
 
 def offloads_gradients(opt: HybridDeviceOptimizer) -> bool:
-    return bool(opt._offload_grads)
-
-
-def steps_in_backward(opt: HybridDeviceOptimizer) -> bool:
-    return bool(opt._in_backward)
+    """The ``offload_gradients`` constructor flag (kept in ``defaults``)."""
+    return bool(opt.defaults.get("offload_gradients", False))
 
 
 def forget_grad_copy(slot: Any) -> None:
