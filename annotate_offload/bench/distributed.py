@@ -229,12 +229,13 @@ def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
             fully_shard(layer)
         wrapped = fully_shard(model)
     opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
-    attach_optimizer(wrapped, opt)
+    att = attach_optimizer(wrapped, opt)
     r = _timed(a, env, wrapped, opt, env.rank, collective=True)
     t = torch.tensor([r["step_s"], r["peak_gib"], r["host_s"]], dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     r.update(step_s=t[0].item(), peak_gib=t[1].item(), host_s=t[2].item(), threads=budget.threads, numa=budget.numa_node,
-             host_numel=opt.offloaded_numel, cpus=len(budget.cpus))
+             host_numel=opt.offloaded_numel, cpus=len(budget.cpus), late=att.copied_at_step,
+             host_tensors=sum(p.side == "cpu" for p in opt.placements))
     _free(env, opt)
     return r
 
@@ -265,7 +266,9 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
     if many is not None:
         lines.append(row(f"{W} GPUs {_NAMES[a.parallel]}", W, many))
         lines.append(f"\nRank 0's host share in the {W}-GPU run: {many['cpus']} CPUs on NUMA node {many['numa']} "
-                     f"({'bound' if a.bind else 'not bound; --bind pins it'}); the 1-GPU run used {one['threads']} threads.")
+                     f"({'bound' if a.bind else 'not bound; --bind pins it'}); the 1-GPU run used {one['threads']} threads. "
+                     f"Host gradients whose D2H had to wait for step() (not overlapped with backward), rank 0, all steps: "
+                     f"{many['late']} of {many['host_tensors']} per step.")
         eff = one["step_s"] / many["step_s"]
         ok = "meets" if eff >= a.min_efficiency else "MISSES"
         lines += ["", f"**Weak-scaling efficiency** T(1 GPU) / T({W} GPUs) = **{eff * 100:.1f}%** ({ok} the {a.min_efficiency * 100:.0f}% target)."]

@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import OffloadError
 from . import _seams
 from ._ddp import OffloadCommHook, register_offload_comm_hook
-from ._shards import check_local_shards, is_dtensor, param_owners
+from ._shards import check_local_shards, is_dtensor, local_shard, param_owners
 
 __all__: list[str] = []
 
@@ -53,6 +53,8 @@ class ShardedAttachment:
     Attributes:
         sharded (bool): some parameters are DTensors (each rank steps its local shard).
         recopied (int): host gradients copied again at ``step()`` because they changed after backward.
+        copied_at_step (int): host gradients ``step()`` had to copy, cumulative (the ``recopied`` ones
+            and any the optimizer's hooks did not copy in backward; 0 when all D2H overlapped backward).
     """
 
     def __init__(self, opt: Any, model: nn.Module, sharded: bool) -> None:
@@ -60,6 +62,7 @@ class ShardedAttachment:
         self._owners = param_owners(model)
         self.sharded = sharded
         self.recopied = 0
+        self.copied_at_step = 0
         self._seen: dict[int, int] = {}
         self._watched: list[Any] = []
         self._hooks = []
@@ -77,6 +80,9 @@ class ShardedAttachment:
                 _seams.forget_grad_copy(slot)
                 self.recopied += 1
         self._seen.clear()
+        for slot, on_host in _seams.slots(self._opt):
+            if on_host and slot.param.grad is not None and not _seams.grad_copied(slot, local_shard(slot.param.grad)):
+                self.copied_at_step += 1
 
     def mark_gradients_changed(self) -> None:
         """Declare that gradients were modified in place after backward in a way versions do not show

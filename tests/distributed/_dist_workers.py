@@ -150,7 +150,7 @@ def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction:
         refused = str(e)
     return {
         "weights": _weights(model), "losses": losses, "clip_refused": refused,
-        "placements": opt.placements, "recopied": att.recopied,
+        "placements": opt.placements, "recopied": att.recopied, "copied_at_step": att.copied_at_step,
         "bytes_per_step": model.offload_plan.bytes_per_step if offload else None,
     }
 
