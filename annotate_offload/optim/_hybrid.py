@@ -215,6 +215,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._last_d2h_ev: Any = None
         self._lock = threading.Lock()  # delayed mode: worker vs step() on ``Chunk.pending`` / ``_applying``
         self._applying = False  # delayed mode: step() has begun, finished chunks go H2D at once
+        self._h2d_skip: frozenset = frozenset()  # host slots whose weights the user replaced (no H2D)
         self._buf = 0  # which gradient buffer this step's D2H fills (two in delayed mode)
         self._begun = False
         self._hooks: list[Any] = []
@@ -405,6 +406,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         all of them after the last one), so only the last chunk's copy is left after the host step.
         """
         assert self._worker is not None
+        # weights written into the model since the last step (O03: load_state_dict) win over the pending
+        # update: their H2D is skipped here and in the worker, and _resync_changed re-seeds their masters
+        self._h2d_skip = frozenset(s for s in self._host_slots if s.param._version != s.p_ver)
         with self._lock:
             self._applying = True
             for c in self._chunks:
@@ -416,6 +420,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         finally:
             with self._lock:
                 self._applying = False
+            self._h2d_skip = frozenset()
 
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also apply the pending update to the model.

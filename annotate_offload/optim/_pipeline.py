@@ -179,7 +179,10 @@ class PipelineMixin:
     def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any) -> None:
         side = self._side
         with torch.no_grad(), side.use(stream):
+            skip = self._h2d_skip
             for s in slots:
+                if s in skip:
+                    continue
                 side.wait_event(stream, s.ready_ev)
                 s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
                 s.p_ver = s.param._version

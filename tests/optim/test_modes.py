@@ -59,10 +59,28 @@ def test_step_in_backward_refuses_accumulation_and_clipping():
 
 
 # ---------------------------------------------------------------- delayed_param_update
-@pytest.mark.parametrize("f", [0.5, 1.0])
-def test_delayed_param_update_is_one_step_stale(f):
+@pytest.mark.parametrize("f,slow", [(0.5, False), (1.0, False), (1.0, True)])
+def test_delayed_param_update_is_one_step_stale(f, slow, monkeypatch):
     m, r = pair()
-    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, delayed_param_update=True, lr=1e-2)
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, delayed_param_update=True, lr=1e-2,
+                                **({"chunk_bytes": 512} if slow else {}))
+    by_worker = []
+    if slow:  # chunks still running when step() begins: the worker issues their H2D itself
+        import threading
+        import time
+
+        run, h2d = opt._run_chunk, opt._h2d_chunk
+
+        def slow_run(*a):
+            time.sleep(0.02)
+            run(*a)
+
+        def spy_h2d(*a):
+            by_worker.append(threading.current_thread().name == "hdo-cpu-step")
+            h2d(*a)
+
+        monkeypatch.setattr(opt, "_run_chunk", slow_run)
+        monkeypatch.setattr(opt, "_h2d_chunk", spy_h2d)
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
     host = {id(s.param) for s in opt._host_slots}
     g = torch.Generator().manual_seed(4)
@@ -85,6 +103,30 @@ def test_delayed_param_update_is_one_step_stale(f):
                 assert torch.equal(p, q)
     opt.flush()
     assert_same(m, r)
+    if slow:
+        assert any(by_worker) and not all(by_worker)
+
+
+def test_delayed_mode_keeps_weights_loaded_between_steps():
+    """O03 in delayed mode: weights loaded while an update is pending are not overwritten by it."""
+    m, _ = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, delayed_param_update=True, lr=1e-2, chunk_bytes=512)
+    xs = _xs(3)
+    for x in xs[:2]:
+        loss_of(m, x).backward()
+        opt.step()
+        opt.zero_grad()
+    ckpt = Tiny()
+    m.load_state_dict(ckpt.state_dict())  # step 2's host update is still pending
+    loss_of(m, xs[2]).backward()
+    want = [q.detach().clone() for q in ckpt.parameters()]
+    opt.step()
+    for p, w in zip(m.parameters(), want):
+        assert torch.equal(p, w)
+    opt.flush()
+    for s in opt._host_slots:
+        assert torch.equal(s.param, s.master)
+    opt.close()
 
 
 # ---------------------------------------------------------------- validation
