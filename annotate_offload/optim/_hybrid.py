@@ -65,9 +65,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         overlap_cpu_optimizer_d2h_h2d (bool): the pipelined path described above. ``False`` is a
             true serial path for A/B runs: all D2H at ``step()`` on the compute stream, a host
             sync, the host step, all H2D on the compute stream. Default: ``True``.
-        offload_gradients (bool): free each host-stepped parameter's GPU gradient in backward once
-            it is copied (GPU peak drops by their gradient bytes). The gradient then lives on the
-            host until ``zero_grad()``: accumulation over micro-batches adds on the host (exact,
+        offload_gradients (bool): drop each host-stepped parameter's GPU gradient in its backward
+            hook, right after its D2H is enqueued (the allocator reuses the memory once the copy
+            has run; the backward thread never waits for it). GPU memory falls by their gradient
+            bytes wherever gradients are part of the peak; when the peak is the end of forward
+            (weights + activations, e.g. issue 7's W3 model) it stays there. The gradient then lives
+            on the host until ``zero_grad()``: accumulation over micro-batches adds on the host (exact,
             but not hidden), and ``clip_grad_norm_`` of this optimizer sees it. Tools that read
             ``p.grad`` directly (``torch.nn.utils.clip_grad_norm_``, ``GradScaler``) do not.
             Needs overlap on. Default: ``False``.
