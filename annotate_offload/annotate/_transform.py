@@ -169,7 +169,18 @@ def offload_transform(
 
     # ---- trace (fx) or fall back (hooks)
     gm, gm_eval, fx_failure, added = None, None, None, []
-    if path != "hooks":
+    fsdp = _fsdp_managed(model)
+    if fsdp is not None:
+        if path == "fx":
+            raise OffloadError(
+                f"offload_transform(path='fx'): {fsdp} is managed by FSDP2 (fully_shard); tracing it "
+                "would run FSDP's lazy initialisation. Use path='auto' or 'hooks', or transform before "
+                "fully_shard."
+            )
+        # Tracing would call FSDP2's forward hooks and initialise its state on proxies; the hook
+        # path needs no tracing and composes with FSDP's own hooks.
+        fx_failure = f"{fsdp} is managed by FSDP2 (fully_shard): not traced"
+    elif path != "hooks":
         try:
             # Python control flow on `self.training` is fixed at trace time: trace both modes and,
             # when the graphs differ, run the one matching model.training at call time.
@@ -327,6 +338,14 @@ def remove_offload(model: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _fsdp_managed(model: nn.Module) -> str | None:
+    """Name of the first module managed by FSDP2's ``fully_shard`` in ``model``, or ``None``."""
+    for name, module in model.named_modules():
+        if any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
+            return f"module {name or type(model).__name__!r}"
+    return None
 
 
 def _restore_forward(module: nn.Module, prev: Any) -> None:
