@@ -188,6 +188,16 @@ def test_split_rule_matches_megatron():
     assert [pl.side for pl in first.placements] == ["cpu", "gpu", "gpu", "gpu"]
 
 
+def test_chunks_do_not_strand_small_tensors():
+    from annotate_offload.optim._split import make_chunks
+
+    # a bias in front of a chunk-sized weight joins it instead of forming a chunk of its own
+    assert make_chunks([8, 64, 30, 64, 10, 10, 8, 48], 64) == [[0, 1], [2, 3], [4, 5, 6, 7]]
+    # a chunk at least half full is closed before it would overflow; an oversized item stands alone
+    assert make_chunks([40, 40, 100, 1], 64) == [[0], [1], [2], [3]]
+    assert make_chunks([], 64) == []
+
+
 def test_use_torch_optimizer_for_cpu_offload_overrides_gpu_class():
     m = Tiny()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, cpu_optimizer_cls=torch.optim.Adam,
