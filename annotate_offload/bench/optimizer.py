@@ -121,6 +121,7 @@ class _HostBuffers:
         self.mode = mode if torch.cuda.is_available() else "pageable"
         self.registered: list[int] = []
         self.keep: list[torch.Tensor] = []  # registered memory must outlive cudaHostUnregister
+        self.failed = 0
 
     def empty(self, numel: int) -> torch.Tensor:
         if self.mode == "pinned":
@@ -141,9 +142,13 @@ class _HostBuffers:
         if int(rc) == 0:
             self.registered.append(t.data_ptr())
             self.keep.append(raw)
+        else:
+            self.failed += 1
         return t
 
     def close(self) -> None:
+        if self.failed:
+            print(f"optimizer bench: cudaHostRegister failed for {self.failed} buffers (they stayed pageable)", file=sys.stderr)
         for ptr in self.registered:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         self.registered = []
