@@ -15,7 +15,7 @@ import torch
 
 from ._host import carve
 from ._slots import Chunk, HostSlot
-from ._split import make_chunks
+from ._split import make_chunks, split_serial
 
 __all__: list[str] = []
 
@@ -92,9 +92,11 @@ class BuildMixin:
         if self._cpu_cls in (torch.optim.Adam, torch.optim.AdamW):
             host_impl.setdefault("fused", True)
             host_impl.pop("capturable", None)
-        order = make_chunks([s.master.numel() * s.master.element_size() for s in host], self.defaults["chunk_bytes"])
+        sizes = [s.master.numel() * s.master.element_size() for s in host]
+        order = split_serial(make_chunks(sizes, self.defaults["chunk_bytes"]), [s.master.numel() for s in host], sizes,
+                             self.defaults["chunk_bytes"])
         self._chunks: list[Chunk] = []
-        for ci, idx in enumerate(order):
+        for ci, (idx, serial) in enumerate(order):
             slots = [host[i] for i in idx]
             by_group: dict[int, list[HostSlot]] = {}
             for s in slots:
@@ -105,7 +107,7 @@ class BuildMixin:
             links = self._links(opt, list(by_group))
             for s in slots:
                 self.state[s.param] = opt.state[s.master]
-            self._chunks.append(Chunk(slots, opt, links))
+            self._chunks.append(Chunk(slots, opt, links, serial=serial))
 
     def _carve_mixed(self, numels: list[int], dtypes: list[torch.dtype], pin: bool) -> tuple[list[torch.Tensor], bool]:
         out: list[Optional[torch.Tensor]] = [None] * len(numels)

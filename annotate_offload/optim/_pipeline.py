@@ -156,7 +156,11 @@ class PipelineMixin:
                 s.master.grad = buf
             t0 = time.perf_counter()
             if plan:
-                c.opt.step()
+                if c.serial:
+                    with num_threads(1):
+                        c.opt.step()
+                else:
+                    c.opt.step()
             stepped = [s for s, _, _ in plan]
             for s in stepped:
                 s.master.grad = None

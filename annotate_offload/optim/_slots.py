@@ -103,11 +103,13 @@ class DevSlot:
 class Chunk:
     """A run of host slots stepped by one host optimizer instance, the unit of pipelining."""
 
-    __slots__ = ("slots", "opt", "links", "trainable", "landed", "h2d_ev", "pending")
+    __slots__ = ("slots", "opt", "links", "trainable", "landed", "h2d_ev", "pending", "serial")
 
-    def __init__(self, slots: list[HostSlot], opt: torch.optim.Optimizer, links: list[tuple[dict, dict, tuple]]) -> None:
+    def __init__(self, slots: list[HostSlot], opt: torch.optim.Optimizer, links: list[tuple[dict, dict, tuple]], *,
+                 serial: bool = False) -> None:
         self.slots = slots
         self.opt = opt
+        self.serial = serial  # small tensors only: stepped with one thread (Note [Serial small tensors] in _split.py)
         self.links = links  # (sub-optimizer group, HDO group, keys to copy)
         self.trainable = sum(1 for s in slots if s.param.requires_grad)
         self.landed = 0
@@ -119,4 +121,4 @@ class Chunk:
         return sum(s.master.numel() * s.master.element_size() for s in self.slots)
 
     def __repr__(self) -> str:
-        return f"Chunk(params={len(self.slots)}, bytes={self.nbytes})"
+        return f"Chunk(params={len(self.slots)}, bytes={self.nbytes}, serial={self.serial})"

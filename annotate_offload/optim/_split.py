@@ -106,3 +106,41 @@ def make_chunks(sizes_bytes: list[int], chunk_bytes: int) -> list[list[int]]:
     if cur:
         chunks.append(cur)
     return chunks
+
+
+# Note [Serial small tensors]: torch's fused CPU AdamW runs one OpenMP parallel region per tensor,
+# whatever its size (``parallel_for`` with grain 0): a 2048-element LayerNorm weight wakes the whole
+# thread team, and one descheduled thread (a busy training thread, a VM's stolen vCPU) stalls the
+# region for a scheduler slice. The W3 GPT model has 192 such tensors next to 96 large ones. Tensors
+# under ``SERIAL_NUMEL`` elements are therefore stepped in chunks of their own with one thread.
+SERIAL_NUMEL = 1 << 16
+SERIAL_CHUNK_BYTES = 1 << 20
+
+
+def split_serial(groups: list[list[int]], numels: list[int], sizes_bytes: list[int], chunk_bytes: int) -> list[tuple[list[int], bool]]:
+    """Split the chunks of :func:`make_chunks` into ``(indices, serial)`` chunks, order preserved.
+
+    Each group's large tensors (``>= SERIAL_NUMEL`` elements) stay one chunk; its small ones are
+    collected, across groups, into serial chunks that close once they hold
+    ``min(chunk_bytes, SERIAL_CHUNK_BYTES)`` (Note [Serial small tensors]). A serial chunk comes after
+    the large chunk of the group that completed it, so no chunk waits for gradients that land later
+    than those of the chunks before it by more than that group.
+    """
+    out: list[tuple[list[int], bool]] = []
+    small: list[int] = []
+    small_bytes = 0
+    limit = min(chunk_bytes, SERIAL_CHUNK_BYTES)
+    for g in groups:
+        big = [i for i in g if numels[i] >= SERIAL_NUMEL]
+        if big:
+            out.append((big, False))
+        for i in g:
+            if numels[i] < SERIAL_NUMEL:
+                small.append(i)
+                small_bytes += sizes_bytes[i]
+        if small and small_bytes >= limit:
+            out.append((small, True))
+            small, small_bytes = [], 0
+    if small:
+        out.append((small, True))
+    return out

@@ -198,6 +198,47 @@ def test_chunks_do_not_strand_small_tensors():
     assert make_chunks([], 64) == []
 
 
+def test_small_tensors_are_gathered_into_serial_chunks(monkeypatch):
+    from annotate_offload.optim import _split
+
+    monkeypatch.setattr(_split, "SERIAL_NUMEL", 100)
+    monkeypatch.setattr(_split, "SERIAL_CHUNK_BYTES", 40)
+    numels = [5, 200, 5, 300, 5, 5, 150]
+    sizes = [4 * n for n in numels]
+    groups = [[0, 1], [2, 3], [4, 5, 6]]
+    # large tensors keep their group's place; small ones collect until 40 bytes, then follow
+    assert _split.split_serial(groups, numels, sizes, 1 << 20) == [
+        ([1], False), ([3], False), ([0, 2], True), ([6], False), ([4, 5], True)]
+    assert _split.split_serial([[0], [2]], numels, sizes, 1 << 20) == [([0, 2], True)]  # the rest at the end
+
+
+def test_serial_chunks_step_with_one_thread(monkeypatch):
+    from annotate_offload.optim import _split
+
+    monkeypatch.setattr(_split, "SERIAL_NUMEL", 200)  # Tiny's biases and norm are "small"
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, lr=1e-2, cpu_threads=2)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    serial = [c for c in opt._chunks if c.serial]
+    assert serial and all(s.local.numel() < 200 for c in serial for s in c.slots)
+    assert all(s.local.numel() >= 200 for c in opt._chunks if not c.serial for s in c.slots)
+    seen = {}
+    for c in opt._chunks:
+        step = c.opt.step
+
+        def spy(*a, _c=c, _step=step, **k):
+            seen[id(_c)] = torch.get_num_threads()
+            return _step(*a, **k)
+
+        monkeypatch.setattr(c.opt, "step", spy)
+    xs = _xs(3)
+    train(m, opt, xs)
+    train(r, ref, xs)
+    assert_same(m, r)  # thread count never changes an elementwise kernel's result
+    assert {seen[id(c)] for c in serial} == {1}
+    assert {seen[id(c)] for c in opt._chunks if not c.serial} == {2}
+
+
 def test_use_torch_optimizer_for_cpu_offload_overrides_gpu_class():
     m = Tiny()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, cpu_optimizer_cls=torch.optim.Adam,
