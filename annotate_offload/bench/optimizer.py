@@ -155,7 +155,8 @@ class _HostBuffers:
         self.keep = []
 
 
-def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: Any = False, per_piece: bool, worker: bool, dma: bool) -> float:
+def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: Any = False, per_piece: bool, worker: bool, dma: bool,
+                  numels: Optional[Sequence[int]] = None) -> float:
     """Fused CPU AdamW over ``n`` fp32 params in 64 MiB pieces; ms per step (mean of ``reps``).
 
     ``pinned``: params and grads page-locked (``True``/``"pinned"``: as the optimizer's masters and
@@ -163,13 +164,15 @@ def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: Any = False, per_p
     :class:`_HostBuffers`); ``per_piece``: one optimizer instance and ``step()`` per piece (the
     pipeline's chunk calls); ``worker``: stepped from a :class:`CpuWorker` thread (its own OpenMP team)
     instead of this thread; ``dma``: pinned D2H and H2D copies run on side streams throughout (the
-    pipeline's PCIe traffic).
+    pipeline's PCIe traffic); ``numels``: step tensors of these sizes (the model's own) instead of
+    64 MiB pieces of ``n``.
     """
     from ..optim._threads import CpuWorker
 
     piece = 16 << 20  # 64 MiB of fp32, like the optimizer's chunks
     bufs = _HostBuffers("pinned" if pinned is True else (pinned or "pageable"))
-    host = [bufs.empty(min(piece, n - i)).zero_() for i in range(0, n, piece)]
+    sizes = list(numels) if numels is not None else [min(piece, n - i) for i in range(0, n, piece)]
+    host = [bufs.empty(k).zero_() for k in sizes]
     for t in host:
         t.grad = bufs.empty(t.numel()).normal_()
     opts = [torch.optim.AdamW([t], lr=1e-5, fused=True) for t in host] if per_piece else [torch.optim.AdamW(host, lr=1e-5, fused=True)]
@@ -225,6 +228,8 @@ _CPU_VARIANTS = (  # (key, label, kwargs) of the host AdamW diagnostics (benchma
     ("t_cpu_registered_ms", "huge-page registered", dict(pinned="registered", per_piece=False, worker=False, dma=False)),
     ("t_cpu_chunked_ms", "pinned, one step() per piece, worker thread", dict(pinned=True, per_piece=True, worker=True, dma=False)),
     ("t_cpu_dma_ms", "pinned, per piece, worker, with D2H+H2D running", dict(pinned=True, per_piece=True, worker=True, dma=True)),
+    ("t_cpu_tensors_ms", "pinned, the model's own tensors in one step(), worker",
+     dict(pinned=True, per_piece=False, worker=True, dma=False, numels="model")),
 )
 
 
@@ -261,7 +266,9 @@ def _reference(model, x, device, steps, warmup, threads, *, diagnostics: bool = 
            "t_gpu_step_ms": fwd + bwd + t_gpu, "activation_bytes": act,
            "t_cpu_ms": t_cpu, "cpu_gparams_s": n / t_cpu / 1e6, "threads": threads}
     if diagnostics:
+        shapes = [p.numel() for p in model.parameters()]
         for key, _, kw in _CPU_VARIANTS:
+            kw = dict(kw, numels=shapes) if kw.get("numels") == "model" else kw
             row[key] = _cpu_adamw_ms(n, threads, reps, **kw)
     return row
 
@@ -305,18 +312,24 @@ def _measure(name, model, x, device, steps, warmup, *, bound_ms=None, **opt_kw) 
     _free(device)
     clock = _Clock(device)
     opt = HybridDeviceOptimizer(model.parameters(), lr=1e-5, **opt_kw)
+    records: list = []
 
     def step():
         _loss(model, x, device).backward()
         opt.step()
+        records.append(opt._last_ph)
         opt.zero_grad()
 
     for _ in range(warmup):
         step()
+    records.clear()
     _peak_reset(device)
     ms = clock.time(step, steps)
     opt.flush()
     peak = _peak(device)
+    timed = [r.summary() for r in records]
+    keys = ("return_ms", "first_chunk_ms", "last_chunk_ms", "host_busy_ms", "d2h_wait_ms", "host_gparams_s")
+    timed_phases = {k: sum(t[k] for t in timed) / len(timed) for k in keys} if timed else {}
     host_s = opt.host_step_seconds
     gpu_state = sum(sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t) and t.device.type == "cuda")
                     for st in opt.state.values())
@@ -325,7 +338,7 @@ def _measure(name, model, x, device, steps, warmup, *, bound_ms=None, **opt_kw) 
            "offloaded_numel": opt.offloaded_numel, "host_step_ms": host_s * 1e3,
            "cpu_gparams_s": (opt.offloaded_numel / host_s / 1e9) if host_s > 0 and not opt_kw.get("delayed_param_update") else float("nan"),
            "bound_ms": bound_ms, "threads": opt.thread_budget, "offload_gradients": opt_kw.get("offload_gradients", False),
-           "gpu_state_bytes": gpu_state, **extra}
+           "gpu_state_bytes": gpu_state, "timed_phases": timed_phases, **extra}
     opt.close()
     del opt
     model.zero_grad(set_to_none=True)
@@ -554,6 +567,22 @@ def format_table(rows: list[dict[str, Any]], command: str = "") -> str:
                 f"{f1(p['last_chunk_ms'])} | {f1(p['h2d_done_ms'])} | {f1(p['host_busy_ms'])} | {f1(p['d2h_wait_ms'])} | "
                 f"{int(p['chunks'])} | {f2(p['host_gparams_s'])} | {f2(p['chunk_gparams_min'])} / "
                 f"{f2(p['chunk_gparams_median'])} / {f2(p['chunk_gparams_max'])} |")
+        lines += [
+            "",
+            "Timed steps (not synchronized; means; ms from the step() call; step() is called when the host has "
+            "launched backward, the GPU may still be running it; outside = step ms - step() wall):",
+            "",
+            "| run | step ms | step() wall | outside step() | first chunk | last chunk | host busy | D2H wait | host G/s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in ph_rows:
+            t = r.get("timed_phases") or {}
+            if not t:
+                continue
+            lines.append(
+                f"| {r['name']} | {r['step_ms']:.1f} | {f1(t['return_ms'])} | {f1(r['step_ms'] - t['return_ms'])} | "
+                f"{f1(t['first_chunk_ms'])} | {f1(t['last_chunk_ms'])} | {f1(t['host_busy_ms'])} | {f1(t['d2h_wait_ms'])} | "
+                f"{f2(t['host_gparams_s'])} |")
     return "\n".join(lines)
 
 
