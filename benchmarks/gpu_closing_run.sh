@@ -20,18 +20,18 @@ step "GPU tests (one GPU)"
 $one timeout "${T_TESTS:-130}" python3 -m pytest -q -m cuda tests/runtime tests/annotate tests/optim \
   tests/peft tests/bench tests/planner tests/cli -p no:cacheprovider >"$O/cuda_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR" "$O/cuda_tests.log" | tail -15
+step "W1"
+$one timeout "${T_W1:-80}" python3 -m annotate_offload.bench activations --workloads W1 --steps 5 --warmup 2 \
+  --no-png >"$O/w1.log" 2>&1
+grep -E "^\| (base|annot|save|check|Offload)|PASS|FAIL|floor =" "$O/w1.log"
 step "distributed GPU tests + weak scaling (two GPUs)"
 timeout "${T_DIST_TESTS:-60}" python3 -m pytest -q -m cuda tests/distributed -p no:cacheprovider >"$O/dist.log" 2>&1
 grep -E "passed|failed|^FAILED" "$O/dist.log" | tail -5
 timeout "${T_DIST:-100}" torchrun --nproc-per-node 2 -m annotate_offload.bench.distributed --parallel ddp \
   --steps 5 --warmup 2 >>"$O/dist.log" 2>&1
 grep -vE "^W[0-9]|Warning|warn" "$O/dist.log" | grep -E "^\||PASS|FAIL|efficiency|parity" | tail -20
-step "W1"
-$one timeout "${T_W1:-80}" python3 -m annotate_offload.bench activations --workloads W1 --steps 5 --warmup 2 \
-  --no-png >"$O/w1.log" 2>&1
-grep -E "^\| (base|annot|save|check|Offload)|PASS|FAIL|floor =" "$O/w1.log"
 step "W3"
-$one timeout "${T_W3:-130}" python3 -m annotate_offload.bench.optimizer --steps 5 --warmup 2 >"$O/w3.log" 2>&1
+$one timeout "${T_W3:-130}" python3 -m annotate_offload.bench.optimizer --steps 5 --warmup 2 --no-diagnostics >"$O/w3.log" 2>&1
 grep -E "^\||Reference" "$O/w3.log" | tail -16
 step "LoRA"
 $one timeout "${T_LORA:-70}" python3 -m annotate_offload.bench.lora --policy opt_out,opt_in >"$O/lora.log" 2>&1
