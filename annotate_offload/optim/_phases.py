@@ -94,5 +94,5 @@ def _elapsed(a: Any, b: Any) -> float:
         return float("nan")
     try:
         return float(a.elapsed_time(b))
-    except RuntimeError:  # recorded without enable_timing (timing was off), or not finished
+    except (RuntimeError, ValueError):  # untimed event (torch 2.11 raises ValueError) or not finished
         return float("nan")
