@@ -315,8 +315,14 @@ def remove_offload(model: nn.Module) -> nn.Module:
         nn.Module: ``model`` itself.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
         OffloadError: ``model`` was not transformed.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"remove_offload: model must be the nn.Module passed to offload_transform, got "
+            f"{type(model).__name__}"
+        )
     applied = model.__dict__.get(_STATE)
     if applied is None:
         raise OffloadError(

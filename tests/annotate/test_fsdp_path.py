@@ -59,3 +59,8 @@ def test_plain_model_still_traced():
     model = Stack(Block)
     offload_transform(model, num_layers=2)
     assert model.offload_plan.path == "fx"
+
+
+def test_remove_offload_on_a_non_module_is_a_type_error():
+    with pytest.raises(TypeError, match="remove_offload: model must be the nn.Module"):
+        remove_offload("hello")
