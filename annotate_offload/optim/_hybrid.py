@@ -24,6 +24,7 @@ from ._pipeline import PipelineMixin, _GradHook
 from ._slots import DevSlot, HostSlot
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
 from ._threads import CpuWorker, thread_budget
+from ._validate import check_kwargs, check_values
 
 __all__ = ["HybridDeviceOptimizer"]
 
@@ -95,9 +96,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
 
     Raises:
         ValueError: a fraction outside ``[0, 1]``, conflicting modes, a bad ``chunk_bytes`` or
-            ``cpu_threads``, parameters on several devices.
-        TypeError: a non-bool flag, a class that is not a torch optimizer, or an accelerator-only
-            class for the host part.
+            ``cpu_threads``, parameters on several devices, or a hyper-parameter out of torch's
+            range (``lr``, ``eps``, ``weight_decay``, ``momentum`` >= 0, ``0 <= betas[i] < 1``),
+            in ``**kwargs`` or in a param group.
+        TypeError: a non-bool flag, a class that is not a torch optimizer, an accelerator-only
+            class for the host part, or a keyword that neither optimizer class accepts (e.g.
+            ``lrr``, ``optimizer``; the message names the closest valid one).
 
     ``defaults`` holds only plain values (no classes), so ``state_dict()`` loads with
     ``torch.load(weights_only=True)``. ``state[p]`` holds ``exp_avg``, ``exp_avg_sq``, ``step``
@@ -167,6 +171,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         else:
             gpu_cls = gpu_optimizer_cls
             _check_cls(gpu_cls, "gpu_optimizer_cls", host=False)
+        check_kwargs(kwargs, (cpu_cls, gpu_cls), (*_STRUCTURAL_KEYS, "cpu_optimizer_cls", "gpu_optimizer_cls"))
+        check_values(kwargs)
         impl = {k: kwargs.pop(k) for k in _IMPL_KEYS if k in kwargs}
         defaults = _hyper_defaults(cpu_cls)
         defaults.update(kwargs)
@@ -238,6 +244,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 "HybridDeviceOptimizer: add_param_group after construction is not supported (the host/GPU split, "
                 "pinned buffers and hooks are fixed at construction); build a new HybridDeviceOptimizer with all groups."
             )
+        if isinstance(param_group, dict):  # anything else: torch's own error
+            check_values(param_group, f" in param group {len(self.param_groups)}")
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ introspection

@@ -1,0 +1,118 @@
+"""Hyper-parameter validation of HybridDeviceOptimizer at construction (fresh-user report, bug 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _hdo_util import Tiny
+from annotate_offload.optim import HybridDeviceOptimizer
+
+
+def _hooks(params):
+    return [len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params]
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"lrr": 1e-3}, r"'lrr'.*did you mean 'lr'\?.*valid optimizer keywords \(AdamW\): .*\blr\b"),
+        ({"weight_decy": 0.1}, r"'weight_decy'.*did you mean 'weight_decay'"),
+        ({"offload_fractio": 0.5}, r"'offload_fractio'.*did you mean 'offload_fraction'"),
+        ({"momentum": 0.9}, r"'momentum'.*valid optimizer keywords \(AdamW\)"),
+        ({"optimizer": "sgd"}, r"'optimizer'.*cpu_optimizer_cls=torch.optim.AdamW.*torch.optim.SGD"),
+    ],
+)
+def test_unknown_keyword_is_type_error(kw, match):
+    m = Tiny()
+    with pytest.raises(TypeError, match=match):
+        HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, **kw)
+    assert _hooks(m.parameters()) == [0] * 8  # nothing registered on the model
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"lr": -1}, r"invalid lr=-1; valid range: lr >= 0"),
+        ({"lr": float("nan")}, r"invalid lr=nan"),
+        ({"lr": torch.tensor(-0.5)}, r"invalid lr=tensor\(-0.5000\)"),
+        ({"eps": -1}, r"invalid eps=-1; valid range: eps >= 0"),
+        ({"weight_decay": -1}, r"invalid weight_decay=-1; valid range: weight_decay >= 0"),
+        ({"betas": (1.5, 0.9)}, r"invalid betas\[0\]=1.5 .*valid range: 0 <= betas\[0\] < 1"),
+        ({"betas": (0.9, 1.0)}, r"invalid betas\[1\]=1.0 .*valid range: 0 <= betas\[1\] < 1"),
+        ({"betas": (0.9, -0.1)}, r"invalid betas\[1\]=-0.1"),
+    ],
+)
+def test_out_of_range_is_value_error(kw, match):
+    m = Tiny()
+    with pytest.raises(ValueError, match=match):
+        HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, **kw)
+    assert _hooks(m.parameters()) == [0] * 8
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [({"lr": "1e-3"}, r"lr must be a number, got '1e-3'"), ({"betas": 0.9}, r"betas must be a pair"),
+     ({"betas": (0.9, None)}, r"betas\[1\] must be a number")],
+)
+def test_wrong_type_is_type_error(kw, match):
+    with pytest.raises(TypeError, match=match):
+        HybridDeviceOptimizer(Tiny().parameters(), **kw)
+
+
+def test_torch_adamw_rejects_the_same_values():
+    """Our ranges are torch's: each value refused here is refused by torch.optim.AdamW too."""
+    for kw in ({"lr": -1}, {"eps": -1}, {"weight_decay": -1}, {"betas": (1.5, 0.9)}, {"betas": (0.9, 1.0)}):
+        with pytest.raises(ValueError):
+            torch.optim.AdamW(Tiny().parameters(), **kw)
+        with pytest.raises(ValueError):
+            HybridDeviceOptimizer(Tiny().parameters(), **kw)
+
+
+@pytest.mark.parametrize(
+    "group, match",
+    [
+        ({"lr": -0.1}, r"invalid lr=-0.1 in param group 1; valid range: lr >= 0"),
+        ({"weight_decay": -1.0}, r"invalid weight_decay=-1.0 in param group 1"),
+        ({"eps": -1e-8}, r"invalid eps=-1e-08 in param group 1"),
+        ({"betas": (0.9, 1.5)}, r"invalid betas\[1\]=1.5 .*in param group 1"),
+    ],
+)
+def test_param_group_values_checked(group, match):
+    m = Tiny()
+    groups = m.groups()
+    groups[1].update(group)
+    with pytest.raises(ValueError, match=match):
+        HybridDeviceOptimizer(groups, offload_fraction=0.5, lr=1e-2)
+    assert _hooks(m.parameters()) == [0] * 8
+
+
+def test_valid_keywords_still_accepted():
+    """Megatron-Core's call (hyper-parameters + its flags), impl switches, extra group keys, SGD keywords."""
+    m = Tiny()
+    groups = m.groups()
+    groups[0].update(wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False)  # Megatron group keys are kept
+    opt = HybridDeviceOptimizer(
+        groups, offload_fraction=0.5, cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW,
+        param_update_in_fp32=True, pin_cpu_grads=True, pin_cpu_params=True, overlap_cpu_optimizer_d2h_h2d=True,
+        lr=torch.tensor(1e-3), betas=[0.9, 0.95], eps=0.0, weight_decay=0.0, amsgrad=False, maximize=False, fused=True,
+    )
+    opt.close()
+    sgd = HybridDeviceOptimizer(Tiny().parameters(), cpu_optimizer_cls=torch.optim.SGD, lr=0.1, momentum=0.9,
+                                nesterov=True, dampening=0.0)
+    sgd.close()
+    with pytest.raises(ValueError, match=r"invalid momentum=-0.5; valid range: momentum >= 0"):
+        HybridDeviceOptimizer(Tiny().parameters(), cpu_optimizer_cls=torch.optim.SGD, lr=0.1, momentum=-0.5)
+
+
+def test_mixed_classes_accept_union_and_var_kwargs_class_is_judge():
+    opt = HybridDeviceOptimizer(Tiny().parameters(), cpu_optimizer_cls=torch.optim.Adam,
+                                gpu_optimizer_cls=torch.optim.SGD, lr=1e-2, momentum=0.0)
+    opt.close()
+
+    class Loose(torch.optim.AdamW):
+        def __init__(self, params, **kwargs):
+            kwargs.pop("custom", None)
+            super().__init__(params, **kwargs)
+
+    HybridDeviceOptimizer(Tiny().parameters(), cpu_optimizer_cls=Loose, lr=1e-2, custom=3).close()
