@@ -142,9 +142,13 @@ def get_recipe(name: str) -> Recipe:
     return RECIPES[name]
 
 
-def check_runnable(recipe: Recipe, device: torch.device) -> None:
-    """Raise ``ValueError`` (what is missing, and the fix) when ``recipe`` cannot run on ``device``."""
-    if recipe.needs_cuda and device.type != "cuda":
+def check_runnable(recipe: Recipe, device: torch.device, *, train: bool = True) -> None:
+    """Raise ``ValueError`` (what is missing, and the fix) when ``recipe`` cannot run on ``device``.
+
+    ``train=False`` (``annotate-offload plan``) skips the GPU requirement: a plan trains nothing, and
+    :func:`plan_text` builds a GPU-only model with uninitialised CPU weights.
+    """
+    if train and recipe.needs_cuda and device.type != "cuda":
         raise ValueError(f"recipe {recipe.name!r} needs a CUDA GPU (device is {device.type}); "
                          f"use --recipe llama-tiny on a CPU.")
     if recipe.needs_module and importlib.util.find_spec(recipe.needs_module) is None:
@@ -598,10 +602,19 @@ def compare(recipe: Recipe, cfg: Config, device: torch.device, batches, *, basel
 def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
     """What ``annotate-offload plan`` prints: the offload plan (bytes estimated on the meta device
     from one micro-batch) and the predicted device memory of parameters, gradients, optimizer state
-    and saved activations, with and without offloading. Nothing is trained."""
-    model = recipe.build(cfg, device)
-    x = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.int64, device=device)
+    and saved activations, with and without offloading. Nothing is trained.
+
+    A recipe that trains only on CUDA (``needs_cuda``) is planned on any other device from a model
+    built on the meta device and given uninitialised storage there (``nn.Module.to_empty``): no
+    seeded initialisation runs and the weights are never read, only their shapes and dtypes."""
     lines = [f"annotate-offload plan: recipe {recipe.name} on {device.type} ({recipe.summary})"]
+    if recipe.needs_cuda and device.type != "cuda":
+        model = recipe.build(cfg, torch.device("meta")).to_empty(device=device)
+        lines.append(f"(planned without a GPU: weights uninitialised, shapes and dtypes only; "
+                     f"train --recipe {recipe.name} needs a CUDA GPU)")
+    else:
+        model = recipe.build(cfg, device)
+    x = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.int64, device=device)
     notes: list[str] = []
     if cfg.model.cpu_offloading:
         with warnings.catch_warnings(record=True) as caught:

@@ -81,14 +81,26 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _load_config(args: argparse.Namespace) -> tuple[object, Config, torch.device]:
+def _check_offload_layers(cfg: Config, recipe) -> None:
+    """A recipe has no ``num_layers=`` argument to fall back on: activation offload needs the count here."""
+    m = cfg.model
+    if m.cpu_offloading and m.cpu_offloading_num_layers is None:
+        layers = m.num_layers or recipe.config.model.num_layers
+        raise _UsageError(
+            f"model.cpu_offloading_num_layers=None with model.cpu_offloading=True: give a number "
+            f"0..{layers - 1} (e.g. model.cpu_offloading_num_layers={max(layers - 1, 0)}), "
+            f"or set model.cpu_offloading=False.")
+
+
+def _load_config(args: argparse.Namespace, *, train: bool = True) -> tuple[object, Config, torch.device]:
     try:
         recipe = get_recipe(args.recipe)
         cfg = from_overrides(args.overrides, base=recipe.config)
         device = _resolve_device(args.device)
-        check_runnable(recipe, device)
+        check_runnable(recipe, device, train=train)
     except (ValueError, TypeError) as exc:
         raise _UsageError(str(exc)) from None
+    _check_offload_layers(cfg, recipe)
     return recipe, cfg, device
 
 
@@ -105,6 +117,18 @@ def _check_plot_target(path: Optional[str]) -> None:
         raise _UsageError(f"--plot {path!r}: folder {parent!r} does not exist; create it or choose another path.")
     if not path.lower().endswith((".png", ".pdf", ".svg")):
         raise _UsageError(f"--plot {path!r}: use a .png, .pdf or .svg file name.")
+    # open it now, not after the run: a folder that exists but cannot be written (read-only, /proc)
+    # would otherwise lose the whole training to a traceback at the end
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise _UsageError(f"--plot {path!r} cannot be written ({exc.strerror or exc}); "
+                          f"choose a writable path, or drop --plot.") from None
+    finally:
+        if not existed and os.path.lexists(path):
+            os.remove(path)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -127,17 +151,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    recipe, cfg, device = _load_config(args)
+    recipe, cfg, device = _load_config(args, train=False)  # a plan trains nothing: any device will do
     print(_train.plan_text(recipe, cfg, device))
     return 0
 
 
 def _cmd_bench(argv: list[str]) -> int:
     try:
-        from .bench import main as bench_main
+        from .bench import BenchUsageError, main as bench_main
     except ImportError as exc:  # the benchmark package is written separately
         raise _UsageError(f"the benchmark suite is not available ({exc}); reinstall annotate-offload.") from None
-    return int(bench_main(argv) or 0)
+    try:
+        return int(bench_main(argv) or 0)
+    except BenchUsageError as exc:  # bad arguments or no GPU: checked before anything runs
+        raise _UsageError(str(exc)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

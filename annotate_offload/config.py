@@ -489,6 +489,24 @@ def _parse_scalar(text: str, tp: Any, key: str) -> Any:
     raise ValueError(f"override {key}: cannot parse values of type {_type_name(tp)}.")  # pragma: no cover
 
 
+def _example(key: str, tp: Any, current: Any) -> str:
+    """``e.g. key=value`` for a type error, from the current value when it fits (``""`` for enums/str)."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    values = []
+    for arg in args:
+        if arg is bool:
+            values += ["True", "False"]
+        elif arg is int:
+            values.append(str(current) if type(current) is int else "2")
+        elif arg is float:
+            values.append(str(current) if type(current) is float else "0.5")
+    if not values:
+        return ""
+    if type(None) in args:
+        values.append("None")
+    return "e.g. " + " or ".join(f"{key}={v}" for v in values)
+
+
 def _closest(name: str, valid: Iterable[str]) -> str:
     valid = sorted(valid)
     match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
@@ -557,7 +575,13 @@ def from_overrides(overrides: Iterable[str], *, base: Optional[Config] = None) -
         hints = typing.get_type_hints(cls)
         if name not in hints:
             raise ValueError(f"override {item!r}: unknown key {key!r}; {_closest_key(section, name)}")
-        updates[section][name] = _parse_scalar(text, hints[name], key)
+        try:
+            updates[section][name] = _parse_scalar(text, hints[name], key)
+        except ValueError as exc:
+            example = _example(key, hints[name], getattr(getattr(base, section), name))
+            if not example:
+                raise
+            raise ValueError(f"{str(exc).rstrip('.')}; {example}.") from None
     sections = {name: dataclasses.replace(getattr(base, name), **updates[name]) if updates[name]
                 else getattr(base, name) for name in _SECTIONS}
     return Config(**sections)

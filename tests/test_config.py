@@ -281,6 +281,24 @@ def test_from_overrides_bad_values(override, pattern):
         from_overrides([override])
 
 
+@pytest.mark.parametrize(
+    "override, example",
+    [
+        ("model.cpu_offloading_num_layers=abc",
+         "e.g. model.cpu_offloading_num_layers=2 or model.cpu_offloading_num_layers=None."),
+        ("train.train_iters=2.5", "e.g. train.train_iters=10."),  # the current value of the base
+        ("model.cpu_offloading=maybe", "e.g. model.cpu_offloading=True or model.cpu_offloading=False."),
+        ("optimizer.lr=fast", "e.g. optimizer.lr="),
+    ],
+)
+def test_from_overrides_type_errors_show_a_valid_example(override, example):
+    with pytest.raises(ValueError) as info:
+        from_overrides([override], base=Config(train=TrainConfig(train_iters=10)))
+    assert str(info.value).endswith(example) or example.endswith("=") and example in str(info.value)
+    value = str(info.value).rsplit("e.g. ", 1)[1].split(" or ")[0].rstrip(".")
+    from_overrides([value])  # the example itself is accepted
+
+
 def test_from_overrides_runs_the_rules():
     with pytest.raises(ValueError, match=re.escape("Currently there is no support for Pipeline parallelism")):
         from_overrides(["model.cpu_offloading=True", "model.pipeline_model_parallel_size=2"])

@@ -16,21 +16,32 @@ import os
 import shlex
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "BenchUsageError"]
 
 
-def _csv(values: str, convert) -> list:
+class BenchUsageError(ValueError):
+    """Bad ``bench`` arguments, or a run this machine cannot do (no GPU); raised before anything runs.
+
+    ``annotate-offload bench`` prints it as one line and exits with status 2.
+    """
+
+
+def _csv(values: str, convert, flag: str = "") -> list:
     out = []
     for item in values.split(","):
         item = item.strip()
         if not item:
             continue
-        out.append(None if item.lower() == "none" else convert(item))
+        try:
+            out.append(None if item.lower() == "none" else convert(item))
+        except ValueError:
+            raise BenchUsageError(f"bench: {flag} {values!r}: {item!r} is not an integer; "
+                                  f"give comma-separated integers or 'none', e.g. {flag} 0,1.") from None
     return out
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Issue-7 benchmarks: activation offload (W1, W2) and optimizer offload (W3).")
+    p = argparse.ArgumentParser(prog=prog, description="Benchmarks: activation offload (W1 PCIe-bound, W2 compute-bound) and optimizer offload (W3).")
     p.add_argument("what", nargs="?", default="all", choices=("activations", "optimizer", "all"),
                    help="which suite to run (default: all)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU in seconds, for CI (no timing claims)")
@@ -50,8 +61,18 @@ def _positive(name: str, value, default: int) -> int:
     if value is None:
         return default
     if value < 0 or (name == "--steps" and value < 1):
-        raise ValueError(f"bench: {name} must be {'>= 1' if name == '--steps' else '>= 0'}, got {value}.")
+        raise BenchUsageError(f"bench: {name} must be {'>= 1' if name == '--steps' else '>= 0'}, got {value}.")
     return value
+
+
+def _device(args):
+    import torch
+
+    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BenchUsageError("bench: no CUDA device here; pass --tiny for the CPU smoke run "
+                              "(or --device cpu for full-size shapes on the CPU, slow).")
+    return device
 
 
 def _run_activations(args, command: str) -> int:
@@ -60,16 +81,19 @@ def _run_activations(args, command: str) -> int:
     from annotate_offload.bench import _report
     from annotate_offload.bench.activations import run_workload, workloads_for
 
-    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("bench activations: no CUDA device here; pass --tiny for the CPU smoke run.")
-    workloads = workloads_for(_csv(args.workloads, str), args.tiny)
-    lags = _csv(args.release_lag, int)
-    prefetch = _csv(args.prefetch_layers, int)
+    device = _device(args)
+    try:
+        workloads = workloads_for(_csv(args.workloads, str), args.tiny)
+    except BenchUsageError:
+        raise
+    except ValueError as exc:  # an unknown workload name
+        raise BenchUsageError(str(exc)) from None
+    lags = _csv(args.release_lag, int, "--release-lag")
+    prefetch = _csv(args.prefetch_layers, int, "--prefetch-layers")
     if any(v is not None and v < 0 for v in lags):
-        raise ValueError(f"bench: --release-lag values must be >= 0 or 'none', got {args.release_lag!r}.")
+        raise BenchUsageError(f"bench: --release-lag values must be >= 0 or 'none', got {args.release_lag!r}.")
     if any(v is not None and v < 1 for v in prefetch):
-        raise ValueError(f"bench: --prefetch-layers values must be >= 1 or 'none', got {args.prefetch_layers!r}.")
+        raise BenchUsageError(f"bench: --prefetch-layers values must be >= 1 or 'none', got {args.prefetch_layers!r}.")
     warmup = _positive("--warmup", args.warmup, 1 if args.tiny else 3)
     steps = _positive("--steps", args.steps, 2 if args.tiny else 10)
     out_dir = args.out or (os.path.join("out", "bench") if args.profile else None)
@@ -151,14 +175,16 @@ def main(argv=None, prog: str = "annotate-offload bench") -> int:
 
     Raises:
         SystemExit: on ``--help`` or unparsable arguments (argparse).
-        ValueError: an unknown workload, a negative step count or knob value, or a CUDA run
-            without a CUDA device.
+        BenchUsageError: (a ValueError) an unknown workload, a negative step count or knob
+            value, or a CUDA run without a CUDA device; raised before anything runs.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = " ".join([prog, shlex.join(argv)]).strip()
     if argv and argv[0] == "optimizer":
         return _run_optimizer(argv[1:])
     args = _parser(prog).parse_args(argv)
+    if args.what in ("activations", "all"):
+        _device(args)  # before the optimizer suite of "all" has run for minutes
     rc = 0
     if args.what in ("activations", "all"):
         rc = _run_activations(args, command)

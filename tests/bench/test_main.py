@@ -50,10 +50,11 @@ def test_default_is_all(fake_optimizer, monkeypatch):
         (["activations", "--tiny", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
         (["activations", "--tiny", "--release-lag", "-1"], "--release-lag values must be >= 0"),
         (["activations", "--tiny", "--prefetch-layers", "0"], "--prefetch-layers values must be >= 1"),
+        (["activations", "--tiny", "--release-lag", "x"], r"--release-lag 'x': 'x' is not an integer"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_the_flag(argv, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(bench.BenchUsageError, match=match):
         bench.main(argv)
 
 
@@ -61,8 +62,13 @@ def test_cuda_run_without_cuda_says_to_use_tiny(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="no CUDA device here; pass --tiny"):
+    with pytest.raises(bench.BenchUsageError, match=r"no CUDA device here; pass --tiny .*--device cpu"):
         bench.main(["activations"])
+    ran = []
+    monkeypatch.setattr(bench, "_run_optimizer", lambda *a, **k: ran.append(a) or 0)
+    with pytest.raises(bench.BenchUsageError, match="no CUDA device here"):
+        bench.main([])  # "all": refused before the optimizer suite runs
+    assert ran == []
 
 
 def test_unknown_subcommand_is_an_argparse_error():

@@ -129,7 +129,11 @@ def test_bench_delegates(monkeypatch):
     [
         (["--recipe", "llama-7b"], r"unknown recipe 'llama-7b'; valid: llama-tiny, gpt-small, llama-1b, hf-llama\."),
         (["model.cpu_offload=True"], r"unknown key 'model\.cpu_offload'; did you mean 'model\.cpu_offloading'\?"),
-        (["train.train_iters=many"], r"override train\.train_iters='many': expected an int\."),
+        (["train.train_iters=many"], r"override train\.train_iters='many': expected an int; e\.g\. train\.train_iters=100\."),
+        (["model.cpu_offloading_num_layers=None"],  # bug 2: was a traceback from offload_transform, exit 1
+         r"model\.cpu_offloading_num_layers=None with model\.cpu_offloading=True: give a number 0\.\.3 .*"
+         r"or set model\.cpu_offloading=False\."),
+        (["--plot", "{tmp}/adir.png"], r"--plot '.*adir\.png' cannot be written"),  # bug 3: a folder by that name
         (["optimizer.optimizer_offload_fraction=2"], r"optimizer_offload_fraction must be in \[0, 1\]"),
         (["model.pipeline_model_parallel_size=2"], r"Currently there is no support for Pipeline parallelism"),
         (["cpu_offloading"], r"not of the form section\.field=value"),
@@ -142,6 +146,7 @@ def test_bench_delegates(monkeypatch):
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(capsys, tmp_path, args, message):
     (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "adir.png").mkdir()
     before = sorted(os.listdir(tmp_path))
     argv = [a.format(tmp=tmp_path) for a in args]
     if "--plot" not in argv:  # ask for a plot too: the error must come before anything is written
@@ -152,6 +157,59 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(capsys, tmp_path, ar
     assert err.count("\n") == 1 and err.startswith("annotate-offload: error: ")
     assert re.search(message, err), err
     assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_plot_into_unwritable_folder_fails_before_training(capsys, monkeypatch):
+    # bug 3: /proc exists but takes no new files; this used to fail after the whole run
+    monkeypatch.setattr(_recipes, "compare", lambda *a, **k: pytest.fail("training started"))
+    code, out, err = _train(capsys, *SMALL, "train.train_iters=1", "--plot", "/proc/annotate-offload-x.png")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "--plot '/proc/annotate-offload-x.png' cannot be written" in err
+
+
+def test_plot_check_leaves_an_existing_file_alone_and_creates_none(tmp_path):
+    from annotate_offload.cli import _check_plot_target
+
+    png = tmp_path / "old.png"
+    png.write_bytes(b"keep")
+    _check_plot_target(str(png))
+    new = tmp_path / "new.png"
+    _check_plot_target(str(new))
+    assert png.read_bytes() == b"keep" and not new.exists()
+
+
+def test_plan_of_a_gpu_recipe_runs_without_a_gpu(capsys):
+    # bug 7: plan trains nothing, so llama-1b is planned from uninitialised CPU weights (shape of 1B, 2 layers here)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code = main(["plan", "--recipe", "llama-1b", "model.num_layers=2", "model.cpu_offloading_num_layers=1",
+                 "model.seq_length=16", "train.micro_batch_size=1", "train.global_batch_size=1"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "recipe llama-1b on cpu" in out and "planned without a GPU" in out
+    assert "OffloadPlan(" in out and "offloaded=1" in out
+    assert "| parameters |" in out
+
+
+def test_bench_without_a_gpu_is_one_line_exit_2(capsys, monkeypatch):
+    # bug 5: was a traceback with exit 1
+    import annotate_offload.bench as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "_run_optimizer", lambda *a, **k: pytest.fail("optimizer suite started"))
+    for argv in (["bench"], ["bench", "activations"], ["bench", "all", "--device", "cuda", "--tiny"]):
+        code = main(argv)
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "", argv
+        assert err.count("\n") == 1 and err.startswith("annotate-offload: error: bench: no CUDA device here")
+        assert "pass --tiny" in err and "--device cpu" in err
+
+
+def test_bench_bad_argument_is_one_line_exit_2(capsys):
+    code = main(["bench", "activations", "--tiny", "--release-lag", "a"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "--release-lag '" in err and "not an integer" in err
 
 
 def test_llama_1b_needs_a_gpu(capsys):
