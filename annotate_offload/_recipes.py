@@ -101,8 +101,11 @@ def _hf_llama(cfg: Config, device: torch.device) -> nn.Module:
 def _small(num_layers: int, **model) -> Config:
     """CPU-sized defaults: both offloads on, activations of the first L-1 layers, half the optimizer."""
     return Config(
+        # N = L-1 with a one-layer prefetch and release lag: copies overlap compute even there
+        # (TE's schedule would serialise them, and offload_transform would warn about it)
         model=ModelConfig(cpu_offloading=True, num_layers=num_layers, cpu_offloading_num_layers=num_layers - 1,
-                          seq_length=128, min_offload_numel=1024, **model),
+                          seq_length=128, min_offload_numel=1024,
+                          **{"prefetch_layers": 1, "release_lag": 1, **model}),
         optimizer=OptimizerConfig(lr=1e-3, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
         train=TrainConfig(train_iters=100, global_batch_size=8, micro_batch_size=8, seed=1234),
     )
