@@ -602,6 +602,46 @@ def compare(recipe: Recipe, cfg: Config, device: torch.device, batches, *, basel
     return Report(recipe, cfg, device, off, base)
 
 
+def _saved_bytes_per_layer(recipe: Recipe, cfg: Config, fqns: list) -> Optional[list]:
+    """Bytes each layer saves for backward (unique storages, parameters excluded), from one
+    micro-batch forward of a meta-device copy of the model; ``None`` if it cannot run on meta."""
+    try:
+        model = recipe.build(cfg, torch.device("meta"))
+        layers = [model.get_submodule(f) for f in fqns]
+    except Exception:  # noqa: BLE001 - a recipe that cannot build on meta: unknown, not 0
+        return None
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    current = [None]
+    seen: list = [set() for _ in layers]
+    totals = [0] * len(layers)
+
+    def pack(t):
+        i = current[0]
+        if i is not None:
+            key = t.untyped_storage()._cdata
+            if key not in params and key not in seen[i]:
+                seen[i].add(key)
+                totals[i] += t.untyped_storage().nbytes()
+        return t
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    x = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.int64, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _forward_ctx(
+            cfg, torch.device("meta"), "default", None
+        ):
+            model(x)
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return totals
+
+
 def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
     """What ``annotate-offload plan`` prints: the offload plan (bytes estimated on the meta device
     from one micro-batch) and the predicted device memory of parameters, gradients, optimizer state
@@ -626,10 +666,18 @@ def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
         notes = list(dict.fromkeys(str(w.message) for w in caught))
         plan = model.offload_plan
         lines += [repr(plan)]
-        per_layer = [lp.bytes_per_step or 0 for lp in plan.layers]
-        kept = sum(b for lp, b in zip(plan.layers, per_layer) if not lp.offloaded)
-        in_flight = max((b for lp, b in zip(plan.layers, per_layer) if lp.offloaded), default=0)
-        acts = (sum(per_layer), kept + in_flight)
+        # saved bytes of every layer (kept ones too), counted on a meta copy of the model: the
+        # plan's bytes/step are what moves, which is 0 for a kept layer
+        per_layer = _saved_bytes_per_layer(recipe, cfg, [lp.fqn for lp in plan.layers])
+        if per_layer is None:
+            acts = (None, None)
+            notes.append("saved activations unknown: the forward does not run on the meta device")
+        else:
+            moved = [lp.bytes_per_step or 0 for lp in plan.layers]
+            kept = sum(b - m for b, m in zip(per_layer, moved))
+            n_off = sum(1 for m in moved if m)
+            in_flight = max(moved, default=0) * min(n_off, 1 + (cfg.model.release_lag or 0))
+            acts = (sum(per_layer), kept + in_flight)
     else:
         lines += ["activation offload is off (model.cpu_offloading=False)"]
         acts = (None, None)
@@ -647,7 +695,8 @@ def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
     ]
     lines += ["", "| predicted device memory | baseline | offload |", "|---|---:|---:|"]
     lines += [f"| {name} | {_fmt_bytes(b)} | {_fmt_bytes(w)} |" for name, b, w in rows]
-    lines += ["", "(offload column: kept layers plus one offloaded layer in flight; the optimizer share stepped "
+    lines += ["", "(offload column: kept layers' saved bytes plus release_lag + 1 offloaded layers in flight, "
+              "counted on a meta-device copy of the model; the optimizer share stepped "
               f"on the host is {host:g} of parameter elements, their masters and moments in host memory)"]
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)

@@ -235,3 +235,19 @@ def test_llama_tiny_on_cuda_parity(capsys):
     assert "torch.cuda.max_memory_allocated" in out and "-> PASS" in out
     code, out, err = _train(capsys, "--device", "cuda", "train.train_iters=3", "optimizer.optimizer_cpu_offload=False")
     assert code == 0 and "PASS: identical losses" in out, out + err
+
+
+def _saved_row(out: str) -> tuple[str, str]:
+    m = re.search(r"\| saved activations of the layers \(one micro-batch\) \| ([^|]+) \| ([^|]+) \|", out)
+    assert m, out
+    return m.group(1).strip(), m.group(2).strip()
+
+
+def test_plan_counts_kept_layers_saved_activations(capsys):
+    """fresh-user report item 4: kept layers used to count as 0 B (N=0 printed 0 B for both)."""
+    assert main(["plan", *SMALL, "model.cpu_offloading_num_layers=0"]) == 0
+    base, off = _saved_row(capsys.readouterr()[0])
+    assert base == off and base not in ("0 B", "-")
+    assert main(["plan", *SMALL]) == 0
+    base3, off3 = _saved_row(capsys.readouterr()[0])
+    assert base3 == base and off3 != base3
