@@ -76,8 +76,6 @@ def _device(args):
 
 
 def _run_activations(args, command: str) -> int:
-    import torch
-
     from annotate_offload.bench import _report
     from annotate_offload.bench.activations import run_workload, workloads_for
 

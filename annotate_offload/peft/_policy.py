@@ -40,7 +40,6 @@ import torch
 
 from annotate_offload.runtime import (
     active_offload_policy,
-    is_cpu_offload_enabled,
     mark_activation_offload,
     mark_not_offload,
 )

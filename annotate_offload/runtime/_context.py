@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 

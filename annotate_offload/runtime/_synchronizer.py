@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-import warnings
 from typing import Any, Iterable, Optional
 
 import torch
