@@ -226,6 +226,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._applying = False  # delayed mode: step() has begun, finished chunks go H2D at once
         self._h2d_skip: frozenset = frozenset()  # host slots whose weights the user replaced (no H2D)
         self._buf = 0  # which gradient buffer this step's D2H fills (two in delayed mode)
+        self._seq = 0  # D2H issue counter: host chunks are stepped in the order their gradients landed
         self._begun = False
         self._hooks: list[Any] = []
         if self._overlap:
@@ -393,9 +394,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             self._begin()
             self._collect(self._d2h)
             ph.d2h_ev = self._last_d2h_ev
-            for ci, c in enumerate(self._chunks):
-                if not c.slots[0].submitted:
-                    self._submit(ci)
+            for ci in self._landing_order():
+                self._submit(ci)
             self._gpu_step()
             if self._delayed:
                 self._buf ^= 1

@@ -31,7 +31,7 @@ class HostSlot:
 
     __slots__ = (
         "param", "group", "index", "local", "master", "grad_bufs", "staging", "scratch", "chunk",
-        "grad_ref", "grad_ver", "grad_ptr", "valid", "use", "d2h_ev", "ready_ev", "scales", "p_ver", "submitted",
+        "grad_ref", "grad_ver", "grad_ptr", "valid", "use", "d2h_ev", "ready_ev", "scales", "p_ver", "submitted", "seq",
     )
 
     def __init__(self, param: torch.Tensor, group: int, index: int, local: torch.Tensor) -> None:
@@ -54,6 +54,7 @@ class HostSlot:
         self.scales: list[tuple[torch.Tensor, Any]] = []  # pending clip coefficients
         self.p_ver = -1
         self.submitted = False
+        self.seq = -1  # D2H issue order of its gradient (Note [Host chunk order] in _pipeline.py)
 
     def copied(self, g: torch.Tensor) -> bool:
         """True if the host buffer holds exactly ``g`` (the local gradient) as it is now.

@@ -198,6 +198,40 @@ def test_chunks_do_not_strand_small_tensors():
     assert make_chunks([], 64) == []
 
 
+def test_host_chunks_are_stepped_in_gradient_landing_order(monkeypatch):
+    """Note [Host chunk order]: backward lands the last layer's gradients first, so its chunk is
+    stepped first; a gradient copied only at step() (changed after backward) goes last. Same bits."""
+    from annotate_offload.optim import _split
+
+    monkeypatch.setattr(_split, "SERIAL_NUMEL", 0)  # every tensor in a parallel chunk of its own
+    m, r = pair()
+    opt = HybridDeviceOptimizer([m.l1.weight, m.l2.weight, m.l3.weight], offload_fraction=1.0, chunk_bytes=4, lr=1e-2)
+    ref = torch.optim.AdamW([r.l1.weight, r.l2.weight, r.l3.weight], lr=1e-2, fused=True)
+    chunk_of = {id(s.param): s.chunk for s in opt._host_slots}
+    order = []
+    real = opt._submit
+    monkeypatch.setattr(opt, "_submit", lambda ci: (order.append(ci), real(ci))[1])
+    x = _xs(1)[0]
+    for model, o in ((m, opt), (r, ref)):
+        loss_of(model, x).backward()
+    assert len(opt._chunks) == 3
+    opt.step()
+    ref.step()
+    assert order == [chunk_of[id(m.l3.weight)], chunk_of[id(m.l2.weight)], chunk_of[id(m.l1.weight)]]
+    order.clear()
+    for model, o in ((m, opt), (r, ref)):
+        o.zero_grad()
+        loss_of(model, x).backward()
+    m.l3.weight.grad.mul_(0.5)  # changed after its D2H: re-copied at step(), so it lands last
+    r.l3.weight.grad.mul_(0.5)
+    opt.step()
+    ref.step()
+    assert order == [chunk_of[id(m.l2.weight)], chunk_of[id(m.l1.weight)], chunk_of[id(m.l3.weight)]]
+    for a, b in ((m.l1.weight, r.l1.weight), (m.l2.weight, r.l2.weight), (m.l3.weight, r.l3.weight)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    opt.close()
+
+
 def test_small_tensors_are_gathered_into_serial_chunks(monkeypatch):
     from annotate_offload.optim import _split
 
