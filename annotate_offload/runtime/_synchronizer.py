@@ -75,14 +75,53 @@ def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> i
 class _Step:
     """Per-step state: layer states of one forward, and backward bookkeeping."""
 
-    __slots__ = ("index", "layers", "shared", "bwd_active", "bwd_seen", "__weakref__")
+    __slots__ = ("index", "layers", "kept", "shared", "bwd_active", "bwd_seen", "__weakref__")
 
     def __init__(self, index: int):
         self.index = index
         self.layers: Any = {}  # dict[int, _LayerState]; weak values once backward ended
+        self.kept: dict[int, _KeptLayer] = {}  # kept layers whose consumption paces a prefetch
         self.shared: dict = {}  # storage units copied in this step, for cross-layer dedup
         self.bwd_active = False
         self.bwd_seen: set[int] = set()
+
+
+class _KeptLayer:
+    """Saved bytes of a kept (not offloaded) layer and how many of them backward has consumed.
+
+    Note [Kept-layer paced prefetch]: at the start of backward the last layer is usually kept
+    (N = L-1) and its saved tensors are all on the device; starting the reload of the offloaded
+    layer below it at that layer's first backward node puts both on the device at once (W1: 1.07
+    + 1.00 GiB, the activation peak). With a look-ahead of one layer that reload starts once half
+    of the kept layer's saved bytes have been unpacked (autograd frees each after its node ran),
+    like the half-layer prefetch between two offloaded layers.
+    """
+
+    __slots__ = ("saved_bytes", "consumed_bytes", "on_half_consumed")
+
+    def __init__(self) -> None:
+        self.saved_bytes = 0
+        self.consumed_bytes = 0
+        self.on_half_consumed: Any = None
+
+    def consume(self, nbytes: int) -> None:
+        self.consumed_bytes += nbytes
+        callback = self.on_half_consumed
+        if callback is not None and 2 * self.consumed_bytes >= self.saved_bytes:
+            self.on_half_consumed = None
+            callback()
+
+
+class _KeptCounted(_Kept):
+    """A kept tensor of a :class:`_KeptLayer`: its first unpack counts as consumed."""
+
+    __slots__ = ("layer", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor, layer: _KeptLayer):
+        super().__init__(tensor)
+        self.layer = layer
+        self.nbytes = tensor.numel() * tensor.element_size()
+        layer.saved_bytes += self.nbytes
 
 
 class _StreamOverride:
@@ -148,6 +187,7 @@ class OffloadSynchronizer:
         self._scope: Any = None
         self._scope_index = -1
         self._cur: Optional[_LayerState] = None
+        self._cur_kept: Optional[_KeptLayer] = None
         self._last_entered = -1
         self._num_of_fwds: Optional[int] = None  # TE-compatible counter for fwd_step()
         self.current_layer_id = 0
@@ -155,6 +195,10 @@ class OffloadSynchronizer:
     # -- what is offloaded -------------------------------------------------------------------
     def _layer_offloaded(self, index: int) -> bool:
         raise NotImplementedError
+
+    def _paces_prefetch(self, index: int) -> bool:
+        """True if kept layer ``index``'s consumption starts a reload (Note [Kept-layer paced prefetch])."""
+        return False
 
     def add_frozen_weights(self, params: Iterable[torch.Tensor]) -> None:
         """Register frozen weights whose casts (autocast copies) must never be offloaded.
@@ -214,7 +258,8 @@ class OffloadSynchronizer:
         state = self._cur
         if state is None:
             self.stats._keep("layer_not_offloaded", tensor.numel() * tensor.element_size())
-            return _Kept(tensor)
+            kept = self._cur_kept
+            return _Kept(tensor) if kept is None else _KeptCounted(tensor, kept)
         reason = self._keep_reason(tensor)
         if reason is not None:
             self.stats._keep(reason, tensor.numel() * tensor.element_size())
@@ -225,6 +270,12 @@ class OffloadSynchronizer:
         """Unpack hook: return the saved tensor (waiting for its reload where needed)."""
         if type(handle) is _Kept:
             return check_kept_version(handle)
+        if type(handle) is _KeptCounted:
+            t = check_kept_version(handle)
+            if handle.nbytes:
+                handle.layer.consume(handle.nbytes)
+                handle.nbytes = 0  # count each tensor once (a retained graph unpacks it again)
+            return t
         if type(handle) is _Packed:
             return handle.layer.unpack(handle, allow_on_demand=not self._manual)
         return handle
@@ -292,6 +343,9 @@ class OffloadSynchronizer:
                 step.shared if self._eager_d2h else None,
             )
         self._cur = state
+        self._cur_kept = None
+        if state is None and self._paces_prefetch(index):
+            self._cur_kept = step.kept[index] = _KeptLayer()
         self._scope_index = index
         scope = torch.autograd.graph.saved_tensors_hooks(self.push_tensor, self.pop_tensor)
         scope.__enter__()
@@ -310,6 +364,7 @@ class OffloadSynchronizer:
             stack.pop()
         scope.__exit__(None, None, None)
         state, self._cur = self._cur, None
+        self._cur_kept = None
         if state is not None and self._eager_d2h:
             state.finish_forward()
         if self._scope_index == self.num_layers - 1:
@@ -363,6 +418,7 @@ class OffloadSynchronizer:
             except Exception:  # noqa: BLE001
                 pass
         self._cur = None
+        self._cur_kept = None
         if self._step is not None:
             self._release_step(self._step)
             self._step = None
@@ -410,6 +466,8 @@ class OffloadSynchronizer:
     def _on_backward_end(self, step: _Step) -> None:
         for state in list(step.layers.values()):
             state.release_all()
+        for kept in step.kept.values():
+            kept.on_half_consumed = None  # not reached: the layer's own pre-hook reloaded it
         # From now on only autograd's handles keep the layer states (and their host buffers)
         # alive: a graph freed by this backward returns its buffers to the pool at once, and a
         # retained graph can still be prefetched in its next backward.
@@ -548,6 +606,9 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     def _layer_offloaded(self, index: int) -> bool:
         return index in self.offloaded_layers
 
+    def _paces_prefetch(self, index: int) -> bool:
+        return self.prefetch_layers == 1 and index - 1 in self.offloaded_layers
+
     def release_point(self, index: int) -> int:
         """Entry index at which layer ``index`` is released at the latest (``L``: end of forward)."""
         return min(index + 1 + self.release_lag, self.num_layers)
@@ -584,6 +645,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         current = step.layers.get(index)
         if current is not None:
             current.start_reload()  # normally prefetched already; reload it now if it was not
+        kept = step.kept.get(index) if current is None else None
         for j in sorted(step.layers.keys(), reverse=True):
             state = step.layers.get(j)
             if state is None or not low <= j < index:
@@ -601,6 +663,12 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
                 # on the device in backward instead of 2. If that point is never reached the
                 # pre-hook of layer j (or its first unpack) reloads it.
                 current.on_half_consumed = state.start_reload
+            elif (
+                self.prefetch_layers == 1
+                and kept is not None
+                and 2 * kept.consumed_bytes < kept.saved_bytes
+            ):
+                kept.on_half_consumed = state.start_reload  # Note [Kept-layer paced prefetch]
             else:
                 state.start_reload()
 

@@ -238,3 +238,55 @@ def test_marks_on_a_base_cover_its_views():
     y = s.commit_layer(lin(x).sum(), 0)
     y.backward()
     assert s.stats.bytes_offloaded == x.nbytes
+
+
+def _two_op_layer(sync, i, x, w1, w2):
+    sync.enter_layer(i)
+    y = torch.tanh(x @ w1)
+    z = torch.tanh(y @ w2)
+    return sync.commit_layer(z, i)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_kept_last_layer_paces_the_first_reload(monkeypatch, k):
+    """Note [Kept-layer paced prefetch]: at N = L-1 with a look-ahead of one layer, layer L-2's
+    reload starts once half of the kept layer L-1's saved bytes were unpacked, not at its first
+    backward node (both would be on the device at once); gradients are unchanged."""
+    from annotate_offload.runtime import _layer_state
+
+    L = 4
+    w1 = torch.randn(64, 64, requires_grad=True)
+    w2 = torch.randn(64, 64, requires_grad=True)
+    x0 = torch.randn(8, 64, requires_grad=True)
+
+    def run(sync):
+        h = x0
+        for i in range(L):
+            h = _two_op_layer(sync, i, h, w1, w2) if sync is not None else torch.tanh(torch.tanh(h @ w1) @ w2)
+        return h
+
+    ref = torch.autograd.grad(run(None).sum(), (x0, w1, w2))
+    s = DefaultOffloadSynchronizer(L, L - 1, device="cpu", min_offload_numel=0, release_lag=1, prefetch_layers=k)
+    starts = []
+    real = _layer_state._LayerState.start_reload
+
+    def spy(state):
+        if state.state != "reload_started":  # the first call of this layer's reload
+            kept = step.kept.get(L - 1)
+            starts.append((state.index, None if kept is None else (kept.consumed_bytes, kept.saved_bytes)))
+        return real(state)
+
+    monkeypatch.setattr(_layer_state._LayerState, "start_reload", spy)
+    out = run(s)
+    step = s._step
+    got = torch.autograd.grad(out.sum(), (x0, w1, w2))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    first = starts[0]
+    assert first[0] == L - 2
+    if k == 1:
+        consumed, saved = first[1]
+        assert saved > 0 and saved <= 2 * consumed < 2 * saved  # half of the kept layer, not all of it
+    else:
+        assert first[1] is None  # no pacing with a longer look-ahead: reloads start at once
+    assert s.stats.on_demand_reloads == 0
