@@ -251,7 +251,7 @@ def _adopt_grad_hooks(opt: Any, tensors: list[torch.Tensor], before: dict[int, s
     ``opt`` being collected) removes them. Returns the number of hooks adopted.
     """
     entries, keep = [], []
-    for p in tensors:
+    for p in {id(p): p for p in tensors}.values():  # a tensor listed twice is adopted once
         hooks = getattr(p, "_post_accumulate_grad_hooks", None)
         if not hooks:
             continue
