@@ -14,12 +14,16 @@ Runs, all in one ``torchrun`` launch:
    host threads as a single process on this host would get (``local_thread_budget(0, 1)``).
 2. ``1 GPU, accumulated``: rank 0 alone, ``W`` micro-batches per step (the ones the ``W`` ranks
    get) with gradient accumulation: the update ``W`` GPUs make, for loss parity.
-3. ``W GPUs``: every rank; step time is the slowest rank's.
+3. ``1 GPU, 1/W of the host`` (W > 1): rank 0 alone with the host threads (and, with ``--bind``,
+   the CPUs) one rank gets in run 4: separates what adding GPUs costs from what a single
+   process gains by having every core.
+4. ``W GPUs``: every rank; step time is the slowest rank's.
 
 Step time is the mean over ``--steps`` steps after ``--warmup`` steps, one synchronize at the end;
 inputs are generated (CPU generator, seeded by step and rank) and moved to the GPU before timing.
 Weak-scaling efficiency = ``T(1 GPU) / T(W GPUs)`` at equal per-GPU work (issue 9 asks >= 90% at
-f = 0.5). Loss parity: the per-step loss of run 3 (mean over ranks) against run 2, max relative
+f = 0.5; the report also gives it against run 3). Loss parity: the per-step loss of run 4 (mean over
+ranks) against run 2, max relative
 difference over ``--parity-steps`` steps from the same initial weights (not bitwise on GPU:
 all-reduce order and bf16 autocast; CPU/gloo runs are bit-identical, tests/distributed).
 
@@ -203,13 +207,22 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
     return {"step_s": dt, "losses": losses, "peak_gib": _peak(env), "host_s": statistics.mean(host_s) if host_s else float("nan")}
 
 
-def _single(a: argparse.Namespace, env: _Env, micro: int) -> dict[str, Any]:
-    model = _model(a, env)
-    budget = local_thread_budget(0, 1)
-    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
-    r = _timed(a, env, model, opt, 0, micro=micro)
-    r.update(threads=budget.threads, host_numel=opt.offloaded_numel, numel=sum(p.numel() for p in model.parameters()))
-    _free(env, opt)
+def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False) -> dict[str, Any]:
+    """Rank 0 alone. ``share``: with one GPU's share of the host (the per-rank budget of the
+    multi-GPU run, bound to its CPUs when ``--bind``), instead of every core of the host."""
+    saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    budget = local_thread_budget() if share else local_thread_budget(0, 1)
+    if share and a.bind:
+        bind_to_budget(budget)
+    try:
+        model = _model(a, env)
+        opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
+        r = _timed(a, env, model, opt, 0, micro=micro)
+        r.update(threads=budget.threads, host_numel=opt.offloaded_numel, numel=sum(p.numel() for p in model.parameters()))
+        _free(env, opt)
+    finally:
+        if saved is not None and share and a.bind:
+            os.sched_setaffinity(0, saved)
     return r
 
 
@@ -263,6 +276,9 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
                 f"{r['host_numel'] / 1e6:.3g} M | {r['threads']} | {thr:.2f} |")
 
     lines.append(row("1 GPU", 1, one))
+    share = one.get("share")
+    if share is not None:
+        lines.append(row(f"1 GPU, 1/{W} of the host", 1, share))
     if many is not None:
         lines.append(row(f"{W} GPUs {_NAMES[a.parallel]}", W, many))
         lines.append(f"\nRank 0's host share in the {W}-GPU run: {many['cpus']} CPUs on NUMA node {many['numa']} "
@@ -272,6 +288,11 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
         eff = one["step_s"] / many["step_s"]
         ok = "meets" if eff >= a.min_efficiency else "MISSES"
         lines += ["", f"**Weak-scaling efficiency** T(1 GPU) / T({W} GPUs) = **{eff * 100:.1f}%** ({ok} the {a.min_efficiency * 100:.0f}% target)."]
+        if share is not None:
+            lines.append(f"Against one GPU given its share of the host ({share['threads']} threads"
+                         f"{', bound' if a.bind else ''}, what each of the {W} ranks gets): "
+                         f"**{share['step_s'] / many['step_s'] * 100:.1f}%**; host AdamW per rank alone on its share vs. "
+                         f"all ranks at once shows what the ranks share (host memory bandwidth).")
         lines += ["", f"| step | loss, 1 GPU accumulating {W} micro-batches | loss, {W} GPUs | rel. diff |", "|---:|---:|---:|---:|"]
         worst = 0.0
         for i, (x, y) in enumerate(zip(acc["losses"], many["losses"])):
@@ -299,6 +320,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if env.rank == 0:
             one = _single(a, env, micro=1)
             acc = _single(a, env, micro=env.world) if env.world > 1 else None
+            if env.world > 1:
+                one["share"] = _single(a, env, micro=1, share=True)
         env.barrier()
         many = _multi(a, env) if env.distributed else None
         if env.rank == 0:

@@ -43,6 +43,6 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
-    assert "| 2 GPUs FSDP2 | 2 |" in text
+    assert "| 2 GPUs FSDP2 | 2 |" in text and "| 1 GPU, 1/2 of the host | 1 |" in text and "its share of the host" in text
     assert "Weak-scaling efficiency" in text
     assert "max relative difference 0.00e+00 (passes" in text
