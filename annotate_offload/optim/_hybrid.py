@@ -90,7 +90,10 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         cpu_threads (int | None): threads for the host step; default per Note [Thread budget]
             (usable cores / ``LOCAL_WORLD_SIZE``, minus one when >= 4), independent of
             ``OMP_NUM_THREADS``.
-        chunk_bytes (int): host master bytes per pipelined chunk. Default: 64 MiB.
+        chunk_bytes (int | None): host master bytes per pipelined chunk. Default (``None``): 64 MiB,
+            or 256 MiB with ``delayed_param_update`` (its H2D is off the critical path, and fewer,
+            larger chunks step faster: W3 on the H200, delayed mode 407 -> 344 ms per step,
+            benchmarks/NOTES.md).
         **kwargs: hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ...) for both
             halves; ``fused``/``foreach``/``capturable``/``differentiable`` go to the constructors.
 
@@ -131,7 +134,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         delayed_param_update: bool = False,
         use_torch_optimizer_for_cpu_offload: bool = False,
         cpu_threads: Optional[int] = None,
-        chunk_bytes: int = 64 << 20,
+        chunk_bytes: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
@@ -162,8 +165,11 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             )
         if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"HybridDeviceOptimizer: cpu_threads must be None or a positive int, got {cpu_threads!r}.")
+        if chunk_bytes is None:
+            chunk_bytes = (256 << 20) if delayed_param_update else (64 << 20)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"HybridDeviceOptimizer: chunk_bytes must be a positive int (bytes), got {chunk_bytes!r}; default 64 MiB.")
+            raise ValueError(f"HybridDeviceOptimizer: chunk_bytes must be None or a positive int (bytes), got {chunk_bytes!r}; "
+                             "default 64 MiB (256 MiB with delayed_param_update).")
         cpu_cls = torch.optim.AdamW if cpu_optimizer_cls is None else cpu_optimizer_cls
         _check_cls(cpu_cls, "cpu_optimizer_cls", host=True)
         if use_torch_optimizer_for_cpu_offload or gpu_optimizer_cls is None:

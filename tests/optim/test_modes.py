@@ -232,6 +232,16 @@ def test_host_chunks_are_stepped_in_gradient_landing_order(monkeypatch):
     opt.close()
 
 
+def test_default_chunk_size_depends_on_the_mode():
+    m, _ = pair()
+    assert HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0).defaults["chunk_bytes"] == 64 << 20
+    delayed = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, delayed_param_update=True)
+    assert delayed.defaults["chunk_bytes"] == 256 << 20
+    assert HybridDeviceOptimizer(m.parameters(), delayed_param_update=True, chunk_bytes=4096).defaults["chunk_bytes"] == 4096
+    with pytest.raises(ValueError, match="chunk_bytes must be None or a positive int"):
+        HybridDeviceOptimizer(m.parameters(), chunk_bytes=0)
+
+
 def test_small_tensors_are_gathered_into_serial_chunks(monkeypatch):
     from annotate_offload.optim import _split
 
