@@ -164,7 +164,9 @@ def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: Any = False, per_p
     :class:`_HostBuffers`); ``per_piece``: one optimizer instance and ``step()`` per piece (the
     pipeline's chunk calls); ``worker``: stepped from a :class:`CpuWorker` thread (its own OpenMP team)
     instead of this thread; ``dma``: pinned D2H and H2D copies run on side streams throughout (the
-    pipeline's PCIe traffic); ``numels``: step tensors of these sizes (the model's own) instead of
+    pipeline's PCIe traffic), or ``"step"``: exactly one step's copies, ``4 x n`` bytes each way
+    (fp32 gradients down, fp32 weights up) at link speed from the start of the host step: what a
+    delayed-mode host update shares host memory with; ``numels``: step tensors of these sizes (the model's own) instead of
     64 MiB pieces of ``n``.
     """
     from ..optim._threads import CpuWorker
@@ -205,11 +207,15 @@ def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: Any = False, per_p
         if copies is not None:
             dev_a, dev_b, h_a, h_b, s1, s2 = copies
             torch.cuda.synchronize()
-            for _ in range(60):  # ~60 x 9.8 ms at 55 GB/s each way: longer than one host step
+            if dma == "step":
+                pieces = [min(nb, n - i) for i in range(0, n, nb)]
+            else:
+                pieces = [nb] * 60  # ~60 x 9.8 ms at 55 GB/s each way: longer than one host step
+            for k in pieces:
                 with torch.cuda.stream(s1):
-                    h_a.copy_(dev_a, non_blocking=True)
+                    h_a[:k].copy_(dev_a[:k], non_blocking=True)
                 with torch.cuda.stream(s2):
-                    dev_b.copy_(h_b, non_blocking=True)
+                    dev_b[:k].copy_(h_b[:k], non_blocking=True)
         total += timed()
     if copies is not None:
         torch.cuda.synchronize()
@@ -228,6 +234,8 @@ _CPU_VARIANTS = (  # (key, label, kwargs) of the host AdamW diagnostics (benchma
     ("t_cpu_registered_ms", "huge-page registered", dict(pinned="registered", per_piece=False, worker=False, dma=False)),
     ("t_cpu_chunked_ms", "pinned, one step() per piece, worker thread", dict(pinned=True, per_piece=True, worker=True, dma=False)),
     ("t_cpu_dma_ms", "pinned, per piece, worker, with D2H+H2D running", dict(pinned=True, per_piece=True, worker=True, dma=True)),
+    ("t_cpu_stepdma_ms", "pinned, per piece, worker, with one step's D2H+H2D (4 B/param each way)",
+     dict(pinned=True, per_piece=True, worker=True, dma="step")),
     ("t_cpu_tensors_ms", "pinned, the model's own tensors in one step(), worker",
      dict(pinned=True, per_piece=False, worker=True, dma=False, numels="model")),
 )
@@ -516,6 +524,12 @@ def format_table(rows: list[dict[str, Any]], command: str = "") -> str:
     if diag:
         lines.append("Host AdamW alone, same threads: " + "; ".join(
             f"{label} {ms:.1f} ms ({ref['numel'] / ms / 1e6:.2f} G params/s)" for label, ms in diag) + ".")
+    if "t_cpu_stepdma_ms" in ref:
+        floor = max(ref["t_gpu_step_ms"], ref["t_cpu_stepdma_ms"])
+        delayed = next((r for r in rows if r["name"] == "W3 delayed_param_update"), None)
+        tail = f": delayed_param_update {delayed['step_ms'] / floor:.2f}x of it" if delayed else ""
+        lines.append(f"Delayed-mode floor with the step's own copies sharing host memory: max(T_gpu_step, host AdamW with one "
+                     f"step's D2H+H2D) = {floor:.1f} ms{tail}.")
     lines += [
         "",
         "| run | step / bound | step ms | bound ms | peak GPU GiB | expected peak GiB | peak / expected | W3 memory bound GiB | "
