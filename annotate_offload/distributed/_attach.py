@@ -115,11 +115,12 @@ def _refuse_local_clip(*_: Any, **__: Any) -> torch.Tensor:
     )
 
 
-def attach_optimizer(model: nn.Module, optimizer: Any) -> "OffloadCommHook | ShardedAttachment":
+def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool = True) -> "OffloadCommHook | ShardedAttachment":
     """Wire a ``HybridDeviceOptimizer`` to a model trained with torch.distributed, one process per device.
 
     * ``DistributedDataParallel``: :func:`register_offload_comm_hook` (reduced gradients, D2H per
-      bucket after its all-reduce).
+      bucket after its all-reduce; with ``shard_host_step`` each rank steps ``1/W`` of the host
+      chunks and the ranks broadcast the new weights).
     * FSDP2 (``fully_shard``) or a plain module: the optimizer's own hooks already see reduced
       local shards; a step pre-hook raises ``OffloadError`` if a parameter or its local shard
       storage was replaced behind the optimizer (Note [Local shards]), and, when parameters are
@@ -129,6 +130,8 @@ def attach_optimizer(model: nn.Module, optimizer: Any) -> "OffloadCommHook | Sha
     Args:
         model (nn.Module): the DDP-wrapped or ``fully_shard``-ed model.
         optimizer (HybridDeviceOptimizer): built on ``model``'s parameters.
+        shard_host_step (bool): DDP only (FSDP2 parameters are sharded already): see
+            :func:`register_offload_comm_hook`. Default: ``True``.
 
     Returns:
         OffloadCommHook | ShardedAttachment: the installed hook (DDP) or attachment (FSDP2/plain).
@@ -143,7 +146,7 @@ def attach_optimizer(model: nn.Module, optimizer: Any) -> "OffloadCommHook | Sha
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach_optimizer: model must be an nn.Module, got {type(model).__name__}.")
     if isinstance(model, DistributedDataParallel):
-        return register_offload_comm_hook(model, optimizer)
+        return register_offload_comm_hook(model, optimizer, shard_host_step=shard_host_step)
     opt = _seams.check_optimizer(optimizer, "attach_optimizer")
     owned = {id(p) for p in model.parameters()}
     params = [p for g in opt.param_groups for p in g["params"]]

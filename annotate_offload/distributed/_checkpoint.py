@@ -129,6 +129,9 @@ def optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
             st = opt.state.get(p)
             if not st:
                 continue
+            slot = _seams.host_slot(opt, p)
+            if slot is not None and not _seams.steps_here(opt, slot):
+                continue  # its owner writes it (Note [Host-step sharding]); this rank's copy may be stale
             out = {}
             for k, v in st.items():
                 if k == "master_param" and (not torch.is_tensor(v) or v.dtype == p.dtype):

@@ -44,6 +44,8 @@ class OffloadCommHook:
         copied_at_step (int): host-stepped gradients that ``step()`` still had to copy (cumulative;
             stays 0 with ``gradient_as_bucket_view=True`` and no gradient change after backward).
         overlapped (bool): ``gradient_as_bucket_view`` was on, so D2H starts in backward.
+        shard (HostShard | None): this rank's share of the host step (Note [Host-step sharding] in
+            ``_host_shard.py``), ``None`` when every rank steps all host chunks.
     """
 
     def __init__(self, opt: Any, process_group: Any, overlapped: bool) -> None:
@@ -54,6 +56,7 @@ class OffloadCommHook:
         self.copied_in_hook = 0
         self.copied_at_step = 0
         self._pre_step = None
+        self.shard: Any = None
 
     def allreduce_then_copy(self, state, bucket):  # no annotations: DDP's _check_comm_hook compares them by value
         """The hook DDP calls per bucket: mean all-reduce, then the D2H of its host-stepped gradients."""
@@ -75,20 +78,23 @@ class OffloadCommHook:
                 g = p.grad
                 if slot is None or g is None or not lo <= g.data_ptr() < hi:
                     continue  # device-stepped, or the grad is not (yet) the reduced bucket view
+                if not _seams.steps_here(self._opt, slot):
+                    continue  # another rank steps it (Note [Host-step sharding])
                 _seams.grad_ready(self._opt, slot)
                 self.copied_in_hook += 1
         return out
 
     def _before_step(self, *_: Any) -> None:
         for slot, on_host in _seams.slots(self._opt):
-            if on_host and slot.param.grad is not None and not _seams.grad_copied(slot, slot.param.grad):
+            if (on_host and slot.param.grad is not None and _seams.steps_here(self._opt, slot)
+                    and not _seams.grad_copied(slot, slot.param.grad)):
                 self.copied_at_step += 1
 
     def __repr__(self) -> str:
         return f"OffloadCommHook(overlapped={self.overlapped}, copied_in_hook={self.copied_in_hook}, copied_at_step={self.copied_at_step})"
 
 
-def register_offload_comm_hook(ddp_model: Any, optimizer: Any) -> OffloadCommHook:
+def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_step: bool = True) -> OffloadCommHook:
     """Make a ``HybridDeviceOptimizer`` step DDP's reduced gradients, with each bucket's D2H after its all-reduce.
 
     See Note [DDP and host-stepped gradients] in this module. Call once, after wrapping the model
@@ -98,6 +104,11 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any) -> OffloadCommHoo
         ddp_model (DistributedDataParallel): the wrapped model. ``gradient_as_bucket_view=True`` is
             needed for the D2H to start in backward; without it every D2H happens at ``step()``.
         optimizer (HybridDeviceOptimizer): built on ``ddp_model``'s parameters.
+        shard_host_step (bool): each rank steps ``1/W`` of the host chunks and the ranks broadcast
+            the new weights (Note [Host-step sharding] in ``_host_shard.py``; same bits, a
+            ``1/W`` share of host compute, D2H and host state per rank); the optimizer's own
+            ``state_dict()`` then refuses, checkpoints go through :func:`save_checkpoint`.
+            ``False``: every rank steps every host chunk (a full replica). Default: ``True``.
 
     Returns:
         OffloadCommHook: the installed hook, with copy counters.
@@ -105,7 +116,8 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any) -> OffloadCommHoo
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, ``optimizer`` is not a
             ``HybridDeviceOptimizer``.
-        ValueError: the optimizer steps a parameter the DDP model does not own, or it was built with
+        ValueError: the optimizer steps a parameter the DDP model does not own, ``shard_host_step``
+            is not a bool or is combined with ``delayed_param_update=True``, or it was built with
             ``offload_gradients=True`` (under DDP the gradient bucket stays allocated, so freeing
             ``p.grad`` saves nothing and breaks the bucket view).
 
@@ -132,6 +144,13 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any) -> OffloadCommHoo
             "allocated, so freeing p.grad saves no GPU memory and breaks gradient_as_bucket_view. Build it with "
             "offload_gradients=False, or shard gradients with FSDP2 (fully_shard) instead."
         )
+    if not isinstance(shard_host_step, bool):
+        raise ValueError(f"register_offload_comm_hook: shard_host_step must be True or False, got {shard_host_step!r}.")
+    if shard_host_step and opt.defaults.get("delayed_param_update", False):
+        raise ValueError(
+            "register_offload_comm_hook: shard_host_step=True is not supported with delayed_param_update=True (the delayed "
+            "H2D lands in the next step() and in flush(), which would have to be collective); pass shard_host_step=False."
+        )
     owned = {id(p) for p in ddp_model.parameters()}
     foreign = [tuple(p.shape) for g in opt.param_groups for p in g["params"] if id(p) not in owned]
     if foreign:
@@ -151,5 +170,9 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any) -> OffloadCommHoo
     hook = OffloadCommHook(opt, ddp_model.process_group, overlapped)
     ddp_model.register_comm_hook(None, hook.allreduce_then_copy)  # raises itself if one is already registered
     _seams.remove_grad_hooks(opt)
+    if shard_host_step and dist.get_world_size(ddp_model.process_group) > 1:
+        from ._host_shard import HostShard
+
+        hook.shard = _seams.set_shard(opt, HostShard(opt, ddp_model.process_group))
     hook._pre_step = opt.register_step_pre_hook(hook._before_step)
     return hook

@@ -18,7 +18,7 @@ from ..optim._slots import HostSlot
 
 __all__: list[str] = []
 
-_NEEDED = ("_hooks", "_slot_of", "_host_slots", "_dev_slots", "_on_grad")
+_NEEDED = ("_hooks", "_slot_of", "_host_slots", "_dev_slots", "_on_grad", "_chunks", "_shard")
 
 
 def check_optimizer(opt: Any, who: str) -> HybridDeviceOptimizer:
@@ -82,3 +82,17 @@ def forget_grad_copy(slot: Any) -> None:
     """Make ``step()`` copy ``slot``'s gradient again (its device gradient changed unseen)."""
     slot.valid = False
     slot.grad_ref = None
+
+
+def set_shard(opt: HybridDeviceOptimizer, shard: Any) -> Any:
+    """Install the host-step sharding of Note [Host-step sharding] (``_host_shard.py``); returns it."""
+    if getattr(opt, "_shard", None) is not None:
+        raise OffloadError("HybridDeviceOptimizer: its host step is already sharded (attach the optimizer once).")
+    opt._shard = shard
+    return shard
+
+
+def steps_here(opt: HybridDeviceOptimizer, slot: Any) -> bool:
+    """True when this rank runs the host step of ``slot`` (always, unless the host step is sharded)."""
+    shard = getattr(opt, "_shard", None)
+    return shard is None or shard.owns(slot.chunk)

@@ -230,6 +230,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._last_d2h_ev: Any = None
         self._lock = threading.Lock()  # delayed mode: worker vs step() on ``Chunk.pending`` / ``_applying``
         self._applying = False  # delayed mode: step() has begun, finished chunks go H2D at once
+        # Note [Host-step sharding]: under DDP, annotate_offload.distributed gives each rank the host
+        # chunks it steps (``owns(ci)``) and broadcasts the updated weights (``after_h2d()``); None: all.
+        self._shard: Any = None
         self._h2d_skip: frozenset = frozenset()  # host slots whose weights the user replaced (no H2D)
         self._buf = 0  # which gradient buffer this step's D2H fills (two in delayed mode)
         self._seq = 0  # D2H issue counter: host chunks are stepped in the order their gradients landed
@@ -333,8 +336,11 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     def _resync_changed(self) -> None:
         # O03: weights written into the model after construction (load_state_dict copies in place and
         # bumps the version) re-seed the masters instead of being overwritten by stale copies.
+        shard = self._shard
         with torch.no_grad():
             for s in self._host_slots:
+                if shard is not None and not shard.owns(s.chunk):
+                    continue  # its master is not used here; the owner re-seeds its own
                 if s.param._version != s.p_ver:
                     s.master.copy_(s.local)
                     s.p_ver = s.param._version
@@ -390,6 +396,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             if not self._overlap:
                 self._begin()
                 self._serial_step(cur)
+                if self._shard is not None:
+                    self._shard.after_h2d()
                 return loss
             start = side.record(cur, self._timing)
             ph.entry_ev = start
@@ -410,6 +418,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 self._worker.drain()
             ph.h2d_ev = side.record(self._h2d, self._timing)
             side.wait_event(cur, ph.h2d_ev)
+            if self._shard is not None:
+                self._shard.after_h2d()
             return loss
         finally:
             ph.t_return = time.perf_counter()
@@ -509,7 +519,19 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     update_fp32_param_by_new_param = reload_model_params
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict (masters included as separate tensors); ``weights_only``-loadable."""
+        """torch's optimizer state dict (masters included as separate tensors); ``weights_only``-loadable.
+
+        Raises:
+            OffloadError: the host step is sharded across DDP ranks (each rank holds the host state of
+                its own chunks only; Note [Host-step sharding]).
+        """
+        if self._shard is not None:
+            raise OffloadError(
+                "HybridDeviceOptimizer.state_dict: under DDP this optimizer's host step is sharded across ranks "
+                "(attach_optimizer(..., shard_host_step=True)), so each rank holds the host state of its own chunks only. "
+                "Save with annotate_offload.distributed.save_checkpoint(model, opt, path) (or optimizer_state_dict) on every "
+                "rank, or attach with shard_host_step=False to keep a full replica per rank."
+            )
         self.flush()
         sd = super().state_dict()
         sd["state"] = {k: _state.detach_views(v) for k, v in sd["state"].items()}

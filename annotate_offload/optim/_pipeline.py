@@ -83,7 +83,7 @@ class PipelineMixin:
 
     def _on_grad(self, s: HostSlot) -> None:
         g = local_grad(s.param)
-        if g is None:
+        if g is None or (self._shard is not None and not self._shard.owns(s.chunk)):
             return
         with torch.no_grad():
             if self._in_backward:
@@ -108,7 +108,11 @@ class PipelineMixin:
 
     def _collect(self, stream: Any) -> None:
         """Decide, per host slot, whether it steps now; copy gradients the hooks did not (or that changed)."""
+        shard = self._shard
         for s in self._host_slots:
+            if shard is not None and not shard.owns(s.chunk):
+                s.use = s.valid = False  # another rank steps it (Note [Host-step sharding])
+                continue
             if s.submitted:
                 g = local_grad(s.param)
                 if g is not None and not s.copied(g):
@@ -138,7 +142,9 @@ class PipelineMixin:
         chunks in landing order starts with gradients that are already on the host; chunks
         are independent (elementwise update), so the order changes no bit.
         """
-        todo = [ci for ci, c in enumerate(self._chunks) if not c.slots[0].submitted]
+        shard = self._shard
+        todo = [ci for ci, c in enumerate(self._chunks)
+                if not c.slots[0].submitted and (shard is None or shard.owns(ci))]
         return sorted(todo, key=lambda ci: max((s.seq for s in self._chunks[ci].slots if s.use), default=-1))
 
     def _plan(self, ci: int) -> list[tuple[HostSlot, Any, list]]:
@@ -243,15 +249,17 @@ class PipelineMixin:
 
     def _serial_step(self, cur: Any) -> None:
         side = self._side
+        shard = self._shard
         for s in self._host_slots:
             g = local_grad(s.param)
-            s.use = g is not None
-            if g is not None:
+            s.use = g is not None and (shard is None or shard.owns(s.chunk))
+            if s.use:
                 with side.use(cur):
                     s.grad_bufs[0].copy_(g, non_blocking=True)
         self._gpu_step()
         side.synchronize(side.record(cur))
         with num_threads(self._threads):
             for ci in range(len(self._chunks)):
-                self._run_chunk(ci, self._plan(ci), 0, cur, True, self._ph)
+                if shard is None or shard.owns(ci):
+                    self._run_chunk(ci, self._plan(ci), 0, cur, True, self._ph)
 

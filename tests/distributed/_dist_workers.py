@@ -41,7 +41,7 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------------------------- DDP
 def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach: bool, steps: int = 3,
-              fraction: float = 0.5, offload: bool = True, **opt_kw: Any) -> dict[str, Any]:
+              fraction: float = 0.5, offload: bool = True, shard: bool = True, **opt_kw: Any) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = make_model()
@@ -56,7 +56,7 @@ def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach:
     if attach:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            hook = attach_optimizer(ddp, opt)
+            hook = attach_optimizer(ddp, opt, shard_host_step=shard)
         caught = [str(x.message) for x in w]
     else:
         late = [0]
@@ -66,9 +66,21 @@ def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach:
                            if (s := _seams.host_slot(opt, p)) is not None and not _seams.grad_copied(s, p.grad))
 
         opt.register_step_pre_hook(count_late)
+    stepped: dict[int, int] = {}  # host chunk -> host optimizer steps run on this rank
+    for ci, c in enumerate(opt._chunks):
+        c.opt.register_step_post_hook(lambda *_, ci=ci: stepped.__setitem__(ci, stepped.get(ci, 0) + 1))
     losses = _train(ddp, opt, rank, steps)
+    shard = getattr(hook, "shard", None)
+    try:
+        opt.state_dict()
+        state_dict = "ok"
+    except OffloadError as e:
+        state_dict = f"OffloadError: {e}"
     return {
-        "weights": _weights(model), "losses": losses, "warnings": caught,
+        "weights": _weights(model), "losses": losses, "warnings": caught, "stepped_chunks": sorted(stepped),
+        "chunks": len(opt._chunks), "owned_chunks": None if shard is None else [ci for ci in range(len(opt._chunks)) if shard.owns(ci)],
+        "owned_host_params": sum(len(c.slots) for ci, c in enumerate(opt._chunks) if shard is None or shard.owns(ci)),
+        "broadcasts": None if shard is None else shard.broadcasts, "state_dict": state_dict,
         "copied_in_hook": None if hook is None else hook.copied_in_hook,
         "copied_at_step": late[0] if hook is None else hook.copied_at_step,
         "host_params": sum(1 for p in opt.placements if p.side == "cpu"),
@@ -80,7 +92,11 @@ def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach:
 def ddp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, Any]:
     """All DDP scenarios in one pair of processes (spawning costs more than the scenarios)."""
     return {
-        "bucket_view": ddp_train(rank, world, out_dir=out_dir, bucket_view=True, attach=True, steps=steps),
+        "bucket_view": ddp_train(rank, world, out_dir=out_dir, bucket_view=True, attach=True, steps=steps, chunk_bytes=512),
+        "replicated": ddp_train(rank, world, out_dir=out_dir, bucket_view=True, attach=True, steps=steps, shard=False,
+                                chunk_bytes=512),
+        "serial": ddp_train(rank, world, out_dir=out_dir, bucket_view=True, attach=True, steps=steps, chunk_bytes=512,
+                            overlap_cpu_optimizer_d2h_h2d=False),
         "no_bucket_view": ddp_train(rank, world, out_dir=out_dir, bucket_view=False, attach=True, steps=steps,
                                     fraction=1.0, offload=False),
         "unattached": ddp_train(rank, world, out_dir=out_dir, bucket_view=True, attach=False, steps=steps,
@@ -101,6 +117,7 @@ def ddp_refusals(rank: int, world: int, *, out_dir: str) -> dict[str, str]:
     for name, call in {
         "not_hdo": lambda: attach_optimizer(ddp, torch.optim.AdamW(ddp.parameters())),
         "offload_gradients": lambda: attach_optimizer(ddp, HybridDeviceOptimizer(ddp.parameters(), offload_gradients=True)),
+        "delayed_sharded": lambda: attach_optimizer(ddp, HybridDeviceOptimizer(ddp.parameters(), delayed_param_update=True)),
         "foreign": lambda: attach_optimizer(ddp, HybridDeviceOptimizer([nn.Parameter(torch.ones(3))])),
     }.items():
         try:
@@ -219,10 +236,25 @@ def fsdp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, 
     }
 
 
+def ddp_save(rank: int, world: int, *, out_dir: str, ckpt: str, steps: int, fraction: float, total: int) -> dict[str, Any]:
+    """DDP with the host step sharded: train ``steps`` steps, save (each rank writes its own chunks' state)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model()
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    opt = HybridDeviceOptimizer(ddp.parameters(), offload_fraction=fraction, lr=LR, chunk_bytes=512)
+    hook = attach_optimizer(ddp, opt)
+    losses = _train(ddp, opt, rank, steps, total=total)
+    save_checkpoint(ddp, opt, ckpt)
+    return {"losses": losses, "owned": [ci for ci in range(len(opt._chunks)) if hook.shard.owns(ci)]}
+
+
 def checkpoint_suite(rank: int, world: int, *, out_dir: str, ckpt_single: str, ckpt_fsdp: str, half: int,
-                     steps: int) -> dict[str, Any]:
-    """Resume a 1-process checkpoint under FSDP2, then write an FSDP2 one and resume it under DDP."""
+                     steps: int, ckpt_ddp: str = "") -> dict[str, Any]:
+    """Resume a 1-process checkpoint under FSDP2, then write an FSDP2 one and resume it under DDP;
+    write a sharded-DDP one (resumed by one process in the test)."""
     return {
+        "ddp_save": ddp_save(rank, world, out_dir=out_dir, ckpt=ckpt_ddp, steps=half, fraction=0.5, total=steps),
         "fsdp_from_single": fsdp_resume(rank, world, out_dir=out_dir, ckpt=ckpt_single, first=half, steps=steps, fraction=0.5),
         "fsdp_save": fsdp_save(rank, world, out_dir=out_dir, ckpt=ckpt_fsdp, steps=half, fraction=0.5, total=steps),
         "ddp_from_fsdp": ddp_resume(rank, world, out_dir=out_dir, ckpt=ckpt_fsdp, first=half, steps=steps, fraction=0.25),

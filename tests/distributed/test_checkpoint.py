@@ -29,18 +29,25 @@ def ref() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("dcp")
-    a, b = str(d / "single"), str(d / "fsdp")
+    a, b, c = str(d / "single"), str(d / "fsdp"), str(d / "ddp")
     model = _offload(make_model())
     opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, lr=LR)
     train_single(model, opt, 0, HALF)
     save_checkpoint(model, opt, a)
-    ranks = run_ranks(checkpoint_suite, ckpt_single=a, ckpt_fsdp=b, half=HALF, steps=STEPS)
+    ranks = run_ranks(checkpoint_suite, ckpt_single=a, ckpt_fsdp=b, half=HALF, steps=STEPS, ckpt_ddp=c)
     # back in one process, from the 2-rank FSDP2 checkpoint, with every parameter on the "GPU" side
     model = _offload(make_model())
     opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.0, lr=LR)
     load_checkpoint(model, opt, b)
     train_single(model, opt, HALF, STEPS)
-    return {"ranks": ranks, "single_from_fsdp": {k: v.detach().clone() for k, v in model.state_dict().items()}, "dir": b}
+    single_from_fsdp = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # one process from the sharded-DDP checkpoint (each rank wrote its own chunks' host state)
+    model = _offload(make_model())
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, lr=LR)
+    load_checkpoint(model, opt, c)
+    train_single(model, opt, HALF, STEPS)
+    return {"ranks": ranks, "single_from_fsdp": single_from_fsdp, "dir": b, "ddp_dir": c,
+            "single_from_ddp": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def test_fsdp_resumes_single_process_checkpoint_at_another_fraction(ref, runs):
@@ -55,6 +62,20 @@ def test_ddp_resumes_fsdp_checkpoint_at_another_fraction(ref, runs):
 
 def test_single_process_resumes_fsdp_checkpoint_with_nothing_offloaded(ref, runs):
     assert_bitwise(runs["single_from_fsdp"], ref)
+
+
+def test_single_process_resumes_sharded_ddp_checkpoint(ref, runs):
+    """Note [Host-step sharding]: each DDP rank saved the state of the chunks it steps; together they
+    hold every parameter's state, and one process resumes it bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    o0, o1 = (r["ddp_save"]["owned"] for r in runs["ranks"])
+    assert o0 and o1 and set(o0).isdisjoint(o1)
+    keys = set(dcp.FileSystemReader(runs["ddp_dir"]).read_metadata().state_dict_metadata)
+    names = [k for k, _ in make_model().named_parameters()]
+    for n in names:
+        assert {f"optim.state.{n}.exp_avg", f"optim.state.{n}.exp_avg_sq", f"optim.state.{n}.step"} <= keys, n
+    assert_bitwise(runs["single_from_ddp"], ref)
 
 
 def test_checkpoint_has_fraction_independent_keys(runs):

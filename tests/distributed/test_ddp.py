@@ -31,13 +31,42 @@ def test_ddp_bucket_view_matches_reference_and_copies_in_backward(ref, runs):
     assert_bitwise(r1["weights"], ref)
     assert r0["losses"] != r1["losses"]  # the ranks saw different data
     assert r0["host_params"] > 0
-    # every host-stepped gradient was copied in a bucket callback, after its all-reduce; none at step()
-    assert r0["copied_in_hook"] == STEPS * r0["host_params"]
-    assert r0["copied_at_step"] == 0
+    # every gradient this rank steps on the host was copied in a bucket callback, after its
+    # all-reduce; none at step()
+    assert r0["copied_in_hook"] == STEPS * r0["owned_host_params"]
+    assert r1["copied_in_hook"] == STEPS * r1["owned_host_params"]
+    assert r0["copied_at_step"] == r1["copied_at_step"] == 0
     assert r0["warnings"] == []
     assert r0["bytes_per_step"] > 0  # activations were offloaded
     # torchrun's OMP_NUM_THREADS=1 does not shrink the host step below the rank's share
     assert r0["threads"] == r0["budget"]
+
+
+def test_ddp_host_step_is_sharded_across_ranks(ref, runs):
+    """Note [Host-step sharding]: each rank runs the host step of its own chunks only, the two
+    shares are disjoint and cover every chunk, the weights are broadcast from their owners (both
+    ranks equal the reference bit for bit, above), and the optimizer's own state_dict refuses."""
+    r0, r1 = (r["bucket_view"] for r in runs)
+    assert r0["chunks"] >= 4
+    assert r0["stepped_chunks"] == r0["owned_chunks"] and r1["stepped_chunks"] == r1["owned_chunks"]
+    assert set(r0["owned_chunks"]).isdisjoint(r1["owned_chunks"])
+    assert sorted(r0["owned_chunks"] + r1["owned_chunks"]) == list(range(r0["chunks"]))
+    assert 0 < r0["owned_host_params"] < r0["host_params"]
+    assert r0["owned_host_params"] + r1["owned_host_params"] == r0["host_params"]
+    assert r0["broadcasts"] == STEPS * r0["host_params"]
+    assert r0["state_dict"].startswith("OffloadError") and "save_checkpoint" in r0["state_dict"]
+    # the serial path (overlap off) shards the same way
+    for r in runs:
+        assert_bitwise(r["serial"]["weights"], ref)
+        assert r["serial"]["stepped_chunks"] == r["serial"]["owned_chunks"]
+
+
+def test_ddp_replicated_host_step_when_asked(ref, runs):
+    for r in runs:
+        got = r["replicated"]
+        assert_bitwise(got["weights"], ref)
+        assert got["stepped_chunks"] == list(range(got["chunks"])) and got["owned_chunks"] is None
+        assert got["state_dict"] == "ok"
 
 
 def test_ddp_without_bucket_view_warns_and_copies_at_step(ref, runs):
@@ -46,7 +75,7 @@ def test_ddp_without_bucket_view_warns_and_copies_at_step(ref, runs):
     assert_bitwise(r1["weights"], ref)
     assert any("gradient_as_bucket_view=True" in w for w in r0["warnings"])
     assert r0["copied_in_hook"] == 0
-    assert r0["copied_at_step"] == STEPS * r0["host_params"]
+    assert r0["copied_at_step"] == STEPS * r0["owned_host_params"]
 
 
 def test_ddp_unattached_optimizer_copies_everything_at_step(ref, runs):
@@ -63,7 +92,8 @@ def test_ddp_step_in_backward_steps_reduced_gradients(ref, runs):
     for r in runs:
         got = r["step_in_backward"]
         assert_bitwise(got["weights"], ref)
-        assert got["copied_in_hook"] == STEPS * got["host_params"] and got["copied_at_step"] == 0
+        assert got["copied_in_hook"] == STEPS * got["owned_host_params"] and got["copied_at_step"] == 0
+        assert got["stepped_chunks"] == got["owned_chunks"]
 
 
 def test_ddp_refusals(runs):
@@ -71,3 +101,4 @@ def test_ddp_refusals(runs):
     assert out["not_hdo"].startswith("TypeError") and "HybridDeviceOptimizer" in out["not_hdo"]
     assert out["offload_gradients"].startswith("ValueError") and "offload_gradients=True" in out["offload_gradients"]
     assert out["foreign"].startswith("ValueError") and "does not own" in out["foreign"]
+    assert out["delayed_sharded"].startswith("ValueError") and "shard_host_step=False" in out["delayed_sharded"]
