@@ -5,7 +5,8 @@ heads, hidden states in and out: 1.21 G parameters), fp32 weights, forward under
 ``torch.autocast(bfloat16)``, loss ``mean(out.float()**2)``, ``--batch`` x ``--seq`` tokens *per GPU*;
 activations of the first ``--offload-layers`` layers offloaded (``offload_transform``), optimizer
 state of ``--fraction`` of each rank's parameters stepped on the host (``HybridDeviceOptimizer``,
-AdamW), one process per GPU with DDP (``gradient_as_bucket_view=True`` and the offload comm hook)
+AdamW), one process per GPU with DDP (``gradient_as_bucket_view=True``, the offload comm hook and the host
+step sharded across ranks unless ``--replicate-host-step``)
 or FSDP2 (``fully_shard`` per block), each rank's host threads from ``local_thread_budget``.
 
 Runs, all in one ``torchrun`` launch:
@@ -77,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
     p.add_argument("--parity-rtol", type=float, default=5e-3, help="loss parity passes below this relative difference")
     p.add_argument("--min-efficiency", type=float, default=0.9, help="weak-scaling efficiency target (default: 0.9)")
+    p.add_argument("--replicate-host-step", action="store_true", help="DDP: every rank steps every host chunk "
+                   "(attach_optimizer(..., shard_host_step=False)) instead of 1/W of them")
     p.add_argument("--bind", action="store_true", help="pin each rank to its thread budget's CPUs (its GPU's NUMA node) "
                    "before building the model and optimizer, so host state is allocated on that node")
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU (gloo) for CI; numbers carry no claim")
@@ -242,13 +245,14 @@ def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
             fully_shard(layer)
         wrapped = fully_shard(model)
     opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
-    att = attach_optimizer(wrapped, opt)
+    att = attach_optimizer(wrapped, opt, shard_host_step=not a.replicate_host_step)
     r = _timed(a, env, wrapped, opt, env.rank, collective=True)
     t = torch.tensor([r["step_s"], r["peak_gib"], r["host_s"]], dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     r.update(step_s=t[0].item(), peak_gib=t[1].item(), host_s=t[2].item(), threads=budget.threads, numa=budget.numa_node,
-             host_numel=opt.offloaded_numel, cpus=len(budget.cpus), late=att.copied_at_step,
-             host_tensors=sum(p.side == "cpu" for p in opt.placements))
+             host_numel=att.shard.owned_numel() if getattr(att, "shard", None) is not None else opt.offloaded_numel,
+             cpus=len(budget.cpus), late=att.copied_at_step, host_tensors=sum(p.side == "cpu" for p in opt.placements),
+             sharded=getattr(att, "shard", None) is not None)
     _free(env, opt)
     return r
 
@@ -280,7 +284,8 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
     if share is not None:
         lines.append(row(f"1 GPU, 1/{W} of the host", 1, share))
     if many is not None:
-        lines.append(row(f"{W} GPUs {_NAMES[a.parallel]}", W, many))
+        how = " (host step sharded)" if many.get("sharded") else " (host step replicated)" if a.parallel == "ddp" else ""
+        lines.append(row(f"{W} GPUs {_NAMES[a.parallel]}{how}", W, many))
         lines.append(f"\nRank 0's host share in the {W}-GPU run: {many['cpus']} CPUs on NUMA node {many['numa']} "
                      f"({'bound' if a.bind else 'not bound; --bind pins it'}); the 1-GPU run used {one['threads']} threads. "
                      f"Host gradients whose D2H had to wait for step() (not overlapped with backward), rank 0, all steps: "

@@ -283,6 +283,8 @@ def cuda_suite(rank: int, world: int, *, out_dir: str, steps: int, ckpt: str, de
             torch.cuda.synchronize()
         out[kind] = {"weights": {k: v.cpu() for k, v in _weights(model).items()},
                      "host_params": sum(p.side == "cpu" for p in opt.placements),
+                     "owned_host_params": sum(len(c.slots) for ci, c in enumerate(opt._chunks)
+                                              if getattr(att, "shard", None) is None or att.shard.owns(ci)),
                      "copied_in_hook": getattr(att, "copied_in_hook", None), "copied_at_step": getattr(att, "copied_at_step", None)}
         if kind == "fsdp":
             save_checkpoint(model, opt, ckpt)

@@ -46,3 +46,17 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     assert "| 2 GPUs FSDP2 | 2 |" in text and "| 1 GPU, 1/2 of the host | 1 |" in text and "its share of the host" in text
     assert "Weak-scaling efficiency" in text
     assert "max relative difference 0.00e+00 (passes" in text
+
+
+def test_tiny_torchrun_two_processes_ddp_sharded_and_replicated(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for extra, label in (([], "(host step sharded)"), (["--replicate-host-step"], "(host step replicated)")):
+        out = tmp_path / f"r{len(extra)}.md"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "-m", "annotate_offload.bench.distributed", "--tiny", "--parallel", "ddp",
+               "--out", str(out), *extra]
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = out.read_text()
+        assert f"| 2 GPUs DDP {label} | 2 |" in text
+        assert "max relative difference 0.00e+00 (passes" in text

@@ -52,8 +52,13 @@ def test_two_gpus_match_one_gpu(runs, ref, kind):
 
 
 def test_ddp_d2h_starts_in_the_bucket_callback_on_nccl(runs):
-    r = runs[0]["ddp"]
-    assert r["copied_in_hook"] == STEPS * r["host_params"] and r["copied_at_step"] == 0
+    for r in (run["ddp"] for run in runs):
+        # host step sharded (Note [Host-step sharding]): each rank copies and steps its own chunks
+        assert 0 < r["owned_host_params"] < r["host_params"]
+        assert r["copied_in_hook"] == STEPS * r["owned_host_params"] and r["copied_at_step"] == 0
+    a, b = (run["ddp"]["weights"] for run in runs)
+    for k in a:  # NCCL broadcast from each chunk's owner: the replicas stay identical
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
 def test_dcp_round_trip_on_gpu_keeps_host_state_on_host_and_reloads_exactly(runs):
