@@ -273,7 +273,8 @@ def cuda_suite(rank: int, world: int, *, out_dir: str, steps: int, ckpt: str, de
     for kind in ("ddp", "fsdp"):
         model = _offload(make_model().to(dev))
         wrapped = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.001) if kind == "ddp" else _shard(model)
-        opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=0.5, lr=LR)
+        # small chunks: several host chunks, so DDP's sharded host step gives each rank some
+        opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=0.5, lr=LR, chunk_bytes=512)
         att = attach_optimizer(wrapped, opt)
         for s in range(steps):
             loss_fn(wrapped(data[s][rank].to(dev))).backward()
