@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: 1e-4)")
     p.add_argument("--parity-rtol", type=float, default=5e-3, help="loss parity passes below this relative difference")
     p.add_argument("--min-efficiency", type=float, default=0.9, help="weak-scaling efficiency target (default: 0.9)")
+    p.add_argument("--fsdp-mp", action="store_true", help="FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16, "
+                   "reduce_dtype=float32): bf16 all-gathers, as torchtitan trains (default: fp32 all-gathers under autocast)")
     p.add_argument("--replicate-host-step", action="store_true", help="DDP: every rank steps every host chunk "
                    "(attach_optimizer(..., shard_host_step=False)) instead of 1/W of them")
     p.add_argument("--bind", action="store_true", help="pin each rank to its thread budget's CPUs (its GPU's NUMA node) "
@@ -102,6 +104,8 @@ def _settings(a: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--warmup must be >= 0, got {a.warmup}.")
     if not 0 <= a.offload_layers < a.layers:
         raise ValueError(f"--offload-layers must be in [0, layers={a.layers}), got {a.offload_layers}.")
+    if a.fsdp_mp and a.parallel != "fsdp":
+        raise ValueError("--fsdp-mp needs --parallel fsdp.")
     if not 0 <= a.fraction <= 1:
         raise ValueError(f"--fraction must be in [0, 1], got {a.fraction}.")
     return a
@@ -239,11 +243,14 @@ def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
 
         wrapped: nn.Module = DDP(model, gradient_as_bucket_view=True, device_ids=[env.device.index] if env.device.type == "cuda" else None)
     else:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        kw: dict[str, Any] = {}
+        if a.fsdp_mp:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.layers:
-            fully_shard(layer)
-        wrapped = fully_shard(model)
+            fully_shard(layer, **kw)
+        wrapped = fully_shard(model, **kw)
     opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
     att = attach_optimizer(wrapped, opt, shard_host_step=not a.replicate_host_step)
     r = _timed(a, env, wrapped, opt, env.rank, collective=True)
@@ -268,7 +275,8 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
         f"`{cmd}`  ",
         f"torch {torch.__version__}, {dev}, world size {W}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}; "
         f"GPT {a.layers} layers x hidden {a.hidden} ({one['numel'] / 1e9:.2f} G params), {a.batch} x {a.seq} tokens per GPU, "
-        f"autocast bf16, offload_fraction={a.fraction}, activations of {a.offload_layers} layers offloaded",
+        f"autocast bf16, offload_fraction={a.fraction}, activations of {a.offload_layers} layers offloaded"
+        + (", FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" if a.fsdp_mp and a.parallel == "fsdp" else ""),
         "",
         "| run | GPUs | step (ms) | tokens/s | peak GPU mem (GiB) | host params / rank | host threads / rank | host AdamW (G params/s per rank) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",

@@ -28,7 +28,8 @@ def test_tiny_single_process_report(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, field", [(["--tiny", "--fraction", "1.5"], "--fraction"),
-                                         (["--tiny", "--offload-layers", "2"], "--offload-layers")])
+                                         (["--tiny", "--offload-layers", "2"], "--offload-layers"),
+                                         (["--tiny", "--fsdp-mp"], "--fsdp-mp")])
 def test_bad_arguments_exit_2(argv, field, capsys):
     assert bench.main(argv) == 2
     assert field in capsys.readouterr().err
