@@ -201,6 +201,18 @@ class PipelineMixin:
                         c.pending = stepped
         ph.chunk_done(t0, t1, time.perf_counter(), t0 - t_in, sum(s.master.numel() for s in stepped))
 
+    def _step_on_caller(self) -> None:
+        """Exact mode: the host chunks on this thread, in landing order; H2D stays asynchronous."""
+        order = self._landing_order()
+        plans = []
+        for ci in order:
+            plans.append((ci, self._plan(ci)))
+            for s in self._chunks[ci].slots:
+                s.submitted = True
+        with num_threads(self._threads):
+            for ci, plan in plans:
+                self._run_chunk(ci, plan, self._buf, self._h2d, True, self._ph)
+
     def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any) -> None:
         side = self._side
         with torch.no_grad(), side.use(stream):
