@@ -170,6 +170,11 @@ def _peak(env: _Env) -> float:
 
 def _free(env: _Env, opt: HybridDeviceOptimizer) -> None:
     opt.close()  # stops its worker thread; the caller drops its model and optimizer references
+
+
+def _collect(env: _Env) -> None:
+    """After a run's model and optimizer are unreachable: collect their cycles (offload hooks) and
+    return the memory, so the next run's peak does not include the last run's weights."""
     import gc
 
     gc.collect()
@@ -332,11 +337,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         one = acc = None
         if env.rank == 0:
             one = _single(a, env, micro=1)
+            _collect(env)
             acc = _single(a, env, micro=env.world) if env.world > 1 else None
+            _collect(env)
             if env.world > 1:
                 one["share"] = _single(a, env, micro=1, share=True)
+                _collect(env)
         env.barrier()
         many = _multi(a, env) if env.distributed else None
+        _collect(env)
         if env.rank == 0:
             argv_s = " ".join(argv if argv is not None else sys.argv[1:])
             launcher = f"torchrun --nproc-per-node {env.world} -m annotate_offload.bench.distributed" if env.distributed else "python -m annotate_offload.bench.distributed"
