@@ -329,7 +329,7 @@ class _Tracer:
 
 def _forward_ctx(cfg: Config, device: torch.device, sdpa_backend: str, saved: Optional[_SavedBytes]):
     stack = contextlib.ExitStack()
-    if cfg.model.bf16:
+    if cfg.model.bf16 and device.type != "meta":  # autocast has no meta device: estimates count the model's dtypes
         stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
     if device.type == "cuda" and sdpa_backend != "default":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -630,9 +630,11 @@ def _saved_bytes_per_layer(recipe: Recipe, cfg: Config, fqns: list) -> Optional[
         handles.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
     x = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.int64, device="meta")
     try:
+        from .annotate._estimate import fused_sdpa_on_meta
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _forward_ctx(
             cfg, torch.device("meta"), "default", None
-        ):
+        ), fused_sdpa_on_meta():
             model(x)
     except Exception:  # noqa: BLE001
         return None
@@ -669,6 +671,9 @@ def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
         # saved bytes of every layer (kept ones too), counted on a meta copy of the model: the
         # plan's bytes/step are what moves, which is 0 for a kept layer
         per_layer = _saved_bytes_per_layer(recipe, cfg, [lp.fqn for lp in plan.layers])
+        if cfg.model.bf16:
+            notes.append("meta-device estimates run without autocast (it has no meta device): they count the "
+                         "model's own dtypes, so bf16-autocast activations are over-counted (fp32 where bf16 runs)")
         if per_layer is None:
             acts = (None, None)
             notes.append("saved activations unknown: the forward does not run on the meta device")

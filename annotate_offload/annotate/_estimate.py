@@ -4,6 +4,13 @@ The transformed forward itself runs, with the runtime swapped for a counter that
 runtime's selection rules (see ``runtime/_stats.py`` KEEP_REASONS) to what autograd saves in each
 offloaded layer's scope. Nothing is computed and no device memory is touched: parameters, buffers
 and inputs are replaced by meta tensors of the same shapes.
+
+Note [Attention on meta]: on the meta device ``F.scaled_dot_product_attention`` can only take the
+math path, which saves the ``B x H x S x S`` attention probabilities; the fused kernels training
+actually runs (flash / memory-efficient on CUDA, flash on CPU) save ``q, k, v, out`` and a
+``B x H x S`` logsumexp. Counting the math path over-estimated a 4 x 4096-token Llama layer ~10x
+(fresh-user report, second pass). :func:`fused_sdpa_on_meta` routes meta SDPA calls to the CPU
+flash kernel's meta function, whose saved set is the fused kernels'.
 """
 
 from __future__ import annotations
@@ -12,14 +19,40 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 
 # The runtime's own unit and parameter rules (private helpers of one package), so the estimate
 # counts what the runtime would move.
 from annotate_offload.runtime._layer_state import _is_param_alias
 from annotate_offload.runtime._tensor_group import _unit_range
 
-__all__ = ["estimate_bytes"]
+__all__ = ["estimate_bytes", "fused_sdpa_on_meta"]
+
+
+def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class fused_sdpa_on_meta(TorchFunctionMode):  # noqa: N801 - used as a context manager, like torch's modes
+    """Within it, ``F.scaled_dot_product_attention`` on meta tensors saves what a fused kernel saves
+    (Note [Attention on meta]); other calls, and meta calls it cannot map (GQA with unequal heads,
+    a backend-specific signature), run unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            try:
+                q, k, v, mask, p, causal, scale, gqa = _sdpa_args(*args, **kwargs)
+            except TypeError:
+                return func(*args, **kwargs)
+            if q.device.type == "meta" and q.dim() == 4 and k.shape[1] == q.shape[1] and v.shape[1] == q.shape[1]:
+                kw: dict[str, Any] = {"scale": scale}
+                if mask is not None:
+                    kw["attn_mask"] = mask
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, **kw)[0]
+        return func(*args, **kwargs)
 
 
 class _CountingSync:
@@ -110,7 +143,7 @@ def estimate_bytes(
     real, boundary.sync = boundary.sync, counter
     boundary.estimating = True
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), fused_sdpa_on_meta():
             functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
     finally:
         counter.abort()

@@ -333,3 +333,30 @@ def test_plan_repr_is_a_table():
     text = repr(model.offload_plan)
     assert text.splitlines()[0].startswith("OffloadPlan(path=hooks, layers=4, offloaded=1")
     assert "idx  layer" in text and "layers.0  GPTBlock  offload" in text
+
+
+def test_meta_estimate_counts_fused_attention_not_the_math_path():
+    """Note [Attention on meta]: the meta estimate of a layer with SDPA equals the bytes the CPU run
+    (flash kernel) really moves; the math path would add the B x H x S x S probabilities."""
+    import torch.nn.functional as F
+
+    from annotate_offload.annotate._estimate import fused_sdpa_on_meta
+    from annotate_offload.models.gpt import GPTConfig, GPTStack
+
+    torch.manual_seed(0)
+    model = GPTStack(GPTConfig(hidden=64, heads=4, layers=3))
+    x = torch.randn(2, 128, 64)
+    offload_transform(model, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+    est = [lp.bytes_per_step for lp in model.offload_plan.layers]
+    model(x).square().mean().backward()
+    plan = model.offload_plan
+    assert plan.bytes_source == "measured"
+    measured = [lp.bytes_per_step for lp in plan.layers]
+    assert est == measured and measured[0] > 0
+    # the mode itself: meta SDPA saves q, k, v, out and a B x H x S logsumexp, not B x H x S x S
+    q = torch.empty(2, 4, 128, 16, device="meta", requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with fused_sdpa_on_meta():
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert max(saved) == q.numel() and 2 * 4 * 128 in saved
