@@ -89,7 +89,7 @@ class BuildMixin:
                 s.master.copy_(s.local)
                 s.p_ver = s.param._version
         host_impl = dict(impl)
-        if self._cpu_cls in (torch.optim.Adam, torch.optim.AdamW):
+        if self._cpu_cls in (torch.optim.Adam, torch.optim.AdamW) and not host_impl.get("foreach"):
             host_impl.setdefault("fused", True)
             host_impl.pop("capturable", None)
         sizes = [s.master.numel() * s.master.element_size() for s in host]

@@ -95,7 +95,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             larger chunks step faster: W3 on the H200, delayed mode 407 -> 344 ms per step,
             benchmarks/NOTES.md).
         **kwargs: hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ...) for both
-            halves; ``fused``/``foreach``/``capturable``/``differentiable`` go to the constructors.
+            halves; ``fused``/``foreach``/``capturable``/``differentiable`` go to the constructors (Adam/AdamW
+            default to ``fused=True`` on both sides unless ``foreach=True`` is given).
 
     Raises:
         ValueError: a fraction outside ``[0, 1]``, conflicting modes, a bad ``chunk_bytes`` or
@@ -178,6 +179,11 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             gpu_cls = gpu_optimizer_cls
             _check_cls(gpu_cls, "gpu_optimizer_cls", host=False)
         check_kwargs(kwargs, (cpu_cls, gpu_cls), (*_STRUCTURAL_KEYS, "cpu_optimizer_cls", "gpu_optimizer_cls"))
+        if kwargs.get("foreach") and kwargs.get("fused"):
+            raise ValueError(
+                "HybridDeviceOptimizer: fused=True and foreach=True were both given; torch's optimizers take one "
+                "implementation. Omit foreach (both halves then use the fused kernels) or pass fused=False."
+            )
         check_values(kwargs)
         impl = {k: kwargs.pop(k) for k in _IMPL_KEYS if k in kwargs}
         defaults = _hyper_defaults(cpu_cls)
@@ -240,6 +246,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         # exact mode: run the host chunks on the thread that called step() (it waits for them
         # anyway) instead of the worker; an A/B toggle until measured (benchmarks/diag_caller.py)
         self._caller_steps = False
+        self._closed = False
         self._hooks: list[Any] = []
         if self._overlap:
             for s in host:
@@ -385,6 +392,11 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             OffloadError: with ``step_in_backward=True``, a gradient changed after its chunk was
                 stepped in backward.
         """
+        if self._closed:
+            raise OffloadError(
+                "HybridDeviceOptimizer.step: this optimizer was closed (close() stopped its host worker and removed its "
+                "hooks); build a new HybridDeviceOptimizer to keep training."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -559,8 +571,14 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         _state.load(self, state_dict, _STRUCTURAL_KEYS)
 
     def close(self) -> None:
-        """Finish pending work, remove the backward hooks and stop the worker thread (idempotent)."""
+        """Finish pending work, remove the backward hooks and stop the worker thread (idempotent).
+
+        ``step()`` afterwards raises ``OffloadError``.
+        """
+        if self._closed:
+            return
         self.flush()
+        self._closed = True
         for h in self._hooks:
             h.remove()
         self._hooks = []

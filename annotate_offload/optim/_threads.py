@@ -98,6 +98,8 @@ class CpuWorker:
                     self._cv.notify_all()
 
     def submit(self, fn: Callable[[], None]) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("CpuWorker.submit: the worker thread has stopped (close() was called)")
         with self._cv:
             self._pending += 1
         self._q.put(fn)

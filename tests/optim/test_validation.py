@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from _hdo_util import Tiny
+from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer
 
 
@@ -116,3 +117,34 @@ def test_mixed_classes_accept_union_and_var_kwargs_class_is_judge():
             super().__init__(params, **kwargs)
 
     HybridDeviceOptimizer(Tiny().parameters(), cpu_optimizer_cls=Loose, lr=1e-2, custom=3).close()
+
+
+def test_step_after_close_raises_instead_of_waiting_forever():
+    """Fresh-user report (second pass) item 1: close() stopped the worker and step() then waited on it."""
+    from _hdo_util import Tiny, loss_of
+
+    m = Tiny()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, lr=1e-2)
+    loss_of(m, torch.randn(5, 8)).backward()
+    opt.step()
+    opt.close()
+    opt.close()  # idempotent
+    loss_of(m, torch.randn(5, 8)).backward()
+    with pytest.raises(OffloadError, match="closed"):
+        opt.step()
+
+
+def test_foreach_selects_the_foreach_kernels_on_both_halves():
+    from _hdo_util import assert_same, pair, train
+
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, lr=1e-2, foreach=True)
+    assert all(c.opt.defaults.get("foreach") and not c.opt.defaults.get("fused") for c in opt._chunks)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, foreach=True)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(5, 8, generator=g) for _ in range(4)]
+    train(m, opt, xs)
+    train(r, ref, xs)
+    assert_same(m, r)
+    with pytest.raises(ValueError, match="fused=True and foreach=True"):
+        HybridDeviceOptimizer(m.parameters(), fused=True, foreach=True)
