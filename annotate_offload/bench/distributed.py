@@ -106,6 +106,9 @@ def _settings(a: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--offload-layers must be in [0, layers={a.layers}), got {a.offload_layers}.")
     if a.fsdp_mp and a.parallel != "fsdp":
         raise ValueError("--fsdp-mp needs --parallel fsdp.")
+    if a.replicate_host_step and a.parallel != "ddp":
+        raise ValueError("--replicate-host-step needs --parallel ddp (FSDP2 parameters are sharded already).")
+    GPTConfig(hidden=a.hidden, heads=a.heads, layers=a.layers)  # its ValueError names the bad size
     if not 0 <= a.fraction <= 1:
         raise ValueError(f"--fraction must be in [0, 1], got {a.fraction}.")
     return a

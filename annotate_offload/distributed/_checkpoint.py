@@ -120,8 +120,12 @@ def optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
         TypeError: ``optimizer`` is not a ``HybridDeviceOptimizer``.
         ValueError: the optimizer holds a parameter that is not the model's.
     """
-    opt = _seams.check_optimizer(optimizer, "optimizer_state_dict")
-    fqns = _fqns(model, opt, "optimizer_state_dict")
+    return _optimizer_state_dict(model, optimizer, "optimizer_state_dict")
+
+
+def _optimizer_state_dict(model: nn.Module, optimizer: Any, who: str) -> dict[str, Any]:
+    opt = _seams.check_optimizer(optimizer, who)
+    fqns = _fqns(model, opt, who)
     opt.flush()
     state: dict[str, dict[str, Any]] = {}
     for g, names in zip(opt.param_groups, fqns):
@@ -227,7 +231,7 @@ def save_checkpoint(model: nn.Module, optimizer: Any, checkpoint_id: Any, *, pro
     """
     import torch.distributed.checkpoint as dcp
 
-    sd = {_MODEL: _unwrap(model).state_dict(), _OPTIM: optimizer_state_dict(model, optimizer)}
+    sd = {_MODEL: _unwrap(model).state_dict(), _OPTIM: _optimizer_state_dict(model, optimizer, "save_checkpoint")}
     with _quiet_single_process():
         dcp.save(sd, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import OffloadError
 from . import _seams
 
 __all__: list[str] = []
@@ -108,6 +109,8 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
             the new weights (Note [Host-step sharding] in ``_host_shard.py``; same bits, a
             ``1/W`` share of host compute, D2H and host state per rank); the optimizer's own
             ``state_dict()`` then refuses, checkpoints go through :func:`save_checkpoint`.
+            Ownership is per host chunk (``chunk_bytes``, 64 MiB by default): a host half smaller
+            than ``W`` chunks leaves some ranks nothing to step (pass a smaller ``chunk_bytes``).
             ``False``: every rank steps every host chunk (a full replica). Default: ``True``.
 
     Returns:
@@ -116,6 +119,7 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, ``optimizer`` is not a
             ``HybridDeviceOptimizer``.
+        OffloadError: the DDP model already has a communication hook (attached twice).
         ValueError: the optimizer steps a parameter the DDP model does not own, ``shard_host_step``
             is not a bool or is combined with ``delayed_param_update=True``, or it was built with
             ``offload_gradients=True`` (under DDP the gradient bucket stays allocated, so freeing
@@ -168,7 +172,14 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
             stacklevel=2,
         )
     hook = OffloadCommHook(opt, ddp_model.process_group, overlapped)
-    ddp_model.register_comm_hook(None, hook.allreduce_then_copy)  # raises itself if one is already registered
+    try:
+        ddp_model.register_comm_hook(None, hook.allreduce_then_copy)
+    except RuntimeError as e:  # nothing of ours is installed yet
+        raise OffloadError(
+            "register_offload_comm_hook: this DistributedDataParallel model already has a communication hook "
+            f"({e}); attach_optimizer / register_offload_comm_hook must be called once per DDP model, and not on a "
+            "model that has another comm hook."
+        ) from e
     _seams.remove_grad_hooks(opt)
     if shard_host_step and dist.get_world_size(ddp_model.process_group) > 1:
         from ._host_shard import HostShard

@@ -125,6 +125,12 @@ def ddp_refusals(rank: int, world: int, *, out_dir: str) -> dict[str, str]:
             out[name] = "no error"
         except (TypeError, ValueError) as e:
             out[name] = f"{type(e).__name__}: {e}"
+    attach_optimizer(ddp, HybridDeviceOptimizer(ddp.parameters(), offload_fraction=0.5))
+    try:  # last: the DDP model now has our comm hook
+        attach_optimizer(ddp, HybridDeviceOptimizer(ddp.parameters(), offload_fraction=0.5))
+        out["twice"] = "no error"
+    except OffloadError as e:
+        out["twice"] = f"OffloadError: {e}"
     return out
 
 

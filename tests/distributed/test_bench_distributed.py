@@ -29,7 +29,9 @@ def test_tiny_single_process_report(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, field", [(["--tiny", "--fraction", "1.5"], "--fraction"),
                                          (["--tiny", "--offload-layers", "2"], "--offload-layers"),
-                                         (["--tiny", "--fsdp-mp"], "--fsdp-mp")])
+                                         (["--tiny", "--fsdp-mp"], "--fsdp-mp"),
+                                         (["--tiny", "--parallel", "fsdp", "--replicate-host-step"], "--replicate-host-step"),
+                                         (["--tiny", "--heads", "3"], "heads")])
 def test_bad_arguments_exit_2(argv, field, capsys):
     assert bench.main(argv) == 2
     assert field in capsys.readouterr().err

@@ -102,3 +102,4 @@ def test_ddp_refusals(runs):
     assert out["offload_gradients"].startswith("ValueError") and "offload_gradients=True" in out["offload_gradients"]
     assert out["foreign"].startswith("ValueError") and "does not own" in out["foreign"]
     assert out["delayed_sharded"].startswith("ValueError") and "shard_host_step=False" in out["delayed_sharded"]
+    assert out["twice"].startswith("OffloadError") and "once per DDP model" in out["twice"]
