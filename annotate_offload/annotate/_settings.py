@@ -101,7 +101,9 @@ def resolve(
         )
     for name, low in (("release_lag", 0), ("prefetch_layers", 1)):
         v = getattr(s, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise TypeError(f"offload_transform: {name} must be None or an int >= {low}, got {v!r} ({type(v).__name__}).")
+        if v is not None and v < low:
             raise ValueError(f"offload_transform: {name} must be None or an int >= {low}, got {v!r}.")
     return s
 

@@ -118,10 +118,10 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
 
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, ``optimizer`` is not a
-            ``HybridDeviceOptimizer``.
+            ``HybridDeviceOptimizer``, ``shard_host_step`` is not a bool.
         OffloadError: the DDP model already has a communication hook (attached twice).
         ValueError: the optimizer steps a parameter the DDP model does not own, ``shard_host_step``
-            is not a bool or is combined with ``delayed_param_update=True``, or it was built with
+            is combined with ``delayed_param_update=True``, or it was built with
             ``offload_gradients=True`` (under DDP the gradient bucket stays allocated, so freeing
             ``p.grad`` saves nothing and breaks the bucket view).
 
@@ -149,7 +149,7 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
             "offload_gradients=False, or shard gradients with FSDP2 (fully_shard) instead."
         )
     if not isinstance(shard_host_step, bool):
-        raise ValueError(f"register_offload_comm_hook: shard_host_step must be True or False, got {shard_host_step!r}.")
+        raise TypeError(f"register_offload_comm_hook: shard_host_step must be True or False, got {shard_host_step!r}.")
     if shard_host_step and opt.defaults.get("delayed_param_update", False):
         raise ValueError(
             "register_offload_comm_hook: shard_host_step=True is not supported with delayed_param_update=True (the delayed "

@@ -99,6 +99,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             default to ``fused=True`` on both sides unless ``foreach=True`` is given).
 
     Raises:
+        TypeError: ``offload_fraction``, ``cpu_threads`` or ``chunk_bytes`` of the wrong type.
         ValueError: a fraction outside ``[0, 1]``, conflicting modes, a bad ``chunk_bytes`` or
             ``cpu_threads``, parameters on several devices, or a hyper-parameter out of torch's
             range (``lr``, ``eps``, ``weight_decay``, ``momentum`` >= 0, ``0 <= betas[i] < 1``),
@@ -139,7 +140,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         **kwargs: Any,
     ) -> None:
         # ---- validate everything before touching the model --------------------------------
-        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) or not 0 <= offload_fraction <= 1:
+        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)):
+            raise TypeError(
+                f"HybridDeviceOptimizer: offload_fraction must be a number in [0, 1], got {offload_fraction!r} "
+                f"({type(offload_fraction).__name__}); e.g. offload_fraction=0.5."
+            )
+        if not 0 <= offload_fraction <= 1:
             raise ValueError(
                 f"HybridDeviceOptimizer: offload_fraction must be a number in [0, 1], got {offload_fraction!r}; "
                 "0 keeps every parameter on the GPU, 1 steps all of them on the host."
@@ -164,11 +170,17 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 "HybridDeviceOptimizer: step_in_backward=True and delayed_param_update=True are exclusive; pick one "
                 "(delayed_param_update already hides the whole host step)."
             )
-        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1):
+        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)):
+            raise TypeError(f"HybridDeviceOptimizer: cpu_threads must be None or a positive int, got {cpu_threads!r} "
+                            f"({type(cpu_threads).__name__}).")
+        if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"HybridDeviceOptimizer: cpu_threads must be None or a positive int, got {cpu_threads!r}.")
         if chunk_bytes is None:
             chunk_bytes = (256 << 20) if delayed_param_update else (64 << 20)
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
+            raise TypeError(f"HybridDeviceOptimizer: chunk_bytes must be None or a positive int (bytes), got {chunk_bytes!r} "
+                            f"({type(chunk_bytes).__name__}); default 64 MiB (256 MiB with delayed_param_update).")
+        if chunk_bytes < 1:
             raise ValueError(f"HybridDeviceOptimizer: chunk_bytes must be None or a positive int (bytes), got {chunk_bytes!r}; "
                              "default 64 MiB (256 MiB with delayed_param_update).")
         cpu_cls = torch.optim.AdamW if cpu_optimizer_cls is None else cpu_optimizer_cls

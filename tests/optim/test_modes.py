@@ -130,10 +130,11 @@ def test_delayed_mode_keeps_weights_loaded_between_steps():
 
 
 # ---------------------------------------------------------------- validation
-@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5", float("nan")])
-def test_bad_fraction(bad):
+@pytest.mark.parametrize("bad, exc", [(-0.1, ValueError), (1.5, ValueError), (float("nan"), ValueError),
+                                      (True, TypeError), ("0.5", TypeError)])
+def test_bad_fraction(bad, exc):
     m = Tiny()
-    with pytest.raises(ValueError, match="offload_fraction"):
+    with pytest.raises(exc, match="offload_fraction"):
         HybridDeviceOptimizer(m.parameters(), offload_fraction=bad)
 
 
