@@ -252,21 +252,30 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
 
     Raises:
         OffloadError: the checkpoint has no optimizer part (``optimizer`` given).
-        ValueError: parameter groups differ (see :func:`set_optimizer_state_dict`).
+        ValueError: the checkpoint's model keys differ from ``model``'s (nothing is loaded), or
+            parameter groups differ (see :func:`set_optimizer_state_dict`).
     """
     import torch.distributed.checkpoint as dcp
 
     inner = _unwrap(model)
+    opt = _seams.check_optimizer(optimizer, "load_checkpoint") if optimizer is not None else None
     msd = inner.state_dict()
+    md = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    saved = {k[len(_MODEL) + 1 :] for k in md.state_dict_metadata if k.startswith(_MODEL + ".")}
+    missing, unexpected = sorted(set(msd) - saved), sorted(saved - set(msd))
+    if missing or unexpected:
+        raise ValueError(
+            f"load_checkpoint: {checkpoint_id!s} holds another model: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
+            "(keys of the model's state_dict()); load it into the architecture that saved it."
+        )
     with _quiet_single_process():
         dcp.load({_MODEL: msd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
     inner.load_state_dict(msd)
-    if optimizer is None:
+    if opt is None:
         return
-    opt = _seams.check_optimizer(optimizer, "load_checkpoint")
     opt.reload_model_params()
     fqns = _fqns(model, opt, "load_checkpoint")
-    md = dcp.FileSystemReader(checkpoint_id).read_metadata()
     osd = _template(model, opt, fqns, md, _OPTIM)
     with _quiet_single_process():
         dcp.load({_OPTIM: osd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())

@@ -126,3 +126,16 @@ def test_load_rejects_a_model_with_other_parameters(tmp_path):
     opt2 = HybridDeviceOptimizer(groups, offload_fraction=0.5, lr=LR)
     with pytest.raises(ValueError, match="param groups"):
         load_checkpoint(model2, opt2, str(tmp_path))
+
+
+def test_load_into_another_architecture_names_the_keys_and_loads_nothing(tmp_path):
+    from torch import nn
+
+    model = make_model()
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=LR)
+    save_checkpoint(model, opt, str(tmp_path))
+    other = nn.Sequential(nn.Linear(8, 16))
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(ValueError, match=r"holds another model: missing \['0.bias', '0.weight'\]"):
+        load_checkpoint(other, HybridDeviceOptimizer(other.parameters(), lr=LR), str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
