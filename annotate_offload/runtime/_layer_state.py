@@ -156,6 +156,31 @@ def check_packed_version(handle: _Packed) -> None:
             raise _version_error(obj, handle.version)
 
 
+class HalfPacer:
+    """Bytes a layer holds for backward, how many backward has consumed, and the callback to run
+    once half are consumed: the deferred prefetch of the next layer (Note [Half-layer prefetch] in
+    ``_synchronizer.py`` for an offloaded layer's reload, Note [Kept-layer paced prefetch] for a
+    kept layer's saved tensors)."""
+
+    __slots__ = ("total_bytes", "consumed_bytes", "on_half_consumed")
+
+    def __init__(self) -> None:
+        self.total_bytes = 0
+        self.consumed_bytes = 0
+        self.on_half_consumed: Any = None
+
+    def before_half(self) -> bool:
+        """True while less than half of a non-empty total has been consumed."""
+        return self.total_bytes > 0 and 2 * self.consumed_bytes < self.total_bytes
+
+    def consume(self, nbytes: int) -> None:
+        self.consumed_bytes += nbytes
+        callback = self.on_half_consumed
+        if callback is not None and 2 * self.consumed_bytes >= self.total_bytes:
+            self.on_half_consumed = None
+            callback()
+
+
 class _LayerState:
     """Saved tensors of one layer in one step (see Note [Offload lifetime]).
 
@@ -175,9 +200,7 @@ class _LayerState:
         "shared",
         "state",
         "d2h_done",
-        "reload_bytes",
-        "consumed_bytes",
-        "on_half_consumed",
+        "pacer",
         "__weakref__",
     )
 
@@ -202,9 +225,8 @@ class _LayerState:
         self.shared = shared
         self.state = "not_offloaded"
         self.d2h_done: Any = None
-        self.reload_bytes = 0  # bytes of the last reload batch
-        self.consumed_bytes = 0  # of those, units whose every handle has been unpacked
-        self.on_half_consumed: Any = None  # callback: the next layer's deferred prefetch
+        # bytes of the last reload batch, and of those the units whose every handle was unpacked
+        self.pacer = HalfPacer()
 
     # -- forward ----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, ready_event: Any = None) -> Any:
@@ -331,8 +353,8 @@ class _LayerState:
         self.state = "reload_started"
         if not todo:
             return
-        self.reload_bytes = sum(e.nbytes for e in todo)
-        self.consumed_bytes = 0
+        self.pacer.total_bytes = sum(e.nbytes for e in todo)
+        self.pacer.consumed_bytes = 0
         backend = self.backend
         compute = backend.current_stream()
         buffers = [torch.empty(e.nbytes, dtype=torch.uint8, device=backend.device) for e in todo]
@@ -395,11 +417,7 @@ class _LayerState:
                 # already waited for its H2D above).
                 e.reloaded = None
                 self.stats._resident(-e.nbytes)
-                self.consumed_bytes += e.nbytes
-                callback = self.on_half_consumed
-                if callback is not None and 2 * self.consumed_bytes >= self.reload_bytes:
-                    self.on_half_consumed = None
-                    callback()
+                self.pacer.consume(e.nbytes)
         return _rebuild(flat, handle.meta)
 
     def offloaded_bytes(self) -> int:

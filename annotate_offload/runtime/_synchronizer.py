@@ -36,6 +36,7 @@ from ._layer_state import (
     DEFAULT_MIN_OFFLOAD_NUMEL,
     _is_fake,
     _is_param_alias,
+    HalfPacer,
     _Kept,
     _LayerState,
     _Packed,
@@ -80,48 +81,30 @@ class _Step:
     def __init__(self, index: int):
         self.index = index
         self.layers: Any = {}  # dict[int, _LayerState]; weak values once backward ended
-        self.kept: dict[int, _KeptLayer] = {}  # kept layers whose consumption paces a prefetch
+        self.kept: dict[int, HalfPacer] = {}  # kept layers whose consumption paces a prefetch
         self.shared: dict = {}  # storage units copied in this step, for cross-layer dedup
         self.bwd_active = False
         self.bwd_seen: set[int] = set()
 
 
-class _KeptLayer:
-    """Saved bytes of a kept (not offloaded) layer and how many of them backward has consumed.
-
-    Note [Kept-layer paced prefetch]: at the start of backward the last layer is usually kept
-    (N = L-1) and its saved tensors are all on the device; starting the reload of the offloaded
-    layer below it at that layer's first backward node puts both on the device at once (W1: 1.07
-    + 1.00 GiB, the activation peak). With a look-ahead of one layer that reload starts once half
-    of the kept layer's saved bytes have been unpacked (autograd frees each after its node ran),
-    like the half-layer prefetch between two offloaded layers.
-    """
-
-    __slots__ = ("saved_bytes", "consumed_bytes", "on_half_consumed")
-
-    def __init__(self) -> None:
-        self.saved_bytes = 0
-        self.consumed_bytes = 0
-        self.on_half_consumed: Any = None
-
-    def consume(self, nbytes: int) -> None:
-        self.consumed_bytes += nbytes
-        callback = self.on_half_consumed
-        if callback is not None and 2 * self.consumed_bytes >= self.saved_bytes:
-            self.on_half_consumed = None
-            callback()
+# Note [Kept-layer paced prefetch]: at the start of backward the last layer is usually kept
+# (N = L-1) and its saved tensors are all on the device; starting the reload of the offloaded layer
+# below it at that layer's first backward node puts both on the device at once (W1: 1.07 + 1.00 GiB,
+# the activation peak). With a look-ahead of one layer that reload starts once half of the kept
+# layer's saved bytes have been unpacked (autograd frees each after its node ran), like the
+# half-layer prefetch between two offloaded layers: the kept layer gets a HalfPacer of its own.
 
 
 class _KeptCounted(_Kept):
-    """A kept tensor of a :class:`_KeptLayer`: its first unpack counts as consumed."""
+    """A kept tensor of a paced kept layer: its first unpack counts as consumed."""
 
     __slots__ = ("layer", "nbytes")
 
-    def __init__(self, tensor: torch.Tensor, layer: _KeptLayer):
+    def __init__(self, tensor: torch.Tensor, layer: HalfPacer):
         super().__init__(tensor)
         self.layer = layer
         self.nbytes = tensor.numel() * tensor.element_size()
-        layer.saved_bytes += self.nbytes
+        layer.total_bytes += self.nbytes
 
 
 class _StreamOverride:
@@ -187,7 +170,7 @@ class OffloadSynchronizer:
         self._scope: Any = None
         self._scope_index = -1
         self._cur: Optional[_LayerState] = None
-        self._cur_kept: Optional[_KeptLayer] = None
+        self._cur_kept: Optional[HalfPacer] = None
         self._last_entered = -1
         self._num_of_fwds: Optional[int] = None  # TE-compatible counter for fwd_step()
         self.current_layer_id = 0
@@ -345,7 +328,7 @@ class OffloadSynchronizer:
         self._cur = state
         self._cur_kept = None
         if state is None and self._paces_prefetch(index):
-            self._cur_kept = step.kept[index] = _KeptLayer()
+            self._cur_kept = step.kept[index] = HalfPacer()
         self._scope_index = index
         scope = torch.autograd.graph.saved_tensors_hooks(self.push_tensor, self.pop_tensor)
         scope.__enter__()
@@ -645,30 +628,21 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         current = step.layers.get(index)
         if current is not None:
             current.start_reload()  # normally prefetched already; reload it now if it was not
-        kept = step.kept.get(index) if current is None else None
+        # the layer whose consumption paces the next reload: the current offloaded layer's reload,
+        # or a kept layer's saved tensors (Note [Kept-layer paced prefetch])
+        pacer = current.pacer if current is not None else step.kept.get(index)
         for j in sorted(step.layers.keys(), reverse=True):
             state = step.layers.get(j)
             if state is None or not low <= j < index:
                 continue
-            if (
-                self.prefetch_layers == 1
-                and current is not None
-                and current.reload_bytes > 0
-                and 2 * current.consumed_bytes < current.reload_bytes
-            ):
+            if self.prefetch_layers == 1 and pacer is not None and pacer.before_half():
                 # Note [Half-layer prefetch]: with a look-ahead of one layer, start layer j's
                 # reload once half of the current layer's reloaded bytes have been consumed
                 # rather than at its first node. The H2D stream is still fed (the current
                 # layer's second half is in flight then), but only ~1.5 offloaded layers are
                 # on the device in backward instead of 2. If that point is never reached the
                 # pre-hook of layer j (or its first unpack) reloads it.
-                current.on_half_consumed = state.start_reload
-            elif (
-                self.prefetch_layers == 1
-                and kept is not None
-                and 2 * kept.consumed_bytes < kept.saved_bytes
-            ):
-                kept.on_half_consumed = state.start_reload  # Note [Kept-layer paced prefetch]
+                pacer.on_half_consumed = state.start_reload
             else:
                 state.start_reload()
 

@@ -273,7 +273,9 @@ def test_kept_last_layer_paces_the_first_reload(monkeypatch, k):
     def spy(state):
         if state.state != "reload_started":  # the first call of this layer's reload
             kept = step.kept.get(L - 1)
-            starts.append((state.index, None if kept is None else (kept.consumed_bytes, kept.saved_bytes)))
+            above = step.layers.get(state.index + 1)  # the offloaded layer above, if any
+            starts.append((state.index, None if kept is None else (kept.consumed_bytes, kept.total_bytes),
+                           None if above is None else (above.pacer.consumed_bytes, above.pacer.total_bytes)))
         return real(state)
 
     monkeypatch.setattr(_layer_state._LayerState, "start_reload", spy)
@@ -287,6 +289,11 @@ def test_kept_last_layer_paces_the_first_reload(monkeypatch, k):
     if k == 1:
         consumed, saved = first[1]
         assert saved > 0 and saved <= 2 * consumed < 2 * saved  # half of the kept layer, not all of it
+        # Note [Half-layer prefetch]: layer L-3's reload waits for half of layer L-2's reload
+        second = starts[1]
+        assert second[0] == L - 3
+        consumed, reloaded = second[2]
+        assert reloaded > 0 and reloaded <= 2 * consumed < 2 * reloaded
     else:
         assert first[1] is None  # no pacing with a longer look-ahead: reloads start at once
     assert s.stats.on_demand_reloads == 0
