@@ -18,7 +18,7 @@ from ..optim._slots import HostSlot
 
 __all__: list[str] = []
 
-_NEEDED = ("_hooks", "_slot_of", "_host_slots", "_dev_slots", "_on_grad", "_chunks", "_shard")
+_NEEDED = ("_hooks", "_slot_of", "_host_slots", "_dev_slots", "_on_grad", "_chunks", "_shard", "_steps_here")
 
 
 def check_optimizer(opt: Any, who: str) -> HybridDeviceOptimizer:
@@ -94,5 +94,4 @@ def set_shard(opt: HybridDeviceOptimizer, shard: Any) -> Any:
 
 def steps_here(opt: HybridDeviceOptimizer, slot: Any) -> bool:
     """True when this rank runs the host step of ``slot`` (always, unless the host step is sharded)."""
-    shard = getattr(opt, "_shard", None)
-    return shard is None or shard.owns(slot.chunk)
+    return opt._steps_here(slot.chunk)

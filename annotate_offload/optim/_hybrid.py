@@ -358,10 +358,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     def _resync_changed(self) -> None:
         # O03: weights written into the model after construction (load_state_dict copies in place and
         # bumps the version) re-seed the masters instead of being overwritten by stale copies.
-        shard = self._shard
         with torch.no_grad():
             for s in self._host_slots:
-                if shard is not None and not shard.owns(s.chunk):
+                if not self._steps_here(s.chunk):
                     continue  # its master is not used here; the owner re-seeds its own
                 if s.param._version != s.p_ver:
                     s.master.copy_(s.local)
@@ -423,38 +422,41 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             if not self._overlap:
                 self._begin()
                 self._serial_step(cur)
-                if self._shard is not None:
-                    self._shard.after_h2d()
-                return loss
-            start = side.record(cur, self._timing)
-            ph.entry_ev = start
-            side.wait_event(self._d2h, start)
-            side.wait_event(self._h2d, start)
-            if self._delayed:
-                self._apply_previous()
-            self._begin()
-            self._collect(self._d2h)
-            ph.d2h_ev = self._last_d2h_ev
-            if self._caller_steps and not self._in_backward and not self._delayed:
-                self._gpu_step()
-                self._step_on_caller()
             else:
-                for ci in self._landing_order():
-                    self._submit(ci)
-                self._gpu_step()
-            if self._delayed:
-                self._buf ^= 1
-            else:
-                assert self._worker is not None
-                self._worker.drain()
-            ph.h2d_ev = side.record(self._h2d, self._timing)
-            side.wait_event(cur, ph.h2d_ev)
+                self._overlapped_step(cur)
             if self._shard is not None:
                 self._shard.after_h2d()
             return loss
         finally:
             ph.t_return = time.perf_counter()
             self._end_step()
+
+    def _overlapped_step(self, cur: Any) -> None:
+        """``step()`` with overlap on; returns once the compute stream waits for this rank's H2D."""
+        side, ph = self._side, self._ph
+        start = side.record(cur, self._timing)
+        ph.entry_ev = start
+        side.wait_event(self._d2h, start)
+        side.wait_event(self._h2d, start)
+        if self._delayed:
+            self._apply_previous()
+        self._begin()
+        self._collect(self._d2h)
+        ph.d2h_ev = self._last_d2h_ev
+        if self._caller_steps and not self._in_backward and not self._delayed:
+            self._gpu_step()
+            self._run_chunks_here(self._landing_order(), self._buf, self._h2d)
+        else:
+            for ci in self._landing_order():
+                self._submit(ci)
+            self._gpu_step()
+        if self._delayed:
+            self._buf ^= 1
+        else:
+            assert self._worker is not None
+            self._worker.drain()
+        ph.h2d_ev = side.record(self._h2d, self._timing)
+        side.wait_event(cur, ph.h2d_ev)
 
     def _apply_previous(self) -> None:
         """Delayed mode, at ``step()``: put the previous step's host update into the model.

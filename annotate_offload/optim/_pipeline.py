@@ -83,7 +83,7 @@ class PipelineMixin:
 
     def _on_grad(self, s: HostSlot) -> None:
         g = local_grad(s.param)
-        if g is None or (self._shard is not None and not self._shard.owns(s.chunk)):
+        if g is None or not self._steps_here(s.chunk):
             return
         with torch.no_grad():
             if self._in_backward:
@@ -108,9 +108,8 @@ class PipelineMixin:
 
     def _collect(self, stream: Any) -> None:
         """Decide, per host slot, whether it steps now; copy gradients the hooks did not (or that changed)."""
-        shard = self._shard
         for s in self._host_slots:
-            if shard is not None and not shard.owns(s.chunk):
+            if not self._steps_here(s.chunk):
                 s.use = s.valid = False  # another rank steps it (Note [Host-step sharding])
                 continue
             if s.submitted:
@@ -142,9 +141,7 @@ class PipelineMixin:
         chunks in landing order starts with gradients that are already on the host; chunks
         are independent (elementwise update), so the order changes no bit.
         """
-        shard = self._shard
-        todo = [ci for ci, c in enumerate(self._chunks)
-                if not c.slots[0].submitted and (shard is None or shard.owns(ci))]
+        todo = [ci for ci, c in enumerate(self._chunks) if not c.slots[0].submitted and self._steps_here(ci)]
         return sorted(todo, key=lambda ci: max((s.seq for s in self._chunks[ci].slots if s.use), default=-1))
 
     def _plan(self, ci: int) -> list[tuple[HostSlot, Any, list]]:
@@ -201,17 +198,17 @@ class PipelineMixin:
                         c.pending = stepped
         ph.chunk_done(t0, t1, time.perf_counter(), t0 - t_in, sum(s.master.numel() for s in stepped))
 
-    def _step_on_caller(self) -> None:
-        """Exact mode: the host chunks on this thread, in landing order; H2D stays asynchronous."""
-        order = self._landing_order()
-        plans = []
-        for ci in order:
-            plans.append((ci, self._plan(ci)))
-            for s in self._chunks[ci].slots:
-                s.submitted = True
+    def _steps_here(self, ci: int) -> bool:
+        """True when this process runs host chunk ``ci`` (all of them, unless the host step is
+        sharded across DDP ranks: Note [Host-step sharding] in annotate_offload/distributed)."""
+        return self._shard is None or self._shard.owns(ci)
+
+    def _run_chunks_here(self, order: list[int], bi: int, stream: Any) -> None:
+        """Host step of the chunks ``order`` on this thread (serial path, or exact mode's
+        ``_caller_steps``), each chunk's H2D on ``stream`` as soon as it is stepped."""
         with num_threads(self._threads):
-            for ci, plan in plans:
-                self._run_chunk(ci, plan, self._buf, self._h2d, True, self._ph)
+            for ci in order:
+                self._run_chunk(ci, self._plan(ci), bi, stream, True, self._ph)
 
     def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any) -> None:
         side = self._side
@@ -261,17 +258,13 @@ class PipelineMixin:
 
     def _serial_step(self, cur: Any) -> None:
         side = self._side
-        shard = self._shard
         for s in self._host_slots:
             g = local_grad(s.param)
-            s.use = g is not None and (shard is None or shard.owns(s.chunk))
+            s.use = g is not None and self._steps_here(s.chunk)
             if s.use:
                 with side.use(cur):
                     s.grad_bufs[0].copy_(g, non_blocking=True)
         self._gpu_step()
         side.synchronize(side.record(cur))
-        with num_threads(self._threads):
-            for ci in range(len(self._chunks)):
-                if shard is None or shard.owns(ci):
-                    self._run_chunk(ci, self._plan(ci), 0, cur, True, self._ph)
+        self._run_chunks_here([ci for ci in range(len(self._chunks)) if self._steps_here(ci)], 0, cur)
 
