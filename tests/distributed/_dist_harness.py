@@ -66,25 +66,12 @@ def loss_fn(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def reference(steps: int, world: int, *, start: "dict[str, torch.Tensor] | None" = None, first: int = 0,
-              opt_state: Any = None, total: "int | None" = None) -> dict[str, torch.Tensor]:
+def reference(steps: int, world: int) -> dict[str, torch.Tensor]:
     """Single process: each rank's micro-batch grads computed separately, averaged as DDP/FSDP do
-    (``sum / world``), stepped by ``torch.optim.AdamW(fused=True)``. Returns the final weights."""
+    (``sum / world``), stepped by ``torch.optim.AdamW(fused=True)`` (:func:`train_single`).
+    Returns the final weights."""
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    data = batches(total or steps, world)
-    for s in range(first, steps):
-        grads = []
-        for x in data[s]:
-            model.zero_grad(set_to_none=True)
-            loss_fn(model(x)).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, *gs in zip(model.parameters(), *grads):
-            acc = gs[0].clone()
-            for g in gs[1:]:
-                acc += g
-            p.grad = acc / world
-        opt.step()
+    train_single(model, torch.optim.AdamW(model.parameters(), lr=LR, fused=True), 0, steps, world)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -35,6 +35,15 @@ def _train(model: nn.Module, opt: Any, rank: int, steps: int, first: int = 0, to
     return losses
 
 
+def _owned_chunks(opt: Any) -> list[int]:
+    """Host chunks this rank steps (all of them unless the host step is sharded)."""
+    return [ci for ci in range(len(opt._chunks)) if opt._steps_here(ci)]
+
+
+def _owned_host_params(opt: Any) -> int:
+    return sum(len(opt._chunks[ci].slots) for ci in _owned_chunks(opt))
+
+
 def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: full(v).detach().clone() for k, v in model.state_dict().items()}
 
@@ -78,8 +87,8 @@ def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach:
         state_dict = f"OffloadError: {e}"
     return {
         "weights": _weights(model), "losses": losses, "warnings": caught, "stepped_chunks": sorted(stepped),
-        "chunks": len(opt._chunks), "owned_chunks": None if shard is None else [ci for ci in range(len(opt._chunks)) if shard.owns(ci)],
-        "owned_host_params": sum(len(c.slots) for ci, c in enumerate(opt._chunks) if shard is None or shard.owns(ci)),
+        "chunks": len(opt._chunks), "owned_chunks": None if shard is None else _owned_chunks(opt),
+        "owned_host_params": _owned_host_params(opt),
         "broadcasts": None if shard is None else shard.broadcasts, "state_dict": state_dict,
         "copied_in_hook": None if hook is None else hook.copied_in_hook,
         "copied_at_step": late[0] if hook is None else hook.copied_at_step,
@@ -252,7 +261,8 @@ def ddp_save(rank: int, world: int, *, out_dir: str, ckpt: str, steps: int, frac
     hook = attach_optimizer(ddp, opt)
     losses = _train(ddp, opt, rank, steps, total=total)
     save_checkpoint(ddp, opt, ckpt)
-    return {"losses": losses, "owned": [ci for ci in range(len(opt._chunks)) if hook.shard.owns(ci)]}
+    assert hook.shard is not None
+    return {"losses": losses, "owned": _owned_chunks(opt)}
 
 
 def checkpoint_suite(rank: int, world: int, *, out_dir: str, ckpt_single: str, ckpt_fsdp: str, half: int,
@@ -290,8 +300,7 @@ def cuda_suite(rank: int, world: int, *, out_dir: str, steps: int, ckpt: str, de
             torch.cuda.synchronize()
         out[kind] = {"weights": {k: v.cpu() for k, v in _weights(model).items()},
                      "host_params": sum(p.side == "cpu" for p in opt.placements),
-                     "owned_host_params": sum(len(c.slots) for ci, c in enumerate(opt._chunks)
-                                              if getattr(att, "shard", None) is None or att.shard.owns(ci)),
+                     "owned_host_params": _owned_host_params(opt),
                      "copied_in_hook": getattr(att, "copied_in_hook", None), "copied_at_step": getattr(att, "copied_at_step", None)}
         if kind == "fsdp":
             save_checkpoint(model, opt, ckpt)
