@@ -171,10 +171,6 @@ def _peak(env: _Env) -> float:
     return torch.cuda.max_memory_allocated(env.device) / GiB if env.device.type == "cuda" else float("nan")
 
 
-def _free(env: _Env, opt: HybridDeviceOptimizer) -> None:
-    opt.close()  # stops its worker thread; the caller drops its model and optimizer references
-
-
 def _collect(env: _Env) -> None:
     """After a run's model and optimizer are unreachable: collect their cycles (offload hooks) and
     return the memory, so the next run's peak does not include the last run's weights."""
@@ -234,7 +230,7 @@ def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False) -
         opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
         r = _timed(a, env, model, opt, 0, micro=micro)
         r.update(threads=budget.threads, host_numel=opt.offloaded_numel, numel=sum(p.numel() for p in model.parameters()))
-        _free(env, opt)
+        opt.close()  # stops its worker thread; _collect frees the rest once the run returns
     finally:
         if saved is not None and share and a.bind:
             os.sched_setaffinity(0, saved)
@@ -268,7 +264,7 @@ def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
              host_numel=att.shard.owned_numel() if getattr(att, "shard", None) is not None else opt.offloaded_numel,
              cpus=len(budget.cpus), late=att.copied_at_step, host_tensors=sum(p.side == "cpu" for p in opt.placements),
              sharded=getattr(att, "shard", None) is not None)
-    _free(env, opt)
+    opt.close()
     return r
 
 
