@@ -3,7 +3,7 @@
 # closing notes cite. Single-GPU parts run on GPU 0 bound to 16 host cores (the one-GPU machine's
 # size, so the CPU AdamW thread budget matches it). Peers come from the wheels in .whl (carry it).
 # Usage: [SECTIONS="tests w1 w3 ..."] bash benchmarks/gpu_closing_run.sh   (logs under $OUT, default ./out)
-# Sections (default: all, in this order): tests w1 dist ddp fsdp w3 diag lora llama
+# Sections (default: all but caller, in this order): tests w1 dist ddp fsdp w3 diag caller lora llama
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 O=${OUT:-out}
@@ -33,7 +33,12 @@ dist) step "distributed GPU tests (two GPUs)"
 ddp|fsdp) step "weak scaling, $s (two GPUs) ${DIST_ARGS:---bind}"
   timeout "${T_DIST:-100}" torchrun --nproc-per-node 2 -m annotate_offload.bench.distributed --parallel $s \
     --steps 5 --warmup 2 ${DIST_ARGS:---bind} >"$O/$s.log" 2>&1
-  grep -vE "^W[0-9]|Warning|warn" "$O/$s.log" | grep -E "^\||PASS|FAIL|efficiency|parity|share|Error" | tail -20 ;;
+  grep -vE "^W[0-9]|Warning|warn" "$O/$s.log" | grep -E "^\||PASS|FAIL|efficiency|parity|share|Error" | tail -26
+  # DIST_ARGS="--bind --profile prof": one archive of the chrome traces (the device returns at most 8 files)
+  if [ -d prof ]; then tar czf "$O/${s}_traces.tgz" prof && rm -rf prof && ls -la "$O/${s}_traces.tgz"; fi ;;
+caller) step "exact mode: host chunks on the worker vs the calling thread (A B A B)"
+  $one timeout "${T_CALLER:-90}" python3 benchmarks/diag_caller.py --steps 4 >"$O/diag_caller.log" 2>&1
+  tail -8 "$O/diag_caller.log" ;;
 w3) step "W3"
   $one timeout "${T_W3:-150}" python3 -m annotate_offload.bench.optimizer --steps ${W3_STEPS:-5} --warmup 2 \
     ${W3_ARGS:---no-diagnostics} >"$O/w3.log" 2>&1

@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                    "before building the model and optimizer, so host state is allocated on that node")
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU (gloo) for CI; numbers carry no claim")
     p.add_argument("--out", metavar="FILE", help="also write the markdown report here (rank 0)")
+    p.add_argument("--profile", metavar="DIR", help="after the timed steps of the '1/W of the host' and W-GPU runs, "
+                   "trace 2 more steps with torch.profiler into DIR/<run>_rank<r>.json (chrome trace)")
     return p
 
 
@@ -181,10 +183,76 @@ def _collect(env: _Env) -> None:
         torch.cuda.empty_cache()
 
 
+class _Marks:
+    """Per-phase times of the timed steps: forward, backward, ``step()`` (with ``zero_grad``) and the gap
+    to the next step, as CPU wall time (``perf_counter``) and as compute-stream time (CUDA events
+    recorded at the same points; on CPU the wall times again). Means in ms."""
+
+    _PHASES = ("fwd", "bwd", "step", "gap")
+
+    def __init__(self, env: _Env) -> None:
+        self.cuda = env.device.type == "cuda"
+        self.cpu: list[list[float]] = []
+        self.gpu: list[list[Any]] = []
+
+    def mark(self) -> None:
+        if not self.cpu or len(self.cpu[-1]) == 4:
+            self.cpu.append([])
+            self.gpu.append([])
+        self.cpu[-1].append(time.perf_counter())
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.gpu[-1].append(e)
+
+    def means(self) -> dict[str, float]:
+        """After a synchronize: {'cpu_fwd': ms, ..., 'gpu_gap': ms} (gaps: mark 0 of step s+1 - mark 3 of step s)."""
+        rows = [r for r in self.cpu if len(r) == 4]
+        out: dict[str, float] = {}
+        for kind, series in (("cpu", rows), ("gpu", [g for g in self.gpu if len(g) == 4] if self.cuda else rows)):
+            if len(series) < 2:
+                continue
+            spans: list[list[float]] = [[], [], [], []]
+            for i, r in enumerate(series):
+                for k in range(3):
+                    spans[k].append(r[k].elapsed_time(r[k + 1]) if kind == "gpu" and self.cuda else (r[k + 1] - r[k]) * 1e3)
+                if i + 1 < len(series):
+                    nxt = series[i + 1]
+                    spans[3].append(r[3].elapsed_time(nxt[0]) if kind == "gpu" and self.cuda else (nxt[0] - r[3]) * 1e3)
+            for name, v in zip(self._PHASES, spans):
+                out[f"{kind}_{name}"] = statistics.mean(v)
+        return out
+
+
+def _train_step(model: nn.Module, opt: HybridDeviceOptimizer, xs: list[torch.Tensor], env: _Env,
+                marks: Optional[_Marks] = None) -> torch.Tensor:
+    micro = len(xs)
+    step_loss = None
+    if marks is not None:
+        marks.mark()
+    for m, x in enumerate(xs):
+        with torch.autograd.profiler.record_function("bench.forward"):
+            loss = _loss(model, x, env)
+        if marks is not None and m == micro - 1:
+            marks.mark()
+        with torch.autograd.profiler.record_function("bench.backward"):
+            (loss / micro).backward()
+        step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+    if marks is not None:
+        marks.mark()
+    with torch.autograd.profiler.record_function("bench.step"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if marks is not None:
+        marks.mark()
+    return step_loss / micro
+
+
 def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDeviceOptimizer, rank: int, micro: int = 1,
-           collective: bool = False) -> dict[str, Any]:
+           collective: bool = False, trace: Optional[str] = None) -> dict[str, Any]:
     """Train ``warmup + steps`` (at least ``parity_steps``) steps; losses of the first ``parity_steps``
-    (averaged over ranks when ``collective``: every rank must then call it)."""
+    (averaged over ranks when ``collective``: every rank must then call it). ``trace``: then 2 more
+    steps under ``torch.profiler``, written to this chrome-trace file."""
     total = max(a.warmup + a.steps, a.parity_steps)
     # inputs made up front (CPU generator: the same numbers for a rank here and in the parity run),
     # so neither generation nor H2D of inputs competes with the host optimizer step inside the timing
@@ -192,21 +260,15 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
     env.sync()
     losses: list[float] = []
     host_s: list[float] = []
+    marks = _Marks(env)
     t0 = 0.0
     _peak_reset(env)
     for s in range(total):
         if s == a.warmup:
             env.sync()
             t0 = time.perf_counter()
-        step_loss = None
-        for m in range(micro):
-            loss = _loss(model, xs[s][m], env)
-            (loss / micro).backward()
-            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        v = _train_step(model, opt, xs[s], env, marks if s >= a.warmup else None)
         if s < a.parity_steps:
-            v = step_loss / micro
             if collective:
                 dist.all_reduce(v)
                 v = v / env.world
@@ -215,7 +277,18 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
             host_s.append(opt.host_step_seconds)
     env.sync()
     dt = (time.perf_counter() - t0) / max(1, total - a.warmup)
-    return {"step_s": dt, "losses": losses, "peak_gib": _peak(env), "host_s": statistics.mean(host_s) if host_s else float("nan")}
+    r = {"step_s": dt, "losses": losses, "peak_gib": _peak(env), "host_s": statistics.mean(host_s) if host_s else float("nan"),
+         "phases": marks.means()}
+    if trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for s in range(2):
+                _train_step(model, opt, xs[s % total], env)
+            env.sync()
+        prof.export_chrome_trace(trace)
+    return r
 
 
 def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False) -> dict[str, Any]:
@@ -228,7 +301,8 @@ def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False) -
     try:
         model = _model(a, env)
         opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
-        r = _timed(a, env, model, opt, 0, micro=micro)
+        trace = os.path.join(a.profile, "share_rank0.json") if a.profile and share else None
+        r = _timed(a, env, model, opt, 0, micro=micro, trace=trace)
         r.update(threads=budget.threads, host_numel=opt.offloaded_numel, numel=sum(p.numel() for p in model.parameters()))
         opt.close()  # stops its worker thread; _collect frees the rest once the run returns
     finally:
@@ -257,7 +331,8 @@ def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
         wrapped = fully_shard(model, **kw)
     opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
     att = attach_optimizer(wrapped, opt, shard_host_step=not a.replicate_host_step)
-    r = _timed(a, env, wrapped, opt, env.rank, collective=True)
+    trace = os.path.join(a.profile, f"{a.parallel}_rank{env.rank}.json") if a.profile else None
+    r = _timed(a, env, wrapped, opt, env.rank, collective=True, trace=trace)
     t = torch.tensor([r["step_s"], r["peak_gib"], r["host_s"]], dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     r.update(step_s=t[0].item(), peak_gib=t[1].item(), host_s=t[2].item(), threads=budget.threads, numa=budget.numa_node,
@@ -318,6 +393,17 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
             lines.append(f"| {i} | {x:.6f} | {y:.6f} | {rd:.2e} |")
         ok = "passes" if worst <= a.parity_rtol else "FAILS"
         lines += ["", f"**Loss parity**: max relative difference {worst:.2e} ({ok} rtol {a.parity_rtol:g})."]
+    runs = [("1 GPU", one), ("1 GPU, 1/%d of the host" % W, share)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
+    runs = [(n, r) for n, r in runs if r is not None and r.get("phases")]
+    if runs:
+        lines += ["", "Where a step goes (ms per step; CPU: wall time between the marks on the training thread; "
+                  "GPU: compute-stream time between CUDA events recorded at the same marks; step includes zero_grad; "
+                  "gap: end of step() to the next forward):", "",
+                  "| run | fwd CPU / GPU | bwd CPU / GPU | step() CPU / GPU | gap CPU / GPU |", "|---|---:|---:|---:|---:|"]
+        for n, r in runs:
+            ph = r["phases"]
+            cells = [f"{ph.get('cpu_' + k, float('nan')):.1f} / {ph.get('gpu_' + k, float('nan')):.1f}" for k in ("fwd", "bwd", "step", "gap")]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -332,6 +418,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"annotate_offload.bench.distributed: {e}", file=sys.stderr)
         return 2
     env = _Env(a.tiny)
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
     try:
         one = acc = None
         if env.rank == 0:

@@ -6,6 +6,7 @@ has its parts, and that the 2-process loss equals the accumulated 1-process loss
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ def test_tiny_single_process_report(tmp_path, capsys):
     assert bench.main(["--tiny", "--out", str(out)]) == 0
     text = out.read_text()
     assert "| 1 GPU | 1 |" in text and "1 process" in text
+    assert "| run | fwd CPU / GPU |" in text  # the phase table
     assert text.strip() in capsys.readouterr().out
 
 
@@ -42,13 +44,19 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "annotate_offload.bench.distributed", "--tiny", "--parallel", "fsdp",
-           "--out", str(out)]
+           "--out", str(out), "--profile", str(tmp_path / "traces")]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "| 2 GPUs FSDP2 | 2 |" in text and "| 1 GPU, 1/2 of the host | 1 |" in text and "its share of the host" in text
     assert "Weak-scaling efficiency" in text
     assert "max relative difference 0.00e+00 (passes" in text
+    assert "| 2 GPUs (rank 0) |" in text and "| 1 GPU, 1/2 of the host |" in text.split("Where a step goes")[1]
+    traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert traces == ["fsdp_rank0.json", "fsdp_rank1.json", "share_rank0.json"]
+    trace = json.loads((tmp_path / "traces" / "fsdp_rank0.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"bench.forward", "bench.backward", "bench.step"} <= names
 
 
 def test_tiny_torchrun_two_processes_ddp_sharded_and_replicated(tmp_path):
