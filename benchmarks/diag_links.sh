@@ -8,6 +8,7 @@ O=${OUT:-out}; mkdir -p "$O"
 { nvidia-smi topo -m; nvidia-smi nvlink -s | head -12; nvidia-smi -q | grep -iA3 "p2p\|Bus Id" | head -30; } >"$O/topo.log" 2>&1
 head -20 "$O/topo.log"
 NCCL_DEBUG=INFO timeout 60 torchrun --nproc-per-node 2 benchmarks/diag_links.py --iters 4 >"$O/nccl_info.log" 2>&1
+grep -E "^\||^world" "$O/nccl_info.log"
 grep -E "via|Channel 00|P2P|SHM|NET|transport|nChannels|Using" "$O/nccl_info.log" | grep -v "^W" | sort -u | head -25
 for v in "NCCL_PROTO=^LL" "NCCL_PROTO=Simple" "NCCL_P2P_LEVEL=SYS" "NCCL_MAX_NCHANNELS=2" "NCCL_SHM_DISABLE=1"; do
   echo "== $v"; env $v timeout 60 torchrun --nproc-per-node 2 benchmarks/diag_links.py >>"$O/diag_links.log" 2>&1
