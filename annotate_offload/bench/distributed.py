@@ -82,8 +82,6 @@ def _parser() -> argparse.ArgumentParser:
                    "reduce_dtype=float32): bf16 all-gathers, as torchtitan trains (default: fp32 all-gathers under autocast)")
     p.add_argument("--replicate-host-step", action="store_true", help="DDP: every rank steps every host chunk "
                    "(attach_optimizer(..., shard_host_step=False)) instead of 1/W of them")
-    p.add_argument("--no-align-host-step", dest="align_host_step", action="store_false",
-                   help="attach_optimizer(align_host_step=False): no barrier before each step() (Note [Aligned host steps])")
     p.add_argument("--bind", action="store_true", help="pin each rank to its thread budget's CPUs (its GPU's NUMA node) "
                    "before building the model and optimizer, so host state is allocated on that node")
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU (gloo) for CI; numbers carry no claim")
@@ -332,13 +330,11 @@ def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
             fully_shard(layer, **kw)
         wrapped = fully_shard(model, **kw)
     opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
-    att = attach_optimizer(wrapped, opt, shard_host_step=not a.replicate_host_step, align_host_step=a.align_host_step)
+    att = attach_optimizer(wrapped, opt, shard_host_step=not a.replicate_host_step)
     trace = os.path.join(a.profile, f"{a.parallel}_rank{env.rank}.json") if a.profile else None
     r = _timed(a, env, wrapped, opt, env.rank, collective=True, trace=trace)
-    waited = att.alignment.waited_s / max(1, att.alignment.steps) if att.alignment is not None else float("nan")
     t = torch.tensor([r["step_s"], r["peak_gib"], r["host_s"]], dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    r["aligned_wait_ms"] = waited * 1e3
     r.update(step_s=t[0].item(), peak_gib=t[1].item(), host_s=t[2].item(), threads=budget.threads, numa=budget.numa_node,
              host_numel=att.shard.owned_numel() if getattr(att, "shard", None) is not None else opt.offloaded_numel,
              cpus=len(budget.cpus), late=att.copied_at_step, host_tensors=sum(p.side == "cpu" for p in opt.placements),
@@ -380,9 +376,7 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
         lines.append(f"\nRank 0's host share in the {W}-GPU run: {many['cpus']} CPUs on NUMA node {many['numa']} "
                      f"({'bound' if a.bind else 'not bound; --bind pins it'}); the 1-GPU run used {one['threads']} threads. "
                      f"Host gradients whose D2H had to wait for step() (not overlapped with backward), rank 0, all steps: "
-                     f"{many['late']} of {many['host_tensors']} per step. Host steps aligned (Note [Aligned host steps]): "
-                     + (f"yes, rank 0 waited {many['aligned_wait_ms']:.1f} ms per step() for the other ranks."
-                        if a.align_host_step else "no (--no-align-host-step)."))
+                     f"{many['late']} of {many['host_tensors']} per step.")
         eff = one["step_s"] / many["step_s"]
         ok = "meets" if eff >= a.min_efficiency else "MISSES"
         lines += ["", f"**Weak-scaling efficiency** T(1 GPU) / T({W} GPUs) = **{eff * 100:.1f}%** ({ok} the {a.min_efficiency * 100:.0f}% target)."]

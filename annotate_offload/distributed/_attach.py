@@ -55,8 +55,6 @@ class ShardedAttachment:
         recopied (int): host gradients copied again at ``step()`` because they changed after backward.
         copied_at_step (int): host gradients ``step()`` had to copy, cumulative (the ``recopied`` ones
             and any the optimizer's hooks did not copy in backward; 0 when all D2H overlapped backward).
-        alignment (HostStepAlignment | None): the barrier before each ``step()`` (Note [Aligned host
-            steps] in ``_align.py``; ``waited_s`` says how long this rank waited), ``None`` when off.
     """
 
     def __init__(self, opt: Any, model: nn.Module, sharded: bool) -> None:
@@ -73,8 +71,6 @@ class ShardedAttachment:
                 self._watched.append(slot)
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(_SeenVersion(self._seen, slot)))
         self._handle = opt.register_step_pre_hook(self._before_step)
-        self.alignment: Any = None
-        self._align_handle: Any = None
 
     def _before_step(self, *_: Any) -> None:
         check_local_shards(self._opt, self._owners, who="HybridDeviceOptimizer.step")
@@ -105,9 +101,6 @@ class ShardedAttachment:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-            if self._align_handle is not None:
-                self._align_handle.remove()
-                self._align_handle = None
             self._opt.__dict__.pop("clip_grad_norm_", None)
 
     def __repr__(self) -> str:
@@ -122,8 +115,7 @@ def _refuse_local_clip(*_: Any, **__: Any) -> torch.Tensor:
     )
 
 
-def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool = True,
-                     align_host_step: bool = True) -> "OffloadCommHook | ShardedAttachment":
+def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool = True) -> "OffloadCommHook | ShardedAttachment":
     """Wire a ``HybridDeviceOptimizer`` to a model trained with torch.distributed, one process per device.
 
     * ``DistributedDataParallel``: :func:`register_offload_comm_hook` (reduced gradients, D2H per
@@ -135,28 +127,17 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
       sharded, the optimizer's ``clip_grad_norm_`` (shard-local norm) is refused in favour of
       ``torch.nn.utils.clip_grad_norm_``.
 
-    With several ranks and an exact-mode optimizer, ``step()`` first waits until every rank reached
-    it (``align_host_step``), so that the ranks' host steps run together. This call is then
-    collective: every rank must make it (it creates a gloo group).
-
     Args:
         model (nn.Module): the DDP-wrapped or ``fully_shard``-ed model.
         optimizer (HybridDeviceOptimizer): built on ``model``'s parameters.
         shard_host_step (bool): DDP only (FSDP2 parameters are sharded already): see
             :func:`register_offload_comm_hook`. Default: ``True``.
-        align_host_step (bool): a CPU barrier (gloo group, no device synchronization) at the start
-            of every exact-mode ``step()``, over the DDP group or, otherwise, every rank: ranks on one
-            host share its memory bandwidth, and one rank's host AdamW running while another still
-            dispatches backward made that rank's CPU work 1.7-2x slower (Note [Aligned host steps]
-            in ``_align.py``). Ignored with one rank, ``step_in_backward`` or
-            ``delayed_param_update``. Default: ``True``.
 
     Returns:
         OffloadCommHook | ShardedAttachment: the installed hook (DDP) or attachment (FSDP2/plain).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``; ``optimizer`` is not a ``HybridDeviceOptimizer``;
-            ``shard_host_step`` or ``align_host_step`` is not a bool.
+        TypeError: ``model`` is not an ``nn.Module``; ``optimizer`` is not a ``HybridDeviceOptimizer``.
         ValueError: the optimizer steps parameters ``model`` does not own; see
             :func:`register_offload_comm_hook` for the DDP-specific ones.
     """
@@ -164,11 +145,8 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach_optimizer: model must be an nn.Module, got {type(model).__name__}.")
-    for name, v in (("shard_host_step", shard_host_step), ("align_host_step", align_host_step)):
-        if not isinstance(v, bool):
-            raise TypeError(f"attach_optimizer: {name} must be True or False, got {v!r}.")
     if isinstance(model, DistributedDataParallel):
-        return register_offload_comm_hook(model, optimizer, shard_host_step=shard_host_step, align_host_step=align_host_step)
+        return register_offload_comm_hook(model, optimizer, shard_host_step=shard_host_step)
     opt = _seams.check_optimizer(optimizer, "attach_optimizer")
     owned = {id(p) for p in model.parameters()}
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -182,8 +160,4 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
     att = ShardedAttachment(opt, model, sharded)
     if sharded:
         opt.__dict__["clip_grad_norm_"] = _refuse_local_clip
-    if align_host_step:
-        from . import _align
-
-        att.alignment, att._align_handle = _align.install(opt)
     return att

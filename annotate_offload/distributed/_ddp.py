@@ -47,8 +47,6 @@ class OffloadCommHook:
         overlapped (bool): ``gradient_as_bucket_view`` was on, so D2H starts in backward.
         shard (HostShard | None): this rank's share of the host step (Note [Host-step sharding] in
             ``_host_shard.py``), ``None`` when every rank steps all host chunks.
-        alignment (HostStepAlignment | None): the barrier before each ``step()`` (Note [Aligned host
-            steps] in ``_align.py``; ``waited_s`` says how long this rank waited), ``None`` when off.
     """
 
     def __init__(self, opt: Any, process_group: Any, overlapped: bool) -> None:
@@ -60,8 +58,6 @@ class OffloadCommHook:
         self.copied_at_step = 0
         self._pre_step = None
         self.shard: Any = None
-        self.alignment: Any = None
-        self._align_handle: Any = None
 
     def allreduce_then_copy(self, state, bucket):  # no annotations: DDP's _check_comm_hook compares them by value
         """The hook DDP calls per bucket: mean all-reduce, then the D2H of its host-stepped gradients."""
@@ -99,8 +95,7 @@ class OffloadCommHook:
         return f"OffloadCommHook(overlapped={self.overlapped}, copied_in_hook={self.copied_in_hook}, copied_at_step={self.copied_at_step})"
 
 
-def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_step: bool = True,
-                               align_host_step: bool = True) -> OffloadCommHook:
+def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_step: bool = True) -> OffloadCommHook:
     """Make a ``HybridDeviceOptimizer`` step DDP's reduced gradients, with each bucket's D2H after its all-reduce.
 
     See Note [DDP and host-stepped gradients] in this module. Call once, after wrapping the model
@@ -117,11 +112,6 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
             Ownership is per host chunk (``chunk_bytes``, 64 MiB by default): a host half smaller
             than ``W`` chunks leaves some ranks nothing to step (pass a smaller ``chunk_bytes``).
             ``False``: every rank steps every host chunk (a full replica). Default: ``True``.
-        align_host_step (bool): in exact mode, wait at ``step()`` until every rank of the DDP
-            group arrived (a CPU barrier on a gloo group created here: a collective call), so the
-            ranks' host steps run at the same time instead of one rank's AdamW slowing another's
-            backward through shared host memory (Note [Aligned host steps] in ``_align.py``).
-            Default: ``True``.
 
     Returns:
         OffloadCommHook: the installed hook, with copy counters.
@@ -158,9 +148,8 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
             "allocated, so freeing p.grad saves no GPU memory and breaks gradient_as_bucket_view. Build it with "
             "offload_gradients=False, or shard gradients with FSDP2 (fully_shard) instead."
         )
-    for name, v in (("shard_host_step", shard_host_step), ("align_host_step", align_host_step)):
-        if not isinstance(v, bool):
-            raise TypeError(f"register_offload_comm_hook: {name} must be True or False, got {v!r}.")
+    if not isinstance(shard_host_step, bool):
+        raise TypeError(f"register_offload_comm_hook: shard_host_step must be True or False, got {shard_host_step!r}.")
     if shard_host_step and opt.defaults.get("delayed_param_update", False):
         raise ValueError(
             "register_offload_comm_hook: shard_host_step=True is not supported with delayed_param_update=True (the delayed "
@@ -197,10 +186,4 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
 
         hook.shard = _seams.set_shard(opt, HostShard(opt, ddp_model.process_group))
     hook._pre_step = opt.register_step_pre_hook(hook._before_step)
-    if align_host_step:
-        from . import _align
-
-        pg = ddp_model.process_group
-        ranks = None if pg is None or pg == dist.group.WORLD or dist.get_world_size(pg) == dist.get_world_size() else dist.get_process_group_ranks(pg)
-        hook.alignment, hook._align_handle = _align.install(opt, ranks)
     return hook

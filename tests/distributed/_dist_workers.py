@@ -233,46 +233,6 @@ def ddp_resume(rank: int, world: int, *, out_dir: str, ckpt: str, first: int, st
     return {"weights": _weights(model), "losses": losses}
 
 
-def aligned_step_waits(rank: int, world: int, *, out_dir: str, align: bool, late: float = 0.6,
-                       parallel: str = "fsdp", **opt_kw: Any) -> dict[str, Any]:
-    """Rank 1 reaches step() ``late`` seconds after rank 0: how long rank 0's step() takes
-    (Note [Aligned host steps]), and the attachment's alignment counters."""
-    import time
-
-    model = _shard(make_model()) if parallel == "fsdp" else make_model()
-    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, lr=LR, **opt_kw)
-    att = attach_optimizer(model, opt, align_host_step=align)
-    loss_fn(model(batches(1, world)[0][rank])).backward()
-    if rank == 1:
-        time.sleep(late)
-    t0 = time.perf_counter()
-    opt.step()
-    took = time.perf_counter() - t0
-    out = {"step_s": took, "alignment": None if att.alignment is None else (att.alignment.steps, att.alignment.waited_s),
-           "weights": _weights(model)}
-    dist.barrier()
-    att.detach()
-    opt.zero_grad(set_to_none=True)
-    loss_fn(model(batches(1, world)[0][rank])).backward()
-    if rank == 1:
-        time.sleep(late)
-    t0 = time.perf_counter()
-    opt.step()  # detached: no barrier any more
-    out["after_detach_s"] = time.perf_counter() - t0
-    dist.barrier()
-    opt.close()
-    return out
-
-
-def align_suite(rank: int, world: int, *, out_dir: str) -> dict[str, Any]:
-    return {
-        "fsdp_on": aligned_step_waits(rank, world, out_dir=out_dir, align=True),
-        "fsdp_off": aligned_step_waits(rank, world, out_dir=out_dir, align=False),
-        "plain_on": aligned_step_waits(rank, world, out_dir=out_dir, align=True, parallel="plain"),
-        "step_in_backward": aligned_step_waits(rank, world, out_dir=out_dir, align=True, step_in_backward=True),
-    }
-
-
 def fsdp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, Any]:
     """All FSDP2 scenarios in one pair of processes."""
     return {

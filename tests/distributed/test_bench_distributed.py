@@ -51,7 +51,6 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     assert "| 2 GPUs FSDP2 | 2 |" in text and "| 1 GPU, 1/2 of the host | 1 |" in text and "its share of the host" in text
     assert "Weak-scaling efficiency" in text
     assert "max relative difference 0.00e+00 (passes" in text
-    assert "Host steps aligned (Note [Aligned host steps]): yes, rank 0 waited" in text
     assert "| 2 GPUs (rank 0) |" in text and "| 1 GPU, 1/2 of the host |" in text.split("Where a step goes")[1]
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert traces == ["fsdp_rank0.json", "fsdp_rank1.json", "share_rank0.json"]
@@ -62,7 +61,7 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
 
 def test_tiny_torchrun_two_processes_ddp_sharded_and_replicated(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for extra, label in (([], "(host step sharded)"), (["--replicate-host-step", "--no-align-host-step"], "(host step replicated)")):
+    for extra, label in (([], "(host step sharded)"), (["--replicate-host-step"], "(host step replicated)")):
         out = tmp_path / f"r{len(extra)}.md"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), "-m", "annotate_offload.bench.distributed", "--tiny", "--parallel", "ddp",
@@ -71,5 +70,4 @@ def test_tiny_torchrun_two_processes_ddp_sharded_and_replicated(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         text = out.read_text()
         assert f"| 2 GPUs DDP {label} | 2 |" in text
-        assert ("Host steps aligned (Note [Aligned host steps]): " + ("no" if extra else "yes")) in text
         assert "max relative difference 0.00e+00 (passes" in text
