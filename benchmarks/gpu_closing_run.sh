@@ -3,7 +3,7 @@
 # closing notes cite. Single-GPU parts run on GPU 0 bound to 16 host cores (the one-GPU machine's
 # size, so the CPU AdamW thread budget matches it). Peers come from the wheels in .whl (carry it).
 # Usage: [SECTIONS="tests w1 w3 ..."] bash benchmarks/gpu_closing_run.sh   (logs under $OUT, default ./out)
-# Sections (default: all but caller, in this order): tests w1 dist ddp fsdp w3 diag caller cpu lora llama
+# Sections (default: all but caller, in this order): tests w1 dist ddp fsdp w3 diag caller cpu torchao lora llama
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 O=${OUT:-out}
@@ -36,6 +36,9 @@ ddp|fsdp) step "weak scaling, $s (two GPUs) ${DIST_ARGS:---bind}"
   grep -vE "^W[0-9]|Warning|warn" "$O/$s.log" | grep -E "^\||PASS|FAIL|efficiency|parity|share|Error" | tail -26
   # DIST_ARGS="--bind --profile prof": one archive of the chrome traces (the device returns at most 8 files)
   if [ -d prof ]; then tar czf "$O/${s}_traces.tgz" prof && rm -rf prof && ls -la "$O/${s}_traces.tgz"; fi ;;
+torchao) step "exact mode vs torchao CPUOffloadOptimizer, alternated"
+  $one timeout "${T_TORCHAO:-180}" python3 benchmarks/diag_vs_torchao.py >"$O/diag_vs_torchao.log" 2>&1
+  tail -16 "$O/diag_vs_torchao.log" ;;
 cpu) step "CPU placement: SMT siblings, cross-process slowdown (GPU-free)"
   timeout "${T_CPU:-90}" python3 benchmarks/diag_cpu.py >"$O/diag_cpu.log" 2>&1
   cat "$O/diag_cpu.log" | tail -16 ;;

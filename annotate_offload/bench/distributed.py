@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                    "reduce_dtype=float32): bf16 all-gathers, as torchtitan trains (default: fp32 all-gathers under autocast)")
     p.add_argument("--replicate-host-step", action="store_true", help="DDP: every rank steps every host chunk "
                    "(attach_optimizer(..., shard_host_step=False)) instead of 1/W of them")
+    p.add_argument("--peer-copies", action="store_true",
+                   help="add a row: rank 0 alone on its host share while every other rank copies pinned memory "
+                        "(256 MiB D2H then H2D, back to back), the host-memory load of their activation offload without "
+                        "their compute or communication")
     p.add_argument("--bind", action="store_true", help="pin each rank to its thread budget's CPUs (its GPU's NUMA node) "
                    "before building the model and optimizer, so host state is allocated on that node")
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU (gloo) for CI; numbers carry no claim")
@@ -311,6 +315,37 @@ def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False) -
     return r
 
 
+def _copy_load(env: _Env, group: Any) -> dict[str, float]:
+    """Other ranks during the ``--peer-copies`` row: pinned D2H then H2D of 256 MiB, one direction at a
+    time as activation offload copies, until rank 0 sends the stop message (gloo ``group``).
+    Returns the bytes copied per second (GB/s, both directions together)."""
+    n = (256 if env.device.type == "cuda" else 1) * 2**20  # the CPU smoke run only checks the plumbing
+    dev = torch.empty(n, dtype=torch.uint8, device=env.device)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=env.device.type == "cuda")
+    import threading
+
+    done = threading.Event()  # gloo's irecv work never reports completion before wait(): a thread waits
+    waiter = threading.Thread(target=lambda: (dist.recv(torch.zeros(1), src=0, group=group), done.set()), daemon=True)
+    waiter.start()
+    side = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
+    copies = 0
+    t0 = time.perf_counter()
+    while not done.is_set():
+        if side is not None:
+            with torch.cuda.stream(side):
+                host.copy_(dev, non_blocking=True)
+                dev.copy_(host, non_blocking=True)
+            side.synchronize()
+        else:
+            host.copy_(dev)
+            dev.copy_(host)
+            time.sleep(0.001)
+        copies += 2
+    waiter.join()
+    dt = time.perf_counter() - t0
+    return {"gbps": copies * n / dt / 1e9 if dt > 0 else float("nan")}
+
+
 def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
     budget = local_thread_budget()
     if a.bind:
@@ -370,6 +405,9 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
     share = one.get("share")
     if share is not None:
         lines.append(row(f"1 GPU, 1/{W} of the host", 1, share))
+    loaded = one.get("peer_copies")
+    if loaded is not None:
+        lines.append(row(f"1 GPU, 1/{W} of the host, the other GPU(s) copying", 1, loaded))
     if many is not None:
         how = " (host step sharded)" if many.get("sharded") else " (host step replicated)" if a.parallel == "ddp" else ""
         lines.append(row(f"{W} GPUs {_NAMES[a.parallel]}{how}", W, many))
@@ -385,6 +423,12 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
                          f"{', bound' if a.bind else ''}, what each of the {W} ranks gets): "
                          f"**{share['step_s'] / many['step_s'] * 100:.1f}%**; host AdamW per rank alone on its share vs. "
                          f"all ranks at once shows what the ranks share (host memory bandwidth).")
+        if loaded is not None:
+            lines.append(f"With the other {W - 1} GPU(s) only copying pinned memory (D2H then H2D of 256 MiB, back to back: "
+                         f"{loaded['peer_gbps']:.1f} GB/s, one direction at a time) the 1-GPU run takes "
+                         f"{loaded['step_s'] * 1e3:.1f} ms instead of {share['step_s'] * 1e3:.1f}: "
+                         f"**{share['step_s'] / loaded['step_s'] * 100:.1f}%**; {W} GPUs reach "
+                         f"**{loaded['step_s'] / many['step_s'] * 100:.1f}%** of that loaded run.")
         lines += ["", f"| step | loss, 1 GPU accumulating {W} micro-batches | loss, {W} GPUs | rel. diff |", "|---:|---:|---:|---:|"]
         worst = 0.0
         for i, (x, y) in enumerate(zip(acc["losses"], many["losses"])):
@@ -393,7 +437,7 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
             lines.append(f"| {i} | {x:.6f} | {y:.6f} | {rd:.2e} |")
         ok = "passes" if worst <= a.parity_rtol else "FAILS"
         lines += ["", f"**Loss parity**: max relative difference {worst:.2e} ({ok} rtol {a.parity_rtol:g})."]
-    runs = [("1 GPU", one), ("1 GPU, 1/%d of the host" % W, share)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
+    runs = [("1 GPU", one), ("1 GPU, 1/%d of the host" % W, share), ("1 GPU, others copying", loaded)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
     runs = [(n, r) for n, r in runs if r is not None and r.get("phases")]
     if runs:
         lines += ["", "Where a step goes (ms per step; CPU: wall time between the marks on the training thread; "
@@ -430,6 +474,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if env.world > 1:
                 one["share"] = _single(a, env, micro=1, share=True)
                 _collect(env)
+        if a.peer_copies and env.distributed:
+            group = dist.new_group(backend="gloo")
+            if env.rank == 0:
+                one["peer_copies"] = _single(a, env, micro=1, share=True)
+                _collect(env)
+                for r in range(1, env.world):
+                    dist.send(torch.ones(1), dst=r, group=group)
+                rates = [torch.zeros(1) for _ in range(env.world)]
+                dist.gather(torch.zeros(1), rates, dst=0, group=group)
+                one["peer_copies"]["peer_gbps"] = min(float(t) for t in rates[1:])
+            else:
+                load = _copy_load(env, group)
+                dist.gather(torch.tensor([load["gbps"]]), None, dst=0, group=group)
         env.barrier()
         many = _multi(a, env) if env.distributed else None
         _collect(env)

@@ -44,13 +44,14 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "annotate_offload.bench.distributed", "--tiny", "--parallel", "fsdp",
-           "--out", str(out), "--profile", str(tmp_path / "traces")]
+           "--out", str(out), "--profile", str(tmp_path / "traces"), "--peer-copies"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "| 2 GPUs FSDP2 | 2 |" in text and "| 1 GPU, 1/2 of the host | 1 |" in text and "its share of the host" in text
     assert "Weak-scaling efficiency" in text
     assert "max relative difference 0.00e+00 (passes" in text
+    assert "| 1 GPU, 1/2 of the host, the other GPU(s) copying | 1 |" in text and "of that loaded run" in text
     assert "| 2 GPUs (rank 0) |" in text and "| 1 GPU, 1/2 of the host |" in text.split("Where a step goes")[1]
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert traces == ["fsdp_rank0.json", "fsdp_rank1.json", "share_rank0.json"]

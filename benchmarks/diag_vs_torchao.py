@@ -1,0 +1,75 @@
+"""A/B: HybridDeviceOptimizer's default exact mode vs. torchao's CPUOffloadOptimizer, alternated.
+
+The W3 benchmark times each optimizer once, in sequence; host throughput on the H200 machines
+drifts by +-15% between and within runs, and torchao beat our exact mode in two runs (B4, session
+3) and lost in one (B2). This builds W3's model once (1.21 G params, 24 x 2048, autocast bf16, 4 x
+1024 tokens, offload_gradients, f = 1) and alternates the two optimizers ``--rounds`` times, each
+fresh: ``--warmup`` steps, then ``--steps`` timed steps. Prints each run and the per-optimizer median.
+
+Run on the GPU machine with torchao's wheel on the path:
+``python benchmarks/diag_vs_torchao.py [--rounds 3 --steps 4]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from annotate_offload.bench import _peers
+from annotate_offload.bench.optimizer import _FULL, _Clock, _free, _loss
+from annotate_offload.models.gpt import GPTStack
+from annotate_offload.optim import HybridDeviceOptimizer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPTStack(_FULL["config"], device=dev)
+    x = torch.randn(_FULL["batch"], _FULL["seq"], _FULL["config"].hidden, device=dev)
+    makers = {
+        "annotate_offload exact": lambda: HybridDeviceOptimizer(model.parameters(), lr=1e-5, offload_fraction=1.0,
+                                                               offload_gradients=True),
+        "torchao CPUOffloadOptimizer": lambda: _peers.make_torchao_cpu_offload_optimizer(model.parameters(), lr=1e-5,
+                                                                                         offload_gradients=True),
+    }
+    clock = _Clock(dev)
+    times: dict[str, list[float]] = {k: [] for k in makers}
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {sum(p.numel() for p in model.parameters()) / 1e9:.3f} G params")
+    print("| round | optimizer | ms/step |\n|---|---|---:|")
+    for r in range(a.rounds):
+        for name, make in makers.items():
+            _free(dev)
+            opt = make()
+            if opt is None:
+                print(f"| {r} | {name} | not importable |")
+                continue
+
+            def step() -> None:
+                _loss(model, x, dev).backward()
+                opt.step()
+                opt.zero_grad()
+
+            for _ in range(a.warmup):
+                step()
+            ms = clock.time(step, a.steps)
+            times[name].append(ms)
+            print(f"| {r} | {name} | {ms:.1f} |", flush=True)
+            if hasattr(opt, "close"):
+                opt.close()
+            del opt
+            model.zero_grad(set_to_none=True)
+    print("\n| optimizer | median ms/step | min | max |\n|---|---:|---:|---:|")
+    for name, t in times.items():
+        if t:
+            print(f"| {name} | {statistics.median(t):.1f} | {min(t):.1f} | {max(t):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
