@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from annotate_offload.bench import _peers
-from annotate_offload.bench.optimizer import _FULL, _Clock, _free, _loss
+from annotate_offload.bench.optimizer import _FULL, _TINY, _Clock, _free, _loss
 from annotate_offload.models.gpt import GPTStack
 from annotate_offload.optim import HybridDeviceOptimizer
 
@@ -30,26 +30,37 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,torchao (default: all)")
+    ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
+                    "optimizer with torch.profiler (CPU + CUDA) into DIR/<name>.json")
     a = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    spec = _FULL if dev.type == "cuda" else _TINY  # CPU: a smoke run of the script, no claim
     torch.manual_seed(0)
-    model = GPTStack(_FULL["config"], device=dev)
-    x = torch.randn(_FULL["batch"], _FULL["seq"], _FULL["config"].hidden, device=dev)
+    model = GPTStack(spec["config"], device=dev)
+    x = torch.randn(spec["batch"], spec["seq"], spec["config"].hidden, device=dev)
     def ours(**kw):
         return lambda: HybridDeviceOptimizer(model.parameters(), lr=1e-5, offload_fraction=1.0, offload_gradients=True, **kw)
 
     cores = len(os.sched_getaffinity(0))
-    makers = {
-        "annotate_offload exact (defaults)": ours(),
-        f"annotate_offload exact, cpu_threads={cores}": ours(cpu_threads=cores),
-        "annotate_offload exact, chunk_bytes=256 MiB": ours(chunk_bytes=256 << 20),
-        f"annotate_offload exact, 256 MiB, cpu_threads={cores}": ours(chunk_bytes=256 << 20, cpu_threads=cores),
-        "torchao CPUOffloadOptimizer": lambda: _peers.make_torchao_cpu_offload_optimizer(model.parameters(), lr=1e-5,
-                                                                                         offload_gradients=True),
+    every = {
+        "defaults": ("annotate_offload exact (defaults)", ours()),
+        "threads": (f"annotate_offload exact, cpu_threads={cores}", ours(cpu_threads=cores)),
+        "chunk256": ("annotate_offload exact, chunk_bytes=256 MiB", ours(chunk_bytes=256 << 20)),
+        "both": (f"annotate_offload exact, 256 MiB, cpu_threads={cores}", ours(chunk_bytes=256 << 20, cpu_threads=cores)),
+        "torchao": ("torchao CPUOffloadOptimizer", lambda: _peers.make_torchao_cpu_offload_optimizer(
+            model.parameters(), lr=1e-5, offload_gradients=True)),
     }
+    keys = a.only.split(",") if a.only else list(every)
+    unknown = [k for k in keys if k not in every]
+    if unknown:
+        raise SystemExit(f"--only: unknown {unknown}; choose from {sorted(every)}")
+    makers = dict(every[k] for k in keys)
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
     clock = _Clock(dev)
     times: dict[str, list[float]] = {k: [] for k in makers}
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {sum(p.numel() for p in model.parameters()) / 1e9:.3f} G params")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU (smoke run)'}, {sum(p.numel() for p in model.parameters()) / 1e9:.3f} G params")
     print("| round | optimizer | ms/step | host AdamW ms/step |\n|---|---|---:|---:|")
     for r in range(a.rounds):
         for name, make in makers.items():
@@ -70,6 +81,15 @@ def main() -> None:
             times[name].append(ms)
             host = getattr(opt, "host_step_seconds", float("nan")) * 1e3  # the last step's
             print(f"| {r} | {name} | {ms:.1f} | {host:.1f} |", flush=True)
+            if a.profile and r == 0:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    step()
+                    clock.sync()
+                slug = "".join(ch if ch.isalnum() else "_" for ch in name)[:60]
+                prof.export_chrome_trace(os.path.join(a.profile, f"{slug}.json"))
             if hasattr(opt, "close"):
                 opt.close()
             del opt
