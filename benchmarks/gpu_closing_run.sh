@@ -3,7 +3,7 @@
 # closing notes cite. Single-GPU parts run on GPU 0 bound to 16 host cores (the one-GPU machine's
 # size, so the CPU AdamW thread budget matches it). Peers come from the wheels in .whl (carry it).
 # Usage: [SECTIONS="tests w1 w3 ..."] bash benchmarks/gpu_closing_run.sh   (logs under $OUT, default ./out)
-# Sections (default: all but caller, in this order): tests w1 dist ddp fsdp w3 diag caller cpu torchao lora llama
+# Sections, run in the order given (default: tests w1 dist ddp fsdp w3 lora llama; also: diag cpu torchao)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 O=${OUT:-out}
@@ -42,9 +42,6 @@ torchao) step "exact mode vs torchao CPUOffloadOptimizer, alternated"
 cpu) step "CPU placement: SMT siblings, cross-process slowdown (GPU-free)"
   timeout "${T_CPU:-90}" python3 benchmarks/diag_cpu.py >"$O/diag_cpu.log" 2>&1
   cat "$O/diag_cpu.log" | tail -16 ;;
-caller) step "exact mode: host chunks on the worker vs the calling thread (A B A B)"
-  $one timeout "${T_CALLER:-90}" python3 benchmarks/diag_caller.py --steps 4 >"$O/diag_caller.log" 2>&1
-  tail -8 "$O/diag_caller.log" ;;
 w3) step "W3"
   $one timeout "${T_W3:-150}" python3 -m annotate_offload.bench.optimizer --steps ${W3_STEPS:-5} --warmup 2 \
     ${W3_ARGS:---no-diagnostics} >"$O/w3.log" 2>&1

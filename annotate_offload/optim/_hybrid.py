@@ -255,9 +255,6 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._buf = 0  # which gradient buffer this step's D2H fills (two in delayed mode)
         self._seq = 0  # D2H issue counter: host chunks are stepped in the order their gradients landed
         self._begun = False
-        # exact mode: run the host chunks on the thread that called step() (it waits for them
-        # anyway) instead of the worker; an A/B toggle until measured (benchmarks/diag_caller.py)
-        self._caller_steps = False
         self._closed = False
         self._hooks: list[Any] = []
         if self._overlap:
@@ -443,13 +440,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._begin()
         self._collect(self._d2h)
         ph.d2h_ev = self._last_d2h_ev
-        if self._caller_steps and not self._in_backward and not self._delayed:
-            self._gpu_step()
-            self._run_chunks_here(self._landing_order(), self._buf, self._h2d)
-        else:
-            for ci in self._landing_order():
-                self._submit(ci)
-            self._gpu_step()
+        for ci in self._landing_order():
+            self._submit(ci)
+        self._gpu_step()
         if self._delayed:
             self._buf ^= 1
         else:

@@ -233,33 +233,6 @@ def test_host_chunks_are_stepped_in_gradient_landing_order(monkeypatch):
     opt.close()
 
 
-@pytest.mark.parametrize("f", [0.5, 1.0])
-def test_host_chunks_on_the_calling_thread_are_exact_and_in_landing_order(monkeypatch, f):
-    """The exact-mode A/B variant (``_caller_steps``, benchmarks/diag_caller.py): chunks stepped by the
-    thread that called step(), in landing order, not by the worker; same bits as torch AdamW."""
-    m, r = pair()
-    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, chunk_bytes=512, lr=1e-2)
-    opt._caller_steps = True
-    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
-    import threading
-
-    seen = []
-    real = opt._run_chunk
-    monkeypatch.setattr(opt, "_run_chunk", lambda ci, *a: (seen.append((ci, threading.get_ident())), real(ci, *a))[1])
-    monkeypatch.setattr(opt, "_submit", lambda ci: pytest.fail("exact mode on the caller must not use the worker"))
-    xs = _xs(4)
-    train(m, opt, xs)
-    train(r, ref, xs)
-    assert_same(m, r)
-    assert seen and {t for _, t in seen} == {threading.get_ident()}
-    n = len(opt._chunks)
-    landed = sorted(range(n), key=lambda ci: max(sl.seq for sl in opt._chunks[ci].slots))
-    assert n > 1 and [ci for ci, _ in seen[-n:]] == landed  # the last step, in landing order
-    if f == 1.0:
-        assert landed != sorted(landed)  # l3's chunk landed first: not index order
-    opt.close()
-
-
 def test_default_chunk_size_depends_on_the_mode():
     m, _ = pair()
     assert HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0).defaults["chunk_bytes"] == 64 << 20
