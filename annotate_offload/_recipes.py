@@ -329,8 +329,12 @@ class _Tracer:
 
 def _forward_ctx(cfg: Config, device: torch.device, sdpa_backend: str, saved: Optional[_SavedBytes]):
     stack = contextlib.ExitStack()
-    if cfg.model.bf16 and device.type != "meta":  # autocast has no meta device: estimates count the model's dtypes
+    if cfg.model.bf16 and device.type != "meta":
         stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+    elif cfg.model.bf16:  # autocast has no meta device: its casts, emulated (Note [Autocast on meta])
+        from .annotate._estimate import autocast_on_meta
+
+        stack.enter_context(autocast_on_meta(torch.bfloat16))
     if device.type == "cuda" and sdpa_backend != "default":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -615,9 +619,11 @@ def _saved_bytes_per_layer(recipe: Recipe, cfg: Config, fqns: list) -> Optional[
     seen: list = [set() for _ in layers]
     totals = [0] * len(layers)
 
+    from .runtime._layer_state import _is_param_alias
+
     def pack(t):
         i = current[0]
-        if i is not None:
+        if i is not None and not _is_param_alias(t):  # a weight or its autocast cast: not an activation
             key = t.untyped_storage()._cdata
             if key not in params and key not in seen[i]:
                 seen[i].add(key)
@@ -632,9 +638,11 @@ def _saved_bytes_per_layer(recipe: Recipe, cfg: Config, fqns: list) -> Optional[
     try:
         from .annotate._estimate import fused_sdpa_on_meta
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _forward_ctx(
+        # fused_sdpa_on_meta first: the mode entered last (bf16 autocast's, from _forward_ctx) sees
+        # SDPA first and casts its inputs before the fused-attention mode maps the call
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fused_sdpa_on_meta(), _forward_ctx(
             cfg, torch.device("meta"), "default", None
-        ), fused_sdpa_on_meta():
+        ):
             model(x)
     except Exception:  # noqa: BLE001
         return None
@@ -672,8 +680,8 @@ def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
         # plan's bytes/step are what moves, which is 0 for a kept layer
         per_layer = _saved_bytes_per_layer(recipe, cfg, [lp.fqn for lp in plan.layers])
         if cfg.model.bf16:
-            notes.append("meta-device estimates run without autocast (it has no meta device): they count the "
-                         "model's own dtypes, so bf16-autocast activations are over-counted (fp32 where bf16 runs)")
+            notes.append("meta-device estimates emulate bf16 autocast's casts (autocast has no meta device; CUDA's op "
+                         "lists, Note [Autocast on meta])")
         if per_layer is None:
             acts = (None, None)
             notes.append("saved activations unknown: the forward does not run on the meta device")

@@ -14,7 +14,7 @@ from annotate_offload.errors import OffloadError
 
 from ._boundary import LayerBoundary
 from ._discover import LayerRef, find_layers
-from ._estimate import estimate_bytes
+from ._estimate import autocast_dtype_of, estimate_bytes
 from ._forwards import ByMode, OffloadedForward, RecomputeForward
 from ._fx_pass import FxTraceError, insert_boundaries, ordered_layers, trace_layers
 from ._hooks import HookState, install_hooks
@@ -98,7 +98,9 @@ def offload_transform(
             model unchanged. Default: ``None``.
         example_inputs (Tensor | tuple | dict | None): one training step's inputs; used to
             estimate bytes per layer on the meta device (and to profile with ``"auto"``). Without
-            them the bytes are measured on the first training step. Default: ``None``.
+            them the bytes are measured on the first training step. The estimate emulates bf16
+            autocast when ``config`` says ``bf16=True`` or the call runs inside ``torch.autocast``
+            (its dtype; Note [Autocast on meta] in ``_estimate.py``). Default: ``None``.
         layer_types (type | tuple[type, ...] | None): classes whose outermost instances are the layers.
         filter_fn (Callable[[nn.Module, str], bool] | None): ``filter_fn(module, fqn)`` picks the layers.
         release_lag (int | None): runtime release schedule, ``None`` = TransformerEngine's bound.
@@ -300,7 +302,8 @@ def offload_transform(
         try:
             per_layer = estimate_bytes(model, boundary, example_inputs,
                                        min_numel=_min_numel(settings.min_offload_numel),
-                                       policy=settings.policy or _default_policy())
+                                       policy=settings.policy or _default_policy(),
+                                       autocast_dtype=autocast_dtype_of(config))
             plan._with_bytes(per_layer, "estimate")
         except Exception as e:  # a forward that cannot run on meta tensors (data-dependent code)
             first = (str(e).splitlines() or [""])[0][:160]

@@ -360,3 +360,54 @@ def test_meta_estimate_counts_fused_attention_not_the_math_path():
         with fused_sdpa_on_meta():
             F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert max(saved) == q.numel() and 2 * 4 * 128 in saved
+
+
+@pytest.mark.parametrize("how", ["autocast_region", "config_bf16"])
+def test_meta_estimate_under_bf16_autocast_matches_the_cpu_run(how):
+    """Note [Autocast on meta]: with bf16 autocast declared (config.bf16) or active at the call,
+    the meta estimate equals what a CPU run under torch.autocast(bfloat16) moves, which is about
+    half of the fp32 estimate (the llama-1b recipe: 2.07 GiB per layer, as moved on the H200)."""
+    from annotate_offload.config import ModelConfig
+    from annotate_offload.models.gpt import GPTConfig, GPTStack
+
+    def build():
+        torch.manual_seed(0)
+        return GPTStack(GPTConfig(hidden=64, heads=4, layers=3))
+
+    x = torch.randn(2, 128, 64)
+    fp32 = build()
+    offload_transform(fp32, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+    fp32_est = [lp.bytes_per_step for lp in fp32.offload_plan.layers]
+
+    model = build()
+    if how == "config_bf16":
+        cfg = ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=2, bf16=True)
+        offload_transform(model, config=cfg, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            offload_transform(model, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+    est = [lp.bytes_per_step for lp in model.offload_plan.layers]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().square().mean().backward()
+    measured = [lp.bytes_per_step for lp in model.offload_plan.layers]
+    assert model.offload_plan.bytes_source == "measured"
+    assert est == measured and measured[0] > 0
+    assert measured[0] < 0.75 * fp32_est[0]
+
+
+def test_autocast_on_meta_casts_meta_calls_only():
+    import torch.nn.functional as F
+
+    from annotate_offload.annotate._estimate import autocast_on_meta
+
+    w = torch.empty(8, 4, device="meta", requires_grad=True)
+    x = torch.empty(2, 4, device="meta")
+    with autocast_on_meta(torch.bfloat16):
+        assert F.linear(x, w).dtype == torch.bfloat16
+        assert F.layer_norm(x.to(torch.bfloat16), (4,)).dtype == torch.float32
+        assert (x.to(torch.bfloat16) * x).dtype == torch.float32  # not listed: type promotion
+        assert F.linear(torch.ones(2, 4), torch.ones(8, 4)).dtype == torch.float32  # not meta: untouched
+        assert F.linear(x.double(), w.double()).dtype == torch.float64  # fp64 is never cast
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float16"):
+        autocast_on_meta(torch.float32)
