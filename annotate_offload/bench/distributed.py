@@ -16,9 +16,16 @@ Runs, all in one ``torchrun`` launch:
 2. ``1 GPU, accumulated``: rank 0 alone, ``W`` micro-batches per step (the ones the ``W`` ranks
    get) with gradient accumulation: the update ``W`` GPUs make, for loss parity.
 3. ``1 GPU, 1/W of the host`` (W > 1): rank 0 alone with the host threads (and, with ``--bind``,
-   the CPUs) one rank gets in run 4: separates what adding GPUs costs from what a single
+   the CPUs) one rank gets in run 5: separates what adding GPUs costs from what a single
    process gains by having every core.
-4. ``W GPUs``: every rank; step time is the slowest rank's.
+4. ``1 GPU, 1/W of the host, the other GPU(s) copying`` (``--peer-copies``): run 3 while every
+   other rank copies pinned memory (256 MiB D2H then H2D, back to back): the host-memory load of
+   their activation offload without their compute or collectives.
+5. ``W GPUs``: every rank; step time is the slowest rank's.
+
+Every run also reports where its step goes: CPU wall time of the training thread and
+compute-stream time (CUDA events recorded at the same marks) for forward, backward, ``step()`` and
+the gap to the next step; ``--profile DIR`` writes chrome traces of two more steps of runs 3 and 5.
 
 Step time is the mean over ``--steps`` steps after ``--warmup`` steps, one synchronize at the end;
 inputs are generated (CPU generator, seeded by step and rank) and moved to the GPU before timing.
