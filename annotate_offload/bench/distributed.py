@@ -30,7 +30,7 @@ the gap to the next step; ``--profile DIR`` writes chrome traces of two more ste
 Step time is the mean over ``--steps`` steps after ``--warmup`` steps, one synchronize at the end;
 inputs are generated (CPU generator, seeded by step and rank) and moved to the GPU before timing.
 Weak-scaling efficiency = ``T(1 GPU) / T(W GPUs)`` at equal per-GPU work (issue 9 asks >= 90% at
-f = 0.5; the report also gives it against run 3). Loss parity: the per-step loss of run 4 (mean over
+f = 0.5; the report also gives it against run 3). Loss parity: the per-step loss of run 5 (mean over
 ranks) against run 2, max relative
 difference over ``--parity-steps`` steps from the same initial weights (not bitwise on GPU:
 all-reduce order and bf16 autocast; CPU/gloo runs are bit-identical, tests/distributed).
