@@ -679,7 +679,7 @@ def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
         # saved bytes of every layer (kept ones too), counted on a meta copy of the model: the
         # plan's bytes/step are what moves, which is 0 for a kept layer
         per_layer = _saved_bytes_per_layer(recipe, cfg, [lp.fqn for lp in plan.layers])
-        if cfg.model.bf16:
+        if cfg.model.bf16 and per_layer is not None:
             notes.append("meta-device estimates emulate bf16 autocast's casts (autocast has no meta device; CUDA's op "
                          "lists, Note [Autocast on meta])")
         if per_layer is None:

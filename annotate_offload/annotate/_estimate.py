@@ -21,7 +21,10 @@ the ops CUDA autocast runs in fp32 (norms, softmax, exp/log/pow/rsqrt, sum, loss
 to fp32, everything else runs in the dtypes it is given (type promotion). The lists are CUDA
 autocast's (torch.amp docs, "CUDA Ops that can autocast to float16 / float32"), the device the
 recipes train on; each ``.to()`` is a real cast node, so a parameter's cast is recognised and not
-counted, as in the runtime.
+counted, as in the runtime (a frozen weight's cast by its shape, as the runtime does). Not emulated:
+casts inside ``torch.autocast(enabled=False)`` regions of the model (they are cast anyway), and
+matmuls that library code runs below the torch-function level (``torch.einsum``,
+``nn.MultiheadAttention``'s fused path): those stay in their input dtype, as without autocast.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 # The runtime's own unit and parameter rules (private helpers of one package), so the estimate
 # counts what the runtime would move.
-from annotate_offload.runtime._layer_state import _is_param_alias
+from annotate_offload.runtime._layer_state import _is_frozen_weight_copy, _is_param_alias, frozen_shapes
 from annotate_offload.runtime._tensor_group import _unit_range
 
 __all__ = ["autocast_on_meta", "estimate_bytes", "fused_sdpa_on_meta"]
@@ -140,8 +143,9 @@ def autocast_dtype_of(config: Any = None) -> "torch.dtype | None":
 class _CountingSync:
     """Stands in for the synchronizer during the estimate: counts the bytes an offload would move."""
 
-    def __init__(self, offloaded: frozenset[int], min_numel: int, policy: str) -> None:
+    def __init__(self, offloaded: frozenset[int], min_numel: int, policy: str, frozen: set) -> None:
         self.offloaded, self.min_numel, self.policy = offloaded, min_numel, policy
+        self.frozen = frozen  # shapes of the model's frozen weights, as the runtime registers them
         self.bytes: dict[int, int] = {}
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._units: dict[int, list[tuple[int, int]]] = {}  # storage -> byte ranges, this layer
@@ -175,7 +179,7 @@ class _CountingSync:
         return t
 
     def _eligible(self, t: torch.Tensor) -> bool:
-        if _is_param_alias(t):
+        if _is_param_alias(t) or (self.frozen and _is_frozen_weight_copy(t, self.frozen)):
             return False
         if t.numel() == 0 or t.numel() < self.min_numel:
             return False
@@ -223,7 +227,9 @@ def estimate_bytes(
     else:
         args = _to_meta(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
         kwargs = {}
-    counter = _CountingSync(boundary.offloaded, min_numel, policy)
+    # offload_transform's frozen-weight marks register these with the runtime (peft/_apply.py)
+    frozen = frozen_shapes(p for p in model.parameters() if not p.requires_grad)
+    counter = _CountingSync(boundary.offloaded, min_numel, policy, frozen)
     real, boundary.sync = boundary.sync, counter
     boundary.estimating = True
     try:

@@ -124,6 +124,8 @@ def _settings(a: argparse.Namespace) -> argparse.Namespace:
     GPTConfig(hidden=a.hidden, heads=a.heads, layers=a.layers)  # its ValueError names the bad size
     if not 0 <= a.fraction <= 1:
         raise ValueError(f"--fraction must be in [0, 1], got {a.fraction}.")
+    if a.profile and os.path.exists(a.profile) and not os.path.isdir(a.profile):
+        raise ValueError(f"--profile {a.profile!r} is a file; give a directory (created if missing) for the traces.")
     return a
 
 
@@ -302,7 +304,7 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
     return r
 
 
-def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False) -> dict[str, Any]:
+def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False, tag: str = "share") -> dict[str, Any]:
     """Rank 0 alone. ``share``: with one GPU's share of the host (the per-rank budget of the
     multi-GPU run, bound to its CPUs when ``--bind``), instead of every core of the host."""
     saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
@@ -312,7 +314,7 @@ def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False) -
     try:
         model = _model(a, env)
         opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
-        trace = os.path.join(a.profile, "share_rank0.json") if a.profile and share else None
+        trace = os.path.join(a.profile, f"{tag}_rank0.json") if a.profile and share else None
         r = _timed(a, env, model, opt, 0, micro=micro, trace=trace)
         r.update(threads=budget.threads, host_numel=opt.offloaded_numel, numel=sum(p.numel() for p in model.parameters()))
         opt.close()  # stops its worker thread; _collect frees the rest once the run returns
@@ -326,13 +328,21 @@ def _copy_load(env: _Env, group: Any) -> dict[str, float]:
     """Other ranks during the ``--peer-copies`` row: pinned D2H then H2D of 256 MiB, one direction at a
     time as activation offload copies, until rank 0 sends the stop message (gloo ``group``).
     Returns the bytes copied per second (GB/s, both directions together)."""
-    n = (256 if env.device.type == "cuda" else 1) * 2**20  # the CPU smoke run only checks the plumbing
+    mib = 256 if env.device.type == "cuda" else 1  # the CPU smoke run only checks the plumbing
+    n = mib * 2**20
     dev = torch.empty(n, dtype=torch.uint8, device=env.device)
     host = torch.empty(n, dtype=torch.uint8, pin_memory=env.device.type == "cuda")
     import threading
 
     done = threading.Event()  # gloo's irecv work never reports completion before wait(): a thread waits
-    waiter = threading.Thread(target=lambda: (dist.recv(torch.zeros(1), src=0, group=group), done.set()), daemon=True)
+
+    def wait_for_stop() -> None:
+        try:
+            dist.recv(torch.zeros(1), src=0, group=group)
+        finally:
+            done.set()  # also when rank 0 died (the connection closes): stop copying, let the launcher end us
+
+    waiter = threading.Thread(target=wait_for_stop, daemon=True)
     waiter.start()
     side = torch.cuda.Stream(env.device) if env.device.type == "cuda" else None
     copies = 0
@@ -350,7 +360,7 @@ def _copy_load(env: _Env, group: Any) -> dict[str, float]:
         copies += 2
     waiter.join()
     dt = time.perf_counter() - t0
-    return {"gbps": copies * n / dt / 1e9 if dt > 0 else float("nan")}
+    return {"gbps": copies * n / dt / 1e9 if dt > 0 else float("nan"), "mib": mib}
 
 
 def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
@@ -431,7 +441,7 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
                          f"**{share['step_s'] / many['step_s'] * 100:.1f}%**; host AdamW per rank alone on its share vs. "
                          f"all ranks at once shows what the ranks share (host memory bandwidth).")
         if loaded is not None:
-            lines.append(f"With the other {W - 1} GPU(s) only copying pinned memory (D2H then H2D of 256 MiB, back to back: "
+            lines.append(f"With the other {W - 1} GPU(s) only copying pinned memory (D2H then H2D of {loaded['peer_mib']} MiB, back to back: "
                          f"{loaded['peer_gbps']:.1f} GB/s, one direction at a time) the 1-GPU run takes "
                          f"{loaded['step_s'] * 1e3:.1f} ms instead of {share['step_s'] * 1e3:.1f}: "
                          f"**{share['step_s'] / loaded['step_s'] * 100:.1f}%**; {W} GPUs reach "
@@ -471,6 +481,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = _Env(a.tiny)
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
+    if (a.profile or a.peer_copies) and not env.distributed and env.rank == 0:
+        print("annotate_offload.bench.distributed: --profile and --peer-copies act on the runs with several ranks "
+              "(launch with torchrun --nproc-per-node 2 or more); this one-process run has none.", file=sys.stderr)
+    ok = False
     try:
         one = acc = None
         if env.rank == 0:
@@ -484,16 +498,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.peer_copies and env.distributed:
             group = dist.new_group(backend="gloo")
             if env.rank == 0:
-                one["peer_copies"] = _single(a, env, micro=1, share=True)
+                one["peer_copies"] = _single(a, env, micro=1, share=True, tag="peer_copies")
                 _collect(env)
                 for r in range(1, env.world):
                     dist.send(torch.ones(1), dst=r, group=group)
-                rates = [torch.zeros(1) for _ in range(env.world)]
-                dist.gather(torch.zeros(1), rates, dst=0, group=group)
-                one["peer_copies"]["peer_gbps"] = min(float(t) for t in rates[1:])
+                rates = [torch.zeros(2) for _ in range(env.world)]
+                dist.gather(torch.zeros(2), rates, dst=0, group=group)
+                one["peer_copies"]["peer_gbps"] = min(float(t[0]) for t in rates[1:])
+                one["peer_copies"]["peer_mib"] = int(rates[1][1])
             else:
                 load = _copy_load(env, group)
-                dist.gather(torch.tensor([load["gbps"]]), None, dst=0, group=group)
+                dist.gather(torch.tensor([load["gbps"], float(load["mib"])]), None, dst=0, group=group)
         env.barrier()
         many = _multi(a, env) if env.distributed else None
         _collect(env)
@@ -505,10 +520,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if a.out:
                 with open(a.out, "w") as f:
                     f.write(report + "\n")
+        ok = True
         return 0
     finally:
         if env.distributed:
-            dist.barrier()
+            if ok:  # after a failure the other ranks may never arrive: exit, and torchrun stops them
+                dist.barrier()
             dist.destroy_process_group()
 
 

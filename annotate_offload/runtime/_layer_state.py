@@ -63,6 +63,33 @@ def _is_param_alias(t: torch.Tensor) -> bool:
     return False
 
 
+def frozen_shapes(weights) -> set:
+    """The shapes :func:`_is_frozen_weight_copy` matches for these frozen weights (2-D ones also transposed)."""
+    out: set = set()
+    for p in weights:
+        shape = tuple(p.shape)
+        out.add(shape)
+        if len(shape) == 2:
+            out.add(shape[::-1])
+    return out
+
+
+def _is_frozen_weight_copy(t: torch.Tensor, shapes: set) -> bool:
+    """A fresh cast of a frozen weight (autocast), or the ``.t()`` view ``F.linear`` saves of it.
+
+    A frozen weight's cast records no autograd node, so :func:`_is_param_alias` cannot see it;
+    ``shapes`` are those of the model's frozen weights (:func:`frozen_shapes`). Activations of
+    layer 0 in a frozen-embedding model have no ``grad_fn`` either, and a view of a ``(B*T, H)``
+    activation can match a weight's shape by chance: a view needs its base to match too.
+    """
+    if t.grad_fn is not None or t.requires_grad:
+        return False
+    base = t._base
+    if base is None:
+        return tuple(t.shape) in shapes
+    return tuple(base.shape) in shapes and tuple(t.shape) in shapes
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return False

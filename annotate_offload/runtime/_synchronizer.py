@@ -35,12 +35,14 @@ from ._device import _Backend, get_backend
 from ._layer_state import (
     DEFAULT_MIN_OFFLOAD_NUMEL,
     _is_fake,
+    _is_frozen_weight_copy,
     _is_param_alias,
     HalfPacer,
     _Kept,
     _LayerState,
     _Packed,
     check_kept_version,
+    frozen_shapes,
 )
 from ._marks import check_policy
 from ._pinned_pool import get_pool
@@ -191,13 +193,11 @@ class OffloadSynchronizer:
         ``grad_fn``, does not require grad and has the shape of a registered weight (or of its
         transpose) is kept on the device, with reason ``parameter``.
         """
+        params = list(params)
         for p in params:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"add_frozen_weights: expected tensors, got {type(p).__name__}")
-            shape = tuple(p.shape)
-            self._frozen_shapes.add(shape)
-            if len(shape) == 2:
-                self._frozen_shapes.add(shape[::-1])
+        self._frozen_shapes |= frozen_shapes(params)
 
     def _keep_reason(self, t: torch.Tensor) -> Optional[str]:
         if t.device.type != self.backend.device_type:
@@ -223,16 +223,8 @@ class OffloadSynchronizer:
             type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
         ):
             return "unsupported"
-        if self._frozen_shapes and t.grad_fn is None and not t.requires_grad:
-            # a fresh cast of a frozen weight, or the .t() view F.linear saves of it; activations
-            # of layer 0 in a frozen-embedding model have no grad_fn either, and a view of a
-            # (B*T, H) activation can match a weight's shape by chance: require the base to match
-            shapes = self._frozen_shapes
-            if base is None:
-                if tuple(t.shape) in shapes:
-                    return "parameter"
-            elif tuple(base.shape) in shapes and tuple(t.shape) in shapes:
-                return "parameter"
+        if self._frozen_shapes and _is_frozen_weight_copy(t, self._frozen_shapes):
+            return "parameter"
         return None
 
     # -- saved-tensor hooks (TE names) -------------------------------------------------------

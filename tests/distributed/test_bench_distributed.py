@@ -33,7 +33,8 @@ def test_tiny_single_process_report(tmp_path, capsys):
                                          (["--tiny", "--offload-layers", "2"], "--offload-layers"),
                                          (["--tiny", "--fsdp-mp"], "--fsdp-mp"),
                                          (["--tiny", "--parallel", "fsdp", "--replicate-host-step"], "--replicate-host-step"),
-                                         (["--tiny", "--heads", "3"], "heads")])
+                                         (["--tiny", "--heads", "3"], "heads"),
+                                         (["--tiny", "--profile", __file__], "--profile")])
 def test_bad_arguments_exit_2(argv, field, capsys):
     assert bench.main(argv) == 2
     assert field in capsys.readouterr().err
@@ -54,7 +55,7 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     assert "| 1 GPU, 1/2 of the host, the other GPU(s) copying | 1 |" in text and "of that loaded run" in text
     assert "| 2 GPUs (rank 0) |" in text and "| 1 GPU, 1/2 of the host |" in text.split("Where a step goes")[1]
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
-    assert traces == ["fsdp_rank0.json", "fsdp_rank1.json", "share_rank0.json"]
+    assert traces == ["fsdp_rank0.json", "fsdp_rank1.json", "peer_copies_rank0.json", "share_rank0.json"]
     trace = json.loads((tmp_path / "traces" / "fsdp_rank0.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"bench.forward", "bench.backward", "bench.step"} <= names
