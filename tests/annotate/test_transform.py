@@ -411,3 +411,23 @@ def test_autocast_on_meta_casts_meta_calls_only():
         assert F.linear(x.double(), w.double()).dtype == torch.float64  # fp64 is never cast
     with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float16"):
         autocast_on_meta(torch.float32)
+
+
+def test_meta_estimate_under_autocast_skips_frozen_weights_casts():
+    """A frozen weight's autocast cast has no autograd node; the runtime keeps it by its shape
+    (add_frozen_weights), and so must the estimate (it counted them as activations: 3.6x)."""
+    from annotate_offload.models.gpt import GPTConfig, GPTStack
+
+    torch.manual_seed(0)
+    model = GPTStack(GPTConfig(hidden=64, heads=4, layers=3))
+    frozen = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][::2]
+    for m in frozen:
+        m.requires_grad_(False)
+    x = torch.randn(2, 16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        offload_transform(model, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+        est = [lp.bytes_per_step for lp in model.offload_plan.layers]
+        out = model(x)
+    out.float().square().mean().backward()
+    assert model.offload_plan.bytes_source == "measured"
+    assert est == [lp.bytes_per_step for lp in model.offload_plan.layers] and est[0] > 0
