@@ -25,12 +25,12 @@ import time
 
 
 def _siblings() -> dict[int, tuple[int, ...]]:
+    from annotate_offload.distributed._threads import parse_cpulist
+
     out = {}
     for c in sorted(os.sched_getaffinity(0)):
         try:
             with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
-                from annotate_offload.distributed._threads import parse_cpulist
-
                 out[c] = tuple(parse_cpulist(f.read()))
         except OSError:
             out[c] = (c,)

@@ -69,7 +69,6 @@ def main() -> None:
                     fn()
         return _timed(main_fn, main_s, it)
 
-    rows = []
     dist.barrier()
     t_d2h = _timed(d2h, s_d2h, a.iters)
     t_h2d = _timed(h2d, s_h2d, a.iters)

@@ -51,6 +51,7 @@ import datetime
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -205,35 +206,34 @@ class _Marks:
 
     def __init__(self, env: _Env) -> None:
         self.cuda = env.device.type == "cuda"
-        self.cpu: list[list[float]] = []
-        self.gpu: list[list[Any]] = []
+        self.steps: list[list[tuple[float, Any]]] = []  # per step: 4 x (perf_counter, CUDA event or None)
 
     def mark(self) -> None:
-        if not self.cpu or len(self.cpu[-1]) == 4:
-            self.cpu.append([])
-            self.gpu.append([])
-        self.cpu[-1].append(time.perf_counter())
+        if not self.steps or len(self.steps[-1]) == 4:
+            self.steps.append([])
+        ev = None
         if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.gpu[-1].append(e)
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        self.steps[-1].append((time.perf_counter(), ev))
 
     def means(self) -> dict[str, float]:
         """After a synchronize: {'cpu_fwd': ms, ..., 'gpu_gap': ms} (gaps: mark 0 of step s+1 - mark 3 of step s)."""
-        rows = [r for r in self.cpu if len(r) == 4]
+        rows = [r for r in self.steps if len(r) == 4]
+        if len(rows) < 2:
+            return {}
+
+        def cpu(a: tuple, b: tuple) -> float:
+            return (b[0] - a[0]) * 1e3
+
+        def gpu(a: tuple, b: tuple) -> float:
+            return a[1].elapsed_time(b[1]) if self.cuda else cpu(a, b)
+
         out: dict[str, float] = {}
-        for kind, series in (("cpu", rows), ("gpu", [g for g in self.gpu if len(g) == 4] if self.cuda else rows)):
-            if len(series) < 2:
-                continue
-            spans: list[list[float]] = [[], [], [], []]
-            for i, r in enumerate(series):
-                for k in range(3):
-                    spans[k].append(r[k].elapsed_time(r[k + 1]) if kind == "gpu" and self.cuda else (r[k + 1] - r[k]) * 1e3)
-                if i + 1 < len(series):
-                    nxt = series[i + 1]
-                    spans[3].append(r[3].elapsed_time(nxt[0]) if kind == "gpu" and self.cuda else (nxt[0] - r[3]) * 1e3)
-            for name, v in zip(self._PHASES, spans):
-                out[f"{kind}_{name}"] = statistics.mean(v)
+        for kind, span in (("cpu", cpu), ("gpu", gpu)):
+            for k, name in enumerate(self._PHASES[:3]):
+                out[f"{kind}_{name}"] = statistics.mean(span(r[k], r[k + 1]) for r in rows)
+            out[f"{kind}_gap"] = statistics.mean(span(r[3], nxt[0]) for r, nxt in zip(rows, rows[1:]))
         return out
 
 
@@ -332,8 +332,6 @@ def _copy_load(env: _Env, group: Any) -> dict[str, float]:
     n = mib * 2**20
     dev = torch.empty(n, dtype=torch.uint8, device=env.device)
     host = torch.empty(n, dtype=torch.uint8, pin_memory=env.device.type == "cuda")
-    import threading
-
     done = threading.Event()  # gloo's irecv work never reports completion before wait(): a thread waits
 
     def wait_for_stop() -> None:
