@@ -22,7 +22,7 @@ import torch
 from annotate_offload.bench import _peers
 from annotate_offload.bench.optimizer import _FULL, _TINY, _Clock, _free, _loss
 from annotate_offload.models.gpt import GPTStack
-from annotate_offload.optim import HybridDeviceOptimizer
+from annotate_offload.optim import HybridDeviceOptimizer, _pipeline
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,torchao (default: all)")
+    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,hookall,torchao (default: all)")
     ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
                     "optimizer with torch.profiler (CPU + CUDA) into DIR/<name>.json")
     a = ap.parse_args()
@@ -48,6 +48,7 @@ def main() -> None:
         "threads": (f"annotate_offload exact, cpu_threads={cores}", ours(cpu_threads=cores)),
         "chunk256": ("annotate_offload exact, chunk_bytes=256 MiB", ours(chunk_bytes=256 << 20)),
         "both": (f"annotate_offload exact, 256 MiB, cpu_threads={cores}", ours(chunk_bytes=256 << 20, cpu_threads=cores)),
+        "hookall": ("annotate_offload exact, a hook per gradient (BATCHED_NUMEL=0)", ours()),
         "torchao": ("torchao CPUOffloadOptimizer", lambda: _peers.make_torchao_cpu_offload_optimizer(
             model.parameters(), lr=1e-5, offload_gradients=True)),
     }
@@ -59,12 +60,15 @@ def main() -> None:
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
     clock = _Clock(dev)
+    batched_default = _pipeline.BATCHED_NUMEL
     times: dict[str, list[float]] = {k: [] for k in makers}
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU (smoke run)'}, {sum(p.numel() for p in model.parameters()) / 1e9:.3f} G params")
     print("| round | optimizer | ms/step | host AdamW ms/step |\n|---|---|---:|---:|")
     for r in range(a.rounds):
         for name, make in makers.items():
             _free(dev)
+            # Note [Tiny gradients at step()]: the "hookall" variant restores the hook per tiny gradient
+            _pipeline.BATCHED_NUMEL = 0 if "BATCHED_NUMEL=0" in name else batched_default
             opt = make()
             if opt is None:
                 print(f"| {r} | {name} | not importable |")

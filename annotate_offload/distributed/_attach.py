@@ -81,8 +81,9 @@ class ShardedAttachment:
                 self.recopied += 1
         self._seen.clear()
         for slot, on_host in _seams.slots(self._opt):
-            if on_host and slot.param.grad is not None and not _seams.grad_copied(slot, local_shard(slot.param.grad)):
-                self.copied_at_step += 1
+            if (on_host and slot.param.grad is not None and not _seams.batched(self._opt, slot)
+                    and not _seams.grad_copied(slot, local_shard(slot.param.grad))):
+                self.copied_at_step += 1  # tiny ones are copied at step() by design (Note [Tiny gradients at step()])
 
     def mark_gradients_changed(self) -> None:
         """Declare that gradients were modified in place after backward in a way versions do not show

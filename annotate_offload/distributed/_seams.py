@@ -18,7 +18,7 @@ from ..optim._slots import HostSlot
 
 __all__: list[str] = []
 
-_NEEDED = ("_hooks", "_slot_of", "_host_slots", "_dev_slots", "_on_grad", "_chunks", "_shard", "_steps_here")
+_NEEDED = ("_hooks", "_slot_of", "_host_slots", "_dev_slots", "_on_grad", "_chunks", "_shard", "_steps_here", "_batched")
 
 
 def check_optimizer(opt: Any, who: str) -> HybridDeviceOptimizer:
@@ -95,3 +95,9 @@ def set_shard(opt: HybridDeviceOptimizer, shard: Any) -> Any:
 def steps_here(opt: HybridDeviceOptimizer, slot: Any) -> bool:
     """True when this rank runs the host step of ``slot`` (always, unless the host step is sharded)."""
     return opt._steps_here(slot.chunk)
+
+
+def batched(opt: HybridDeviceOptimizer, slot: Any) -> bool:
+    """True when ``slot``'s gradient is copied at ``step()`` with the other tiny ones, by design
+    (Note [Tiny gradients at step()] in ``optim/_pipeline.py``)."""
+    return opt._batched(slot)

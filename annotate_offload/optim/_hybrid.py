@@ -65,9 +65,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             the bf16 staging. Default: ``True``.
         overlap_cpu_optimizer_d2h_h2d (bool): the pipelined path described above. ``False`` is a
             true serial path for A/B runs: all D2H at ``step()`` on the compute stream, a host
-            sync, the host step, all H2D on the compute stream. Default: ``True``.
+            sync, the host step, all H2D on the compute stream. Default: ``True``. With overlap,
+            host parameters under 4096 elements (norm weights, small biases) get no gradient hook:
+            ``step()`` copies their gradients in one batch (Note [Tiny gradients at step()] in
+            ``_pipeline.py``), except with ``step_in_backward``.
         offload_gradients (bool): drop each host-stepped parameter's GPU gradient in its backward
-            hook, right after its D2H is enqueued (the allocator reuses the memory once the copy
+            hook (the tiny ones at ``step()``), right after its D2H is enqueued (the allocator reuses the memory once the copy
             has run; the backward thread never waits for it). GPU memory falls by their gradient
             bytes wherever gradients are part of the peak; when the peak is the end of forward
             (weights + activations, e.g. issue 7's W3 model) it stays there. The gradient then lives
@@ -259,7 +262,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._hooks: list[Any] = []
         if self._overlap:
             for s in host:
-                if s.param.requires_grad:
+                if s.param.requires_grad and not self._batched(s):
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(_GradHook(self, s)))
             self._worker: Optional[CpuWorker] = CpuWorker(self._threads, side.bind_thread)
             weakref.finalize(self, CpuWorker.close, self._worker)

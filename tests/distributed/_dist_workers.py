@@ -156,7 +156,17 @@ def _shard(model: nn.Module, reshard: bool = True, mp: bool = False) -> nn.Modul
 
 def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction: float = 0.5, offload: bool = True,
                offload_gradients: bool = False, clip: "float | None" = None, reshard: bool = True,
-               mp: bool = False, autocast: bool = False, **opt_kw: Any) -> dict[str, Any]:
+               mp: bool = False, autocast: bool = False, batched_numel: "int | None" = None, **opt_kw: Any) -> dict[str, Any]:
+    if batched_numel is not None:  # Note [Tiny gradients at step()]: 0 gives every test tensor its own hook
+        from annotate_offload.optim import _pipeline
+
+        saved, _pipeline.BATCHED_NUMEL = _pipeline.BATCHED_NUMEL, batched_numel
+        try:
+            return fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=fraction, offload=offload,
+                              offload_gradients=offload_gradients, clip=clip, reshard=reshard, mp=mp, autocast=autocast,
+                              **opt_kw)
+        finally:
+            _pipeline.BATCHED_NUMEL = saved
     model = make_model()
     if offload:
         _offload(model)  # before fully_shard (fx tracing would run FSDP's pre-forward hooks), as torchtitan orders AC
@@ -238,7 +248,8 @@ def fsdp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, 
     return {
         "half": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=0.5),
         "all_offload_grads": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=1.0, offload_gradients=True),
-        "clipped": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=0.5, clip=0.05),
+        # the hook path (test tensors are all tiny): its D2H in backward, then the re-copy after clipping
+        "clipped": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=0.5, clip=0.05, batched_numel=0),
         "replaced": fsdp_replaced_param(rank, world, out_dir=out_dir),
         "step_in_backward": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=1.0, chunk_bytes=1024,
                                        step_in_backward=True),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from annotate_offload.optim import _pipeline
+
 from _hdo_util import Tiny, assert_same, loss_of, pair, train
 from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer
@@ -202,6 +204,7 @@ def test_chunks_do_not_strand_small_tensors():
 def test_host_chunks_are_stepped_in_gradient_landing_order(monkeypatch):
     """Note [Host chunk order]: backward lands the last layer's gradients first, so its chunk is
     stepped first; a gradient copied only at step() (changed after backward) goes last. Same bits."""
+    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
     from annotate_offload.optim import _split
 
     monkeypatch.setattr(_split, "SERIAL_NUMEL", 0)  # every tensor in a parallel chunk of its own
@@ -359,13 +362,14 @@ def test_import_does_not_initialise_cuda():
     assert out.stdout.strip() == "False"
 
 
-def test_offloaded_gradients_are_unreferenced_right_after_their_hook():
+def test_offloaded_gradients_are_unreferenced_right_after_their_hook(monkeypatch):
     """Issue 4 item 6: nothing of ours keeps a host-stepped gradient alive once it is copied.
 
     A spy hook registered before the optimizer's records a weak reference to each gradient; the
     optimizer's hook runs next. Right after backward every one of them must be dead (CPU tensors die
     on their last reference), so on a GPU only the allocator's record_stream guard remains.
     """
+    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
     import weakref
 
     m = Tiny()
@@ -405,3 +409,37 @@ def test_empty_group_is_tolerated():
     train(r, ref, _xs(2))
     assert_same(m, r)
     opt.load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_tiny_gradients_are_copied_together_at_step(monkeypatch, offload_gradients):
+    """Note [Tiny gradients at step()]: host parameters under BATCHED_NUMEL elements get no gradient
+    hook; step() copies their gradients in one batch (one event); larger ones still copy in backward;
+    the result is torch AdamW's to the bit."""
+    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 200)  # l1.weight (256), l2.weight (1024) hooked; the rest batched
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, lr=1e-2, offload_gradients=offload_gradients)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    hooked = {id(s.param) for s in opt._host_slots if not opt._batched(s)}
+    assert hooked == {id(m.l1.weight), id(m.l2.weight)} and len(opt._hooks) == 2
+    xs = _xs(3)
+    loss_of(m, xs[0]).backward()
+    copied = {id(s.param) for s in opt._host_slots if s.valid}
+    assert copied == hooked  # the hooks ran in backward; the tiny ones wait for step()
+    if offload_gradients:
+        assert m.l1.weight.grad is None and m.l3.weight.grad is not None
+    events = []
+    real = opt._copy_batch
+    monkeypatch.setattr(opt, "_copy_batch", lambda batch, stream: (events.append(len(batch)), real(batch, stream))[1])
+    opt.step()
+    assert events == [len(opt._host_slots) - 2]  # one batch with every tiny gradient
+    if offload_gradients:
+        assert all(p.grad is None for p in m.parameters())
+    opt.zero_grad()
+    loss_of(r, xs[0]).backward()
+    ref.step()
+    ref.zero_grad()
+    train(m, opt, xs[1:])
+    train(r, ref, xs[1:])
+    assert_same(m, r)
+    opt.close()

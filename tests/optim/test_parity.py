@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from annotate_offload.optim import _pipeline
+
 from _hdo_util import assert_same, loss_of, pair, train
 from annotate_offload.optim import HybridDeviceOptimizer
 
@@ -110,7 +112,8 @@ def test_gradient_accumulation(f, offload_gradients):
 
 
 @pytest.mark.parametrize("f", [0.5, 1.0])
-def test_offload_gradients_frees_host_stepped_grads(f):
+def test_offload_gradients_frees_host_stepped_grads(f, monkeypatch):
+    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
     m, r = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, offload_gradients=True, lr=1e-2)
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
