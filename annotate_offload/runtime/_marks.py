@@ -100,6 +100,17 @@ def mark_activation_offload(*tensors: torch.Tensor) -> None:
         t.activation_offloading = True
 
 
+def mark_ready(t: torch.Tensor) -> None:
+    """Record that ``t`` is final now (ready event on the current stream, with its version) without
+    copying it: if autograd saves it later in this scope, its D2H waits for this event instead of
+    the stream position at save time (Note [Layer input at entry] in ``annotate/_boundary.py``)."""
+    if t.device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        t.start_reload_event = event
+        t._ao_ready_version = t._version
+
+
 def start_offload(*tensors: torch.Tensor, offload_base_tensor: bool = False) -> None:
     """Declare tensors final so their D2H copy can start now, before autograd saves them.
 
@@ -122,10 +133,6 @@ def start_offload(*tensors: torch.Tensor, offload_base_tensor: bool = False) -> 
     for t in _tensors(tensors, "start_offload"):
         if offload_base_tensor and t._base is not None:
             t.offload_base_tensor = True
-        if t.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(t.device))
-            t.start_reload_event = event
-            t._ao_ready_version = t._version
+        mark_ready(t)
         if sync is not None:
             sync._start_offload_now(t)

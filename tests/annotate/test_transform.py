@@ -431,3 +431,39 @@ def test_meta_estimate_under_autocast_skips_frozen_weights_casts():
     out.float().square().mean().backward()
     assert model.offload_plan.bytes_source == "measured"
     assert est == [lp.bytes_per_step for lp in model.offload_plan.layers] and est[0] > 0
+
+
+def test_layer_input_is_copied_only_if_saved_under_autocast():
+    """Note [Layer input at entry]: a block whose first op is a conv saves only the bf16 cast of its
+    input under autocast; the fp32 input must not be copied out and back, so the bytes moved equal
+    the meta estimate (the eager copy at layer entry moved twice the saved bytes in layer 1)."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return x + self.c2(torch.relu(self.c1(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(2, 8, 16, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        offload_transform(model, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+        est = [lp.bytes_per_step for lp in model.offload_plan.layers]
+        out = model(x)
+    out.float().sum().backward()
+    stats = model.offload_plan.stats
+    assert [lp.bytes_per_step for lp in model.offload_plan.layers] == est and est[0] > 0
+    assert stats.bytes_offloaded == sum(est)
