@@ -271,7 +271,7 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
     # so neither generation nor H2D of inputs competes with the host optimizer step inside the timing
     xs = [[_batch(a, env, s, rank if micro == 1 else m) for m in range(micro)] for s in range(total)]
     env.sync()
-    losses: list[float] = []
+    kept: list[torch.Tensor] = []  # parity losses, read after the timed loop: no host sync inside it
     host_s: list[float] = []
     marks = _Marks(env)
     t0 = 0.0
@@ -282,13 +282,17 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
             t0 = time.perf_counter()
         v = _train_step(model, opt, xs[s], env, marks if s >= a.warmup else None)
         if s < a.parity_steps:
-            if collective:
-                dist.all_reduce(v)
-                v = v / env.world
-            losses.append(float(v))  # a host sync, only in the parity steps
+            kept.append(v)
         if s >= a.warmup:
             host_s.append(opt.host_step_seconds)
     env.sync()
+    losses: list[float] = []
+    if kept:
+        stacked = torch.stack(kept)
+        if collective:
+            dist.all_reduce(stacked)  # every rank reaches this after the same steps
+            stacked = stacked / env.world
+        losses = stacked.tolist()
     dt = (time.perf_counter() - t0) / max(1, total - a.warmup)
     r = {"step_s": dt, "losses": losses, "peak_gib": _peak(env), "host_s": statistics.mean(host_s) if host_s else float("nan"),
          "phases": marks.means()}
