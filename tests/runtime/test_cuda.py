@@ -332,3 +332,48 @@ def test_a11_pinning_failure_falls_back_to_pageable(monkeypatch):
     with _sdpa_exact():
         run_plain(ref, x).sum().backward()
     assert_bit_identical(grads(blocks), grads(ref))
+
+
+# -- the side-stream copy without a stream context (Note [Side-stream copy without a stream context])
+def test_forward_on_a_user_stream_keeps_that_stream_current_and_is_exact():
+    """A layer run on the user's own stream: each D2H waits for that stream (not the default one),
+    the user's stream is current again after every saved tensor, and gradients are bit-identical."""
+    torch.manual_seed(0)
+    blocks = make_stack(layers=3, hidden=512, heads=8, device="cuda")
+    ref_blocks = clone(blocks)
+    x = torch.randn(4, 256, 512, device="cuda")
+    user = torch.cuda.Stream()
+    ctx, sync_fn = ao.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=3, release_lag=0, prefetch_layers=1, min_offload_numel=0
+    )
+    with _sdpa_exact():
+        user.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(user):
+            torch.cuda._sleep(50_000_000)  # the D2H must not overtake the producer on this stream
+            out = run_offloaded(blocks, x, ctx, sync_fn)
+            assert torch.cuda.current_stream() == user
+            out.float().square().mean().backward()
+        torch.cuda.synchronize()
+        run_plain(ref_blocks, x).float().square().mean().backward()
+    assert ctx.offload_synchronizer.stats.bytes_offloaded > 0
+    assert_bit_identical(grads(blocks), grads(ref_blocks))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_offload_on_a_device_that_is_not_current_keeps_the_current_device():
+    torch.manual_seed(0)
+    blocks = make_stack(layers=3, hidden=256, heads=4, device="cuda:1")
+    ref_blocks = clone(blocks)
+    x = torch.randn(2, 128, 256, device="cuda:1")
+    ctx, sync_fn = ao.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=3, release_lag=0, prefetch_layers=1,
+        min_offload_numel=0, device="cuda:1",
+    )
+    torch.cuda.set_device(0)
+    with _sdpa_exact():
+        out = run_offloaded(blocks, x, ctx, sync_fn)
+        assert torch.cuda.current_device() == 0
+        out.square().mean().backward()
+        run_plain(ref_blocks, x).square().mean().backward()
+    assert ctx.offload_synchronizer.stats.bytes_offloaded > 0
+    assert_bit_identical(grads(blocks), grads(ref_blocks))
