@@ -7,12 +7,16 @@ activations of the first ``--offload-layers`` layers offloaded (``offload_transf
 state of ``--fraction`` of each rank's parameters stepped on the host (``HybridDeviceOptimizer``,
 AdamW), one process per GPU with DDP (``gradient_as_bucket_view=True``, the offload comm hook and the host
 step sharded across ranks unless ``--replicate-host-step``)
-or FSDP2 (``fully_shard`` per block), each rank's host threads from ``local_thread_budget``.
+or FSDP2 (``fully_shard`` per ``--fsdp-unit-layers`` blocks, default 1), each rank's host threads from
+``local_thread_budget``.
 
 Runs, all in one ``torchrun`` launch:
 
 1. ``1 GPU`` (rank 0 alone, the other ranks wait): the same per-GPU work without communication,
    host threads as a single process on this host would get (``local_thread_budget(0, 1)``).
+1b. ``1 GPU, FSDP2 at world size 1`` (``--parallel fsdp``): run 1 with the model ``fully_shard``-ed
+   over a one-rank group: the same program as run 5 on one GPU, so FSDP2's own per-unit CPU cost
+   (pre/post-forward and backward hooks, copy-in/out) is in the reference too.
 2. ``1 GPU, accumulated``: rank 0 alone, ``W`` micro-batches per step (the ones the ``W`` ranks
    get) with gradient accumulation: the update ``W`` GPUs make, for loss parity.
 3. ``1 GPU, 1/W of the host`` (W > 1): rank 0 alone with the host threads (and, with ``--bind``,
@@ -88,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-efficiency", type=float, default=0.9, help="weak-scaling efficiency target (default: 0.9)")
     p.add_argument("--fsdp-mp", action="store_true", help="FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16, "
                    "reduce_dtype=float32): bf16 all-gathers, as torchtitan trains (default: fp32 all-gathers under autocast)")
+    p.add_argument("--fsdp-unit-layers", type=int, default=1, metavar="K",
+                   help="FSDP2: group K consecutive blocks into one fully_shard unit (default: 1, a unit per block); "
+                        "FSDP2's pre-/post-forward and backward hooks cost CPU time per unit")
     p.add_argument("--replicate-host-step", action="store_true", help="DDP: every rank steps every host chunk "
                    "(attach_optimizer(..., shard_host_step=False)) instead of 1/W of them")
     p.add_argument("--peer-copies", action="store_true",
@@ -120,6 +127,10 @@ def _settings(a: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--offload-layers must be in [0, layers={a.layers}), got {a.offload_layers}.")
     if a.fsdp_mp and a.parallel != "fsdp":
         raise ValueError("--fsdp-mp needs --parallel fsdp.")
+    if a.fsdp_unit_layers < 1:
+        raise ValueError(f"--fsdp-unit-layers must be >= 1, got {a.fsdp_unit_layers}.")
+    if a.fsdp_unit_layers != 1 and a.parallel != "fsdp":
+        raise ValueError("--fsdp-unit-layers needs --parallel fsdp.")
     if a.replicate_host_step and a.parallel != "ddp":
         raise ValueError("--replicate-host-step needs --parallel ddp (FSDP2 parameters are sharded already).")
     GPTConfig(hidden=a.hidden, heads=a.heads, layers=a.layers)  # its ValueError names the bad size
@@ -308,16 +319,23 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
     return r
 
 
-def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False, tag: str = "share") -> dict[str, Any]:
+def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False, tag: str = "share",
+            fsdp_group: Any = None) -> dict[str, Any]:
     """Rank 0 alone. ``share``: with one GPU's share of the host (the per-rank budget of the
-    multi-GPU run, bound to its CPUs when ``--bind``), instead of every core of the host."""
+    multi-GPU run, bound to its CPUs when ``--bind``), instead of every core of the host.
+    ``fsdp_group``: the model ``fully_shard``-ed over this one-rank group (the same program as the
+    FSDP2 run, at world size 1)."""
     saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     budget = local_thread_budget() if share else local_thread_budget(0, 1)
     if share and a.bind:
         bind_to_budget(budget)
     try:
         model = _model(a, env)
+        if fsdp_group is not None:
+            model = _fully_shard(a, model, fsdp_group)
         opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
+        if fsdp_group is not None:
+            attach_optimizer(model, opt)
         trace = os.path.join(a.profile, f"{tag}_rank0.json") if a.profile and share else None
         r = _timed(a, env, model, opt, 0, micro=micro, trace=trace)
         r.update(threads=budget.threads, host_numel=opt.offloaded_numel, numel=sum(p.numel() for p in model.parameters()))
@@ -365,6 +383,25 @@ def _copy_load(env: _Env, group: Any) -> dict[str, float]:
     return {"gbps": copies * n / dt / 1e9 if dt > 0 else float("nan"), "mib": mib}
 
 
+def _fully_shard(a: argparse.Namespace, model: nn.Module, group: Any = None) -> nn.Module:
+    """FSDP2 as the bench applies it: ``fully_shard`` per ``--fsdp-unit-layers`` blocks, then the root.
+    ``group``: shard over this process group instead of the default one (the world-size-1 row)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw: dict[str, Any] = {}
+    if group is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        kw["mesh"] = DeviceMesh.from_group(group, next(model.parameters()).device.type)
+    if a.fsdp_mp:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    k = a.fsdp_unit_layers
+    layers = list(model.layers)
+    for i in range(0, len(layers), k):
+        fully_shard(layers[i] if k == 1 else layers[i:i + k], **kw)
+    return fully_shard(model, **kw)
+
+
 def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
     budget = local_thread_budget()
     if a.bind:
@@ -375,14 +412,7 @@ def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
 
         wrapped: nn.Module = DDP(model, gradient_as_bucket_view=True, device_ids=[env.device.index] if env.device.type == "cuda" else None)
     else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        kw: dict[str, Any] = {}
-        if a.fsdp_mp:
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.layers:
-            fully_shard(layer, **kw)
-        wrapped = fully_shard(model, **kw)
+        wrapped = _fully_shard(a, model)
     opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
     att = attach_optimizer(wrapped, opt, shard_host_step=not a.replicate_host_step)
     trace = os.path.join(a.profile, f"{a.parallel}_rank{env.rank}.json") if a.profile else None
@@ -409,7 +439,8 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
         f"torch {torch.__version__}, {dev}, world size {W}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}; "
         f"GPT {a.layers} layers x hidden {a.hidden} ({one['numel'] / 1e9:.2f} G params), {a.batch} x {a.seq} tokens per GPU, "
         f"autocast bf16, offload_fraction={a.fraction}, activations of {a.offload_layers} layers offloaded"
-        + (", FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" if a.fsdp_mp and a.parallel == "fsdp" else ""),
+        + (", FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" if a.fsdp_mp and a.parallel == "fsdp" else "")
+        + (f", fully_shard per {a.fsdp_unit_layers} blocks" if a.parallel == "fsdp" and a.fsdp_unit_layers > 1 else ""),
         "",
         "| run | GPUs | step (ms) | tokens/s | peak GPU mem (GiB) | host params / rank | host threads / rank | host AdamW (G params/s per rank) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -421,6 +452,9 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
                 f"{r['host_numel'] / 1e6:.3g} M | {r['threads']} | {thr:.2f} |")
 
     lines.append(row("1 GPU", 1, one))
+    fsdp1 = one.get("fsdp1")
+    if fsdp1 is not None:
+        lines.append(row("1 GPU, FSDP2 at world size 1", 1, fsdp1))
     share = one.get("share")
     if share is not None:
         lines.append(row(f"1 GPU, 1/{W} of the host", 1, share))
@@ -437,6 +471,11 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
         eff = one["step_s"] / many["step_s"]
         ok = "meets" if eff >= a.min_efficiency else "MISSES"
         lines += ["", f"**Weak-scaling efficiency** T(1 GPU) / T({W} GPUs) = **{eff * 100:.1f}%** ({ok} the {a.min_efficiency * 100:.0f}% target)."]
+        if fsdp1 is not None:
+            lines.append(f"Against the same FSDP2 program on one GPU (world size 1, every core of the host): "
+                         f"**{fsdp1['step_s'] / many['step_s'] * 100:.1f}%**; FSDP2 at world size 1 itself takes "
+                         f"{fsdp1['step_s'] / one['step_s']:.2f}x the plain 1-GPU step (its per-unit hooks and copies, "
+                         f"{-(-a.layers // a.fsdp_unit_layers)} units of {a.fsdp_unit_layers} block(s)).")
         if share is not None:
             lines.append(f"Against one GPU given its share of the host ({share['threads']} threads"
                          f"{', bound' if a.bind else ''}, what each of the {W} ranks gets): "
@@ -456,7 +495,7 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
             lines.append(f"| {i} | {x:.6f} | {y:.6f} | {rd:.2e} |")
         ok = "passes" if worst <= a.parity_rtol else "FAILS"
         lines += ["", f"**Loss parity**: max relative difference {worst:.2e} ({ok} rtol {a.parity_rtol:g})."]
-    runs = [("1 GPU", one), ("1 GPU, 1/%d of the host" % W, share), ("1 GPU, others copying", loaded)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
+    runs = [("1 GPU", one), ("1 GPU, FSDP2 world size 1", fsdp1), ("1 GPU, 1/%d of the host" % W, share), ("1 GPU, others copying", loaded)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
     runs = [(n, r) for n, r in runs if r is not None and r.get("phases")]
     if runs:
         lines += ["", "Where a step goes (ms per step; CPU: wall time between the marks on the training thread; "
@@ -489,9 +528,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ok = False
     try:
         one = acc = None
+        # the FSDP2 program at world size 1 (every rank creates the group; rank 0 alone uses it)
+        solo = dist.new_group([0]) if env.distributed and a.parallel == "fsdp" else None
         if env.rank == 0:
             one = _single(a, env, micro=1)
             _collect(env)
+            if solo is not None:
+                one["fsdp1"] = _single(a, env, micro=1, tag="fsdp1", fsdp_group=solo)
+                _collect(env)
             acc = _single(a, env, micro=env.world) if env.world > 1 else None
             _collect(env)
             if env.world > 1:

@@ -34,6 +34,8 @@ def test_tiny_single_process_report(tmp_path, capsys):
                                          (["--tiny", "--fsdp-mp"], "--fsdp-mp"),
                                          (["--tiny", "--parallel", "fsdp", "--replicate-host-step"], "--replicate-host-step"),
                                          (["--tiny", "--heads", "3"], "heads"),
+                                         (["--tiny", "--parallel", "fsdp", "--fsdp-unit-layers", "0"], "--fsdp-unit-layers"),
+                                         (["--tiny", "--fsdp-unit-layers", "2"], "--fsdp-unit-layers"),
                                          (["--tiny", "--profile", __file__], "--profile")])
 def test_bad_arguments_exit_2(argv, field, capsys):
     assert bench.main(argv) == 2
@@ -54,6 +56,7 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     assert "max relative difference 0.00e+00 (passes" in text
     assert "| 1 GPU, 1/2 of the host, the other GPU(s) copying | 1 |" in text and "of that loaded run" in text
     assert "| 2 GPUs (rank 0) |" in text and "| 1 GPU, 1/2 of the host |" in text.split("Where a step goes")[1]
+    assert "| 1 GPU, FSDP2 at world size 1 | 1 |" in text and "same FSDP2 program on one GPU" in text
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert traces == ["fsdp_rank0.json", "fsdp_rank1.json", "peer_copies_rank0.json", "share_rank0.json"]
     trace = json.loads((tmp_path / "traces" / "fsdp_rank0.json").read_text())
@@ -73,3 +76,17 @@ def test_tiny_torchrun_two_processes_ddp_sharded_and_replicated(tmp_path):
         text = out.read_text()
         assert f"| 2 GPUs DDP {label} | 2 |" in text
         assert "max relative difference 0.00e+00 (passes" in text
+
+
+def test_tiny_torchrun_fsdp_units_of_two_blocks(tmp_path):
+    """``--fsdp-unit-layers 2``: one fully_shard unit for both blocks; still exact against 1 process."""
+    out = tmp_path / "r.md"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "annotate_offload.bench.distributed", "--tiny", "--parallel", "fsdp",
+           "--fsdp-unit-layers", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "fully_shard per 2 blocks" in text and "1 units of 2 block(s)" in text
+    assert "max relative difference 0.00e+00 (passes" in text
