@@ -14,9 +14,10 @@ Runs, all in one ``torchrun`` launch:
 
 1. ``1 GPU`` (rank 0 alone, the other ranks wait): the same per-GPU work without communication,
    host threads as a single process on this host would get (``local_thread_budget(0, 1)``).
-1b. ``1 GPU, FSDP2 at world size 1`` (``--parallel fsdp``): run 1 with the model ``fully_shard``-ed
-   over a one-rank group: the same program as run 5 on one GPU, so FSDP2's own per-unit CPU cost
-   (pre/post-forward and backward hooks, copy-in/out) is in the reference too.
+1b. ``1 GPU, DDP|FSDP2 at world size 1`` (W > 1): run 1 with the model wrapped in DDP or
+   ``fully_shard``-ed over a one-rank group and attached to the optimizer: the same program as run 5
+   on one GPU (weak scaling in the textbook sense), so the parallel wrapper's own cost (FSDP2's
+   per-unit hooks and copy-in/out, DDP's buckets) is in this reference too.
 2. ``1 GPU, accumulated``: rank 0 alone, ``W`` micro-batches per step (the ones the ``W`` ranks
    get) with gradient accumulation: the update ``W`` GPUs make, for loss parity.
 3. ``1 GPU, 1/W of the host`` (W > 1): rank 0 alone with the host threads (and, with ``--bind``,
@@ -320,22 +321,22 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
 
 
 def _single(a: argparse.Namespace, env: _Env, micro: int, share: bool = False, tag: str = "share",
-            fsdp_group: Any = None) -> dict[str, Any]:
+            solo_group: Any = None) -> dict[str, Any]:
     """Rank 0 alone. ``share``: with one GPU's share of the host (the per-rank budget of the
     multi-GPU run, bound to its CPUs when ``--bind``), instead of every core of the host.
-    ``fsdp_group``: the model ``fully_shard``-ed over this one-rank group (the same program as the
-    FSDP2 run, at world size 1)."""
+    ``solo_group``: the model wrapped (DDP) or ``fully_shard``-ed (FSDP2) over this one-rank group and
+    attached to the optimizer: the same program as the multi-GPU run, at world size 1."""
     saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     budget = local_thread_budget() if share else local_thread_budget(0, 1)
     if share and a.bind:
         bind_to_budget(budget)
     try:
         model = _model(a, env)
-        if fsdp_group is not None:
-            model = _fully_shard(a, model, fsdp_group)
+        if solo_group is not None:
+            model = _wrap(a, env, model, solo_group)
         opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
-        if fsdp_group is not None:
-            attach_optimizer(model, opt)
+        if solo_group is not None:
+            attach_optimizer(model, opt, shard_host_step=not a.replicate_host_step)
         trace = os.path.join(a.profile, f"{tag}_rank0.json") if a.profile and share else None
         r = _timed(a, env, model, opt, 0, micro=micro, trace=trace)
         r.update(threads=budget.threads, host_numel=opt.offloaded_numel, numel=sum(p.numel() for p in model.parameters()))
@@ -383,6 +384,16 @@ def _copy_load(env: _Env, group: Any) -> dict[str, float]:
     return {"gbps": copies * n / dt / 1e9 if dt > 0 else float("nan"), "mib": mib}
 
 
+def _wrap(a: argparse.Namespace, env: _Env, model: nn.Module, group: Any = None) -> nn.Module:
+    """``model`` in DDP or FSDP2 as ``--parallel`` says, over ``group`` (``None``: the default group)."""
+    if a.parallel == "fsdp":
+        return _fully_shard(a, model, group)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [env.device.index] if env.device.type == "cuda" else None
+    return DDP(model, process_group=group, gradient_as_bucket_view=True, device_ids=ids)
+
+
 def _fully_shard(a: argparse.Namespace, model: nn.Module, group: Any = None) -> nn.Module:
     """FSDP2 as the bench applies it: ``fully_shard`` per ``--fsdp-unit-layers`` blocks, then the root.
     ``group``: shard over this process group instead of the default one (the world-size-1 row)."""
@@ -407,12 +418,7 @@ def _multi(a: argparse.Namespace, env: _Env) -> dict[str, Any]:
     if a.bind:
         bind_to_budget(budget)
     model = _model(a, env)
-    if a.parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        wrapped: nn.Module = DDP(model, gradient_as_bucket_view=True, device_ids=[env.device.index] if env.device.type == "cuda" else None)
-    else:
-        wrapped = _fully_shard(a, model)
+    wrapped = _wrap(a, env, model)
     opt = HybridDeviceOptimizer(wrapped.parameters(), offload_fraction=a.fraction, lr=a.lr, cpu_threads=budget.threads)
     att = attach_optimizer(wrapped, opt, shard_host_step=not a.replicate_host_step)
     trace = os.path.join(a.profile, f"{a.parallel}_rank{env.rank}.json") if a.profile else None
@@ -452,9 +458,9 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
                 f"{r['host_numel'] / 1e6:.3g} M | {r['threads']} | {thr:.2f} |")
 
     lines.append(row("1 GPU", 1, one))
-    fsdp1 = one.get("fsdp1")
-    if fsdp1 is not None:
-        lines.append(row("1 GPU, FSDP2 at world size 1", 1, fsdp1))
+    solo = one.get("solo")
+    if solo is not None:
+        lines.append(row(f"1 GPU, {_NAMES[a.parallel]} at world size 1", 1, solo))
     share = one.get("share")
     if share is not None:
         lines.append(row(f"1 GPU, 1/{W} of the host", 1, share))
@@ -471,11 +477,12 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
         eff = one["step_s"] / many["step_s"]
         ok = "meets" if eff >= a.min_efficiency else "MISSES"
         lines += ["", f"**Weak-scaling efficiency** T(1 GPU) / T({W} GPUs) = **{eff * 100:.1f}%** ({ok} the {a.min_efficiency * 100:.0f}% target)."]
-        if fsdp1 is not None:
-            lines.append(f"Against the same FSDP2 program on one GPU (world size 1, every core of the host): "
-                         f"**{fsdp1['step_s'] / many['step_s'] * 100:.1f}%**; FSDP2 at world size 1 itself takes "
-                         f"{fsdp1['step_s'] / one['step_s']:.2f}x the plain 1-GPU step (its per-unit hooks and copies, "
-                         f"{-(-a.layers // a.fsdp_unit_layers)} units of {a.fsdp_unit_layers} block(s)).")
+        if solo is not None:
+            units = (f" ({-(-a.layers // a.fsdp_unit_layers)} fully_shard units of {a.fsdp_unit_layers} block(s))"
+                     if a.parallel == "fsdp" else "")
+            lines.append(f"**Against the same {_NAMES[a.parallel]} program on one GPU** (world size 1, every core of the "
+                         f"host): **{solo['step_s'] / many['step_s'] * 100:.1f}%**; {_NAMES[a.parallel]} at world size 1 "
+                         f"itself takes {solo['step_s'] / one['step_s']:.2f}x the plain 1-GPU step{units}.")
         if share is not None:
             lines.append(f"Against one GPU given its share of the host ({share['threads']} threads"
                          f"{', bound' if a.bind else ''}, what each of the {W} ranks gets): "
@@ -495,7 +502,7 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
             lines.append(f"| {i} | {x:.6f} | {y:.6f} | {rd:.2e} |")
         ok = "passes" if worst <= a.parity_rtol else "FAILS"
         lines += ["", f"**Loss parity**: max relative difference {worst:.2e} ({ok} rtol {a.parity_rtol:g})."]
-    runs = [("1 GPU", one), ("1 GPU, FSDP2 world size 1", fsdp1), ("1 GPU, 1/%d of the host" % W, share), ("1 GPU, others copying", loaded)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
+    runs = [("1 GPU", one), (f"1 GPU, {_NAMES[a.parallel]} world size 1", solo), ("1 GPU, 1/%d of the host" % W, share), ("1 GPU, others copying", loaded)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
     runs = [(n, r) for n, r in runs if r is not None and r.get("phases")]
     if runs:
         lines += ["", "Where a step goes (ms per step; CPU: wall time between the marks on the training thread; "
@@ -528,13 +535,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ok = False
     try:
         one = acc = None
-        # the FSDP2 program at world size 1 (every rank creates the group; rank 0 alone uses it)
-        solo = dist.new_group([0]) if env.distributed and a.parallel == "fsdp" else None
+        # the DDP/FSDP2 program at world size 1 (every rank creates the group; rank 0 alone uses it)
+        solo = dist.new_group([0]) if env.distributed else None
         if env.rank == 0:
             one = _single(a, env, micro=1)
             _collect(env)
             if solo is not None:
-                one["fsdp1"] = _single(a, env, micro=1, tag="fsdp1", fsdp_group=solo)
+                one["solo"] = _single(a, env, micro=1, tag="solo", solo_group=solo)
                 _collect(env)
             acc = _single(a, env, micro=env.world) if env.world > 1 else None
             _collect(env)

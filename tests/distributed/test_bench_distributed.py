@@ -57,6 +57,7 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     assert "| 1 GPU, 1/2 of the host, the other GPU(s) copying | 1 |" in text and "of that loaded run" in text
     assert "| 2 GPUs (rank 0) |" in text and "| 1 GPU, 1/2 of the host |" in text.split("Where a step goes")[1]
     assert "| 1 GPU, FSDP2 at world size 1 | 1 |" in text and "same FSDP2 program on one GPU" in text
+    assert "| 1 GPU, FSDP2 world size 1 |" in text.split("Where a step goes")[1]
     traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert traces == ["fsdp_rank0.json", "fsdp_rank1.json", "peer_copies_rank0.json", "share_rank0.json"]
     trace = json.loads((tmp_path / "traces" / "fsdp_rank0.json").read_text())
@@ -75,6 +76,7 @@ def test_tiny_torchrun_two_processes_ddp_sharded_and_replicated(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         text = out.read_text()
         assert f"| 2 GPUs DDP {label} | 2 |" in text
+        assert "| 1 GPU, DDP at world size 1 | 1 |" in text and "same DDP program on one GPU" in text
         assert "max relative difference 0.00e+00 (passes" in text
 
 
@@ -88,5 +90,5 @@ def test_tiny_torchrun_fsdp_units_of_two_blocks(tmp_path):
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
-    assert "fully_shard per 2 blocks" in text and "1 units of 2 block(s)" in text
+    assert "fully_shard per 2 blocks" in text and "1 fully_shard units of 2 block(s)" in text
     assert "max relative difference 0.00e+00 (passes" in text
