@@ -46,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--offload-layers", type=int, default=12)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--no-profile", action="store_true", help="only the wall-time table (an A/B of two checkouts)")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -66,7 +67,11 @@ def main() -> None:
           f"{cfg.layers} layers x {cfg.hidden}, {batch} x {seq} tokens, {offload} layers offloaded")
     print("| forward | CPU ms (median) |\n|---|---:|")
     print(f"| no offload | {base:.2f} |\n| {offload} layers offloaded | {off:.2f} |")
-    print(f"| difference per offloaded layer | {(off - base) / max(1, offload):.3f} |\n")
+    print(f"| difference per offloaded layer | {(off - base) / max(1, offload):.3f} |")
+    print(f"| difference per offloaded layer / plain forward per layer | "
+          f"{(off - base) / max(1, offload) / (base / cfg.layers):.2f} |\n")
+    if a.no_profile:
+        return
     prof = cProfile.Profile()
     for _ in range(a.repeat):
         sync()
