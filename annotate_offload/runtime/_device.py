@@ -85,27 +85,6 @@ class _Backend:
     def is_done(self, event: Any) -> bool:
         return bool(event.query())
 
-    def copy_on(
-        self,
-        stream: Any,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        non_blocking: bool,
-        ready: Any = None,
-        also: Any = None,
-    ) -> None:
-        """``dst.copy_(src)`` enqueued on ``stream`` after event ``ready`` (``None``: after the work
-        enqueued on the current stream so far) and after event ``also`` if one is given
-        (Note [Offload ordering])."""
-        if ready is None:
-            stream.wait_stream(self.current_stream())
-        else:
-            stream.wait_event(ready)
-        if also is not None:
-            stream.wait_event(also)
-        with self.stream_ctx(stream):
-            dst.copy_(src, non_blocking=non_blocking)
-
     @property
     def copies_are_async(self) -> bool:
         return False
@@ -133,17 +112,6 @@ class _CpuBackend(_Backend):
     def is_done(self, event: Any) -> bool:
         return True
 
-    def copy_on(
-        self,
-        stream: Any,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        non_blocking: bool,
-        ready: Any = None,
-        also: Any = None,
-    ) -> None:
-        dst.copy_(src)
-
     def __repr__(self) -> str:
         return "_CpuBackend()"
 
@@ -155,7 +123,6 @@ class _CudaBackend(_Backend):
 
     def __init__(self, index: int) -> None:
         self.device = torch.device("cuda", index)
-        self.index = index
         self._d2h: Optional[torch.cuda.Stream] = None
         self._h2d: Optional[torch.cuda.Stream] = None
 
@@ -172,7 +139,7 @@ class _CudaBackend(_Backend):
         return self._h2d
 
     def current_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.index)
+        return torch.cuda.current_stream(self.device)
 
     def stream_ctx(self, stream: Any) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream)
@@ -181,36 +148,6 @@ class _CudaBackend(_Backend):
         event = torch.cuda.Event()
         event.record(stream)
         return event
-
-    def copy_on(
-        self,
-        stream: Any,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        non_blocking: bool,
-        ready: Any = None,
-        also: Any = None,
-    ) -> None:
-        # Note [Side-stream copy without a stream context]: this runs for every offloaded saved
-        # tensor, so it avoids ``torch.cuda.stream(...)``, whose enter/exit query the current device
-        # and stream several times (each query also re-checks CUDA availability): one current-stream
-        # query, one event, and two direct stream switches. The switch needs this device to be
-        # current (``set_stream`` also makes the stream's device current); otherwise the generic
-        # path runs.
-        if torch.cuda.current_device() != self.index:
-            return super().copy_on(stream, dst, src, non_blocking, ready, also)
-        current = torch.cuda.current_stream(self.index)
-        if ready is None:
-            ready = torch.cuda.Event()
-            ready.record(current)
-        stream.wait_event(ready)
-        if also is not None:
-            stream.wait_event(also)
-        torch.cuda.set_stream(stream)
-        try:
-            dst.copy_(src, non_blocking=non_blocking)
-        finally:
-            torch.cuda.set_stream(current)
 
     @property
     def copies_are_async(self) -> bool:

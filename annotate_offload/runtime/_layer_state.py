@@ -42,44 +42,16 @@ _CAST_NODES = frozenset(
 )
 
 
-_Parameter = torch.nn.Parameter
-_Tensor = torch.Tensor
-# autograd node class -> is it a cast/view node (its name in _CAST_NODES)? Filled on first sight,
-# so the walk below compares classes instead of building their names on every saved tensor.
-_CAST_NODE_TYPES: dict = {}
-
-
-def _is_parameter(t: Any) -> bool:
-    """``isinstance(t, nn.Parameter)`` without the metaclass hook for plain tensors.
-
-    ``nn.Parameter``'s ``__instancecheck__`` runs Python for every call; a plain ``torch.Tensor``
-    is a parameter only through that hook's ``_is_param`` flag, which ``nn.Parameter`` sets on
-    tensor *subclasses* alone (plain data becomes a ``Parameter`` instance).
-    """
-    cls = type(t)
-    if cls is _Parameter:
-        return True
-    if cls is _Tensor:
-        return False
-    return isinstance(t, _Parameter)
-
-
 def _is_param_alias(t: torch.Tensor) -> bool:
     """A parameter, a view of one, or a cast/view chain of a trainable parameter (autocast)."""
-    if _is_parameter(t):
+    if isinstance(t, torch.nn.Parameter):
         return True
     base = t._base
-    if base is not None and _is_parameter(base):
+    if base is not None and isinstance(base, torch.nn.Parameter):
         return True
     node = t.grad_fn
     for _ in range(4):
-        if node is None:
-            return False
-        cls = type(node)
-        is_cast = _CAST_NODE_TYPES.get(cls)
-        if is_cast is None:
-            is_cast = _CAST_NODE_TYPES[cls] = cls.__name__ in _CAST_NODES
-        if not is_cast:
+        if node is None or type(node).__name__ not in _CAST_NODES:
             return False
         nxt = [fn for fn, _ in node.next_functions if fn is not None]
         if len(nxt) != 1:
@@ -87,7 +59,7 @@ def _is_param_alias(t: torch.Tensor) -> bool:
         node = nxt[0]
         variable = getattr(node, "variable", None)
         if variable is not None:
-            return _is_parameter(variable)
+            return isinstance(variable, torch.nn.Parameter)
     return False
 
 
@@ -346,8 +318,16 @@ class _LayerState:
     def _enqueue_d2h(self, entry: _Entry, ready_event: Any) -> None:
         backend = self.backend
         host = self.pool.acquire(entry.nbytes)
-        last_read, host.last_read_event = host.last_read_event, None
-        backend.copy_on(backend.d2h_stream, host.tensor, entry.src, host.pinned, ready_event, last_read)
+        d2h = backend.d2h_stream
+        if ready_event is not None:
+            d2h.wait_event(ready_event)
+        else:
+            d2h.wait_stream(backend.current_stream())
+        if host.last_read_event is not None:
+            d2h.wait_event(host.last_read_event)
+            host.last_read_event = None
+        with backend.stream_ctx(d2h):
+            host.tensor.copy_(entry.src, non_blocking=host.pinned)
         entry.host = host
         entry.d2h_queued = True
         self.stats.bytes_offloaded += entry.nbytes

@@ -37,7 +37,6 @@ from ._layer_state import (
     _is_fake,
     _is_frozen_weight_copy,
     _is_param_alias,
-    _is_parameter,
     HalfPacer,
     _Kept,
     _LayerState,
@@ -166,8 +165,6 @@ class OffloadSynchronizer:
         backend = get_backend(device)
         self.backend: Any = backend if offload_stream is None else _StreamOverride(backend, offload_stream)
         self.pool = get_pool(backend.device_type)
-        # the tensor property that is true on this runtime's device type (a cheap device check)
-        self._on_device = "is_cuda" if backend.device_type == "cuda" else "is_cpu"
         self.stats = OffloadStats()
         self._frozen_shapes: set[tuple] = set()
         self._step: Optional[_Step] = None
@@ -203,17 +200,14 @@ class OffloadSynchronizer:
         self._frozen_shapes |= frozen_shapes(params)
 
     def _keep_reason(self, t: torch.Tensor) -> Optional[str]:
-        # Runs for every tensor autograd saves in an offloaded layer: the cheap attribute checks
-        # come first, and plain tensors skip the subclass checks (diag_pack.py measures it).
-        if not getattr(t, self._on_device):
+        if t.device.type != self.backend.device_type:
             return "not_on_device"
         numel = t.numel()
         if numel == 0:
             return "zero_size"
         if numel < self.min_offload_numel:
             return "too_small"
-        plain = type(t) is torch.Tensor
-        if not plain and _is_fake(t):
+        if _is_fake(t):
             return "fake"
         if _is_param_alias(t) or (t.is_leaf and t.requires_grad):
             return "parameter"  # weights and other leaves the user holds: copying frees nothing
@@ -225,7 +219,9 @@ class OffloadSynchronizer:
             or (base is not None and getattr(base, "activation_offloading", False))
         ):
             return "not_selected"
-        if t.layout != torch.strided or t.is_quantized or (not plain and not _is_parameter(t)):
+        if t.layout != torch.strided or t.is_quantized or (
+            type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+        ):
             return "unsupported"
         if self._frozen_shapes and _is_frozen_weight_copy(t, self._frozen_shapes):
             return "parameter"

@@ -49,19 +49,11 @@ def _span_elems(t: torch.Tensor) -> tuple[int, int]:
 
 def _unit_range(t: torch.Tensor, whole: bool) -> Optional[tuple[int, int]]:
     """Byte range ``[lo, hi)`` of ``t``'s storage to move, or ``None`` if it cannot be moved."""
-    # called for every offloaded saved tensor: _span_elems inlined, each property read once
-    stride = t.stride()
-    lo = t.storage_offset()
-    hi = lo + 1
-    for size, step in zip(t.shape, stride):
-        if step < 0:
-            return None
-        if size == 0:
-            hi = lo
-        elif hi > lo:
-            hi += (size - 1) * step
+    if any(s < 0 for s in t.stride()):
+        return None
     item = t.element_size()
     storage_bytes = t.untyped_storage().nbytes()
+    lo, hi = _span_elems(t)
     lo_b, hi_b = lo * item, hi * item
     if hi_b > storage_bytes:
         return None

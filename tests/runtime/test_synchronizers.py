@@ -297,30 +297,3 @@ def test_kept_last_layer_paces_the_first_reload(monkeypatch, k):
     else:
         assert first[1] is None  # no pacing with a longer look-ahead: reloads start at once
     assert s.stats.on_demand_reloads == 0
-
-
-class _Sub(torch.Tensor):
-    """A tensor subclass; ``nn.Parameter`` of one sets ``_is_param`` (as for FSDP2's DTensor)."""
-
-
-def test_keep_reason_parameter_checks_match_isinstance():
-    from annotate_offload.runtime._layer_state import _is_param_alias, _is_parameter
-
-    plain = torch.randn(8, 8)
-    param = torch.nn.Parameter(torch.randn(8, 8))
-    sub_param = torch.nn.Parameter(torch.randn(8, 8).as_subclass(_Sub))
-    sub = torch.randn(8, 8).as_subclass(_Sub)
-    for t in (plain, param, sub_param, sub, param[0], param.t()):
-        assert _is_parameter(t) == isinstance(t, torch.nn.Parameter)
-    assert type(sub_param) is _Sub and _is_parameter(sub_param)
-    assert _is_param_alias(param.t()) and _is_param_alias(param[1:])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = torch.nn.functional.linear(torch.randn(4, 8), param)
-    assert out.grad_fn is not None and not _is_param_alias(out)
-
-    s = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=1)
-    assert s._keep_reason(param) == "parameter"
-    assert s._keep_reason(sub_param) == "parameter"
-    assert s._keep_reason(sub) == "unsupported"  # a non-parameter subclass is not offloaded
-    assert s._keep_reason(plain * 2) is None
-    assert s._keep_reason(torch.randn(8, device="meta")) == "not_on_device"
