@@ -264,3 +264,35 @@ def test_plan_counts_kept_layers_saved_activations(capsys):
     assert main(["plan", *SMALL]) == 0
     base3, off3 = _saved_row(capsys.readouterr()[0])
     assert base3 == base and off3 != base3
+
+
+def test_plan_saved_bytes_skip_frozen_weights_autocast_casts():
+    """The plan's per-layer saved bytes use the runtime's weight rule: under bf16 autocast a frozen
+    weight's cast (no grad_fn) is a weight, not an activation. They equal what the runtime moves in
+    a CPU autocast run of the same model (they counted the casts: 3571712 vs 3178496 bytes)."""
+    import dataclasses
+
+    from annotate_offload.annotate import offload_transform
+
+    base = _recipes.get_recipe("gpt-small")
+    cfg = dataclasses.replace(base.config, model=dataclasses.replace(base.config.model, bf16=True))
+
+    def frozen_build(c, device):
+        model = base.build(c, device)
+        for name, p in model.named_parameters():
+            if name.startswith("layers.") and name.endswith("weight") and p.dim() == 2:
+                p.requires_grad_(False)  # the Linear weights of every block, as under LoRA
+        return model
+
+    layers = cfg.model.num_layers
+    planned = _recipes._saved_bytes_per_layer(_recipes.Recipe("frozen", "test", cfg, frozen_build), cfg,
+                                              [f"layers.{i}" for i in range(layers)])
+    model = frozen_build(cfg, torch.device("cpu"))
+    offload_transform(model, num_layers=layers - 1, min_offload_numel=1, prefetch_layers=1)
+    x = torch.randint(0, 256, (cfg.train.micro_batch_size, cfg.model.seq_length))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    (out.logits if hasattr(out, "logits") else out).float().square().mean().backward()
+    moved = [lp.bytes_per_step for lp in model.offload_plan.layers][: layers - 1]
+    assert planned is not None and moved[0] > 0
+    assert planned[: layers - 1] == moved
