@@ -35,10 +35,11 @@ the gap to the next step; ``--profile DIR`` writes chrome traces of two more ste
 Step time is the mean over ``--steps`` steps after ``--warmup`` steps, one synchronize at the end;
 inputs are generated (CPU generator, seeded by step and rank) and moved to the GPU before timing.
 Weak-scaling efficiency = ``T(1 GPU) / T(W GPUs)`` at equal per-GPU work (issue 9 asks >= 90% at
-f = 0.5; the report also gives it against run 3). Loss parity: the per-step loss of run 5 (mean over
+f = 0.5; the report also gives it against runs 1b and 3). Loss parity: the per-step loss of run 5 (mean over
 ranks) against run 2, max relative
 difference over ``--parity-steps`` steps from the same initial weights (not bitwise on GPU:
-all-reduce order and bf16 autocast; CPU/gloo runs are bit-identical, tests/distributed).
+all-reduce order and bf16 autocast; CPU/gloo runs with 2 ranks are bit-identical, tests/distributed;
+with 3 or more the reduction order differs from the accumulated sum, ~2e-5).
 
 Run (2-GPU machine; keep NVLink multicast off)::
 
@@ -132,6 +133,8 @@ def _settings(a: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--fsdp-unit-layers must be >= 1, got {a.fsdp_unit_layers}.")
     if a.fsdp_unit_layers != 1 and a.parallel != "fsdp":
         raise ValueError("--fsdp-unit-layers needs --parallel fsdp.")
+    if a.fsdp_unit_layers > a.layers:
+        raise ValueError(f"--fsdp-unit-layers must be <= --layers ({a.layers}), got {a.fsdp_unit_layers}.")
     if a.replicate_host_step and a.parallel != "ddp":
         raise ValueError("--replicate-host-step needs --parallel ddp (FSDP2 parameters are sharded already).")
     GPTConfig(hidden=a.hidden, heads=a.heads, layers=a.layers)  # its ValueError names the bad size
@@ -298,14 +301,14 @@ def _timed(a: argparse.Namespace, env: _Env, model: nn.Module, opt: HybridDevice
         if s >= a.warmup:
             host_s.append(opt.host_step_seconds)
     env.sync()
+    dt = (time.perf_counter() - t0) / max(1, total - a.warmup)
     losses: list[float] = []
-    if kept:
+    if kept:  # after the clock stopped: the collective and the read-back are not timed
         stacked = torch.stack(kept)
         if collective:
             dist.all_reduce(stacked)  # every rank reaches this after the same steps
             stacked = stacked / env.world
         losses = stacked.tolist()
-    dt = (time.perf_counter() - t0) / max(1, total - a.warmup)
     r = {"step_s": dt, "losses": losses, "peak_gib": _peak(env), "host_s": statistics.mean(host_s) if host_s else float("nan"),
          "phases": marks.means()}
     if trace:
@@ -394,6 +397,14 @@ def _wrap(a: argparse.Namespace, env: _Env, model: nn.Module, group: Any = None)
     return DDP(model, process_group=group, gradient_as_bucket_view=True, device_ids=ids)
 
 
+def _units(a: argparse.Namespace) -> str:
+    """The fully_shard units ``_fully_shard`` makes, in words."""
+    k, n = a.fsdp_unit_layers, a.layers
+    whole, rest = divmod(n, k)
+    parts = [f"{whole} of {k} block{'s' if k > 1 else ''}"] + ([f"1 of {rest}"] if rest else [])
+    return f"fully_shard units: {' and '.join(parts)}, and the root"
+
+
 def _fully_shard(a: argparse.Namespace, model: nn.Module, group: Any = None) -> nn.Module:
     """FSDP2 as the bench applies it: ``fully_shard`` per ``--fsdp-unit-layers`` blocks, then the root.
     ``group``: shard over this process group instead of the default one (the world-size-1 row)."""
@@ -438,6 +449,7 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
     W = env.world
     tok = a.batch * a.seq
     dev = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "CPU (gloo, smoke run: no claim)"
+    fsdp = a.parallel == "fsdp" and W > 1
     lines = [
         f"### Weak scaling, activation offload + HybridDeviceOptimizer ({_NAMES[a.parallel] if W > 1 else '1 process'})",
         "",
@@ -445,8 +457,8 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
         f"torch {torch.__version__}, {dev}, world size {W}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}; "
         f"GPT {a.layers} layers x hidden {a.hidden} ({one['numel'] / 1e9:.2f} G params), {a.batch} x {a.seq} tokens per GPU, "
         f"autocast bf16, offload_fraction={a.fraction}, activations of {a.offload_layers} layers offloaded"
-        + (", FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" if a.fsdp_mp and a.parallel == "fsdp" else "")
-        + (f", fully_shard per {a.fsdp_unit_layers} blocks" if a.parallel == "fsdp" and a.fsdp_unit_layers > 1 else ""),
+        + (", FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" if fsdp and a.fsdp_mp else "")
+        + (f", {_units(a)}" if fsdp and a.fsdp_unit_layers > 1 else ""),
         "",
         "| run | GPUs | step (ms) | tokens/s | peak GPU mem (GiB) | host params / rank | host threads / rank | host AdamW (G params/s per rank) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -478,8 +490,7 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
         ok = "meets" if eff >= a.min_efficiency else "MISSES"
         lines += ["", f"**Weak-scaling efficiency** T(1 GPU) / T({W} GPUs) = **{eff * 100:.1f}%** ({ok} the {a.min_efficiency * 100:.0f}% target)."]
         if solo is not None:
-            units = (f" ({-(-a.layers // a.fsdp_unit_layers)} fully_shard units of {a.fsdp_unit_layers} block(s))"
-                     if a.parallel == "fsdp" else "")
+            units = f" ({_units(a)})" if a.parallel == "fsdp" else ""
             lines.append(f"**Against the same {_NAMES[a.parallel]} program on one GPU** (world size 1, every core of the "
                          f"host): **{solo['step_s'] / many['step_s'] * 100:.1f}%**; {_NAMES[a.parallel]} at world size 1 "
                          f"itself takes {solo['step_s'] / one['step_s']:.2f}x the plain 1-GPU step{units}.")
@@ -502,7 +513,7 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
             lines.append(f"| {i} | {x:.6f} | {y:.6f} | {rd:.2e} |")
         ok = "passes" if worst <= a.parity_rtol else "FAILS"
         lines += ["", f"**Loss parity**: max relative difference {worst:.2e} ({ok} rtol {a.parity_rtol:g})."]
-    runs = [("1 GPU", one), (f"1 GPU, {_NAMES[a.parallel]} world size 1", solo), ("1 GPU, 1/%d of the host" % W, share), ("1 GPU, others copying", loaded)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
+    runs = [("1 GPU", one), (f"1 GPU, {_NAMES[a.parallel]} at world size 1", solo), ("1 GPU, 1/%d of the host" % W, share), ("1 GPU, others copying", loaded)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
     runs = [(n, r) for n, r in runs if r is not None and r.get("phases")]
     if runs:
         lines += ["", "Where a step goes (ms per step; CPU: wall time between the marks on the training thread; "
@@ -529,8 +540,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = _Env(a.tiny)
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
-    if (a.profile or a.peer_copies) and not env.distributed and env.rank == 0:
-        print("annotate_offload.bench.distributed: --profile and --peer-copies act on the runs with several ranks "
+    idle = [f for f, on in (("--profile", a.profile), ("--peer-copies", a.peer_copies), ("--fsdp-mp", a.fsdp_mp),
+                            ("--fsdp-unit-layers", a.fsdp_unit_layers != 1)) if on]
+    if idle and not env.distributed and env.rank == 0:
+        print(f"annotate_offload.bench.distributed: {', '.join(idle)} act on the runs with several ranks "
               "(launch with torchrun --nproc-per-node 2 or more); this one-process run has none.", file=sys.stderr)
     ok = False
     try:
@@ -541,7 +554,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             one = _single(a, env, micro=1)
             _collect(env)
             if solo is not None:
-                one["solo"] = _single(a, env, micro=1, tag="solo", solo_group=solo)
+                one["solo"] = _single(a, env, micro=1, solo_group=solo)
                 _collect(env)
             acc = _single(a, env, micro=env.world) if env.world > 1 else None
             _collect(env)
