@@ -619,18 +619,15 @@ def _saved_bytes_per_layer(recipe: Recipe, cfg: Config, fqns: list) -> Optional[
     seen: list = [set() for _ in layers]
     totals = [0] * len(layers)
 
-    from .runtime._layer_state import _is_frozen_weight_copy, _is_param_alias, frozen_shapes
+    from .runtime._layer_state import _is_weight, frozen_shapes
 
-    # the runtime's rule (and the meta estimate's): a frozen weight's autocast cast has no
-    # grad_fn, so only its shape identifies it (Note [Autocast on meta])
+    # the meta estimate's rule: a frozen weight's autocast cast has no grad_fn, so only its shape
+    # identifies it (Note [Autocast on meta])
     frozen = frozen_shapes(p for p in model.parameters() if not p.requires_grad)
-
-    def weight(t) -> bool:
-        return _is_param_alias(t) or bool(frozen and _is_frozen_weight_copy(t, frozen))
 
     def pack(t):
         i = current[0]
-        if i is not None and not weight(t):  # a weight or its autocast cast: not an activation
+        if i is not None and not _is_weight(t, frozen):  # a weight or its autocast cast: not an activation
             key = t.untyped_storage()._cdata
             if key not in params and key not in seen[i]:
                 seen[i].add(key)

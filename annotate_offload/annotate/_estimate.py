@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 # The runtime's own unit and parameter rules (private helpers of one package), so the estimate
 # counts what the runtime would move.
-from annotate_offload.runtime._layer_state import _is_frozen_weight_copy, _is_param_alias, frozen_shapes
+from annotate_offload.runtime._layer_state import _is_weight, frozen_shapes
 from annotate_offload.runtime._tensor_group import _unit_range
 
 __all__ = ["autocast_on_meta", "estimate_bytes", "fused_sdpa_on_meta"]
@@ -179,7 +179,7 @@ class _CountingSync:
         return t
 
     def _eligible(self, t: torch.Tensor) -> bool:
-        if _is_param_alias(t) or (self.frozen and _is_frozen_weight_copy(t, self.frozen)):
+        if _is_weight(t, self.frozen):
             return False
         if t.numel() == 0 or t.numel() < self.min_numel:
             return False

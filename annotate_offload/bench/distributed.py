@@ -471,8 +471,9 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
 
     lines.append(row("1 GPU", 1, one))
     solo = one.get("solo")
+    solo_name = f"1 GPU, {_NAMES[a.parallel]} at world size 1"
     if solo is not None:
-        lines.append(row(f"1 GPU, {_NAMES[a.parallel]} at world size 1", 1, solo))
+        lines.append(row(solo_name, 1, solo))
     share = one.get("share")
     if share is not None:
         lines.append(row(f"1 GPU, 1/{W} of the host", 1, share))
@@ -513,7 +514,7 @@ def format_report(a: argparse.Namespace, env: _Env, one: dict[str, Any], acc: di
             lines.append(f"| {i} | {x:.6f} | {y:.6f} | {rd:.2e} |")
         ok = "passes" if worst <= a.parity_rtol else "FAILS"
         lines += ["", f"**Loss parity**: max relative difference {worst:.2e} ({ok} rtol {a.parity_rtol:g})."]
-    runs = [("1 GPU", one), (f"1 GPU, {_NAMES[a.parallel]} at world size 1", solo), ("1 GPU, 1/%d of the host" % W, share), ("1 GPU, others copying", loaded)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
+    runs = [("1 GPU", one), (solo_name, solo), ("1 GPU, 1/%d of the host" % W, share), ("1 GPU, others copying", loaded)] + ([(f"{W} GPUs (rank 0)", many)] if many else [])
     runs = [(n, r) for n, r in runs if r is not None and r.get("phases")]
     if runs:
         lines += ["", "Where a step goes (ms per step; CPU: wall time between the marks on the training thread; "

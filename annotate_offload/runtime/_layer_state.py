@@ -90,6 +90,14 @@ def _is_frozen_weight_copy(t: torch.Tensor, shapes: set) -> bool:
     return tuple(base.shape) in shapes and tuple(t.shape) in shapes
 
 
+def _is_weight(t: torch.Tensor, frozen: set) -> bool:
+    """A weight or a cast/view of one: trainable ones by their autograd chain
+    (:func:`_is_param_alias`), frozen ones by their shape (``frozen``: :func:`frozen_shapes` of the
+    model's frozen weights). The rule the meta estimate and the plan count by; the runtime applies
+    the same two checks in ``_keep_reason``."""
+    return _is_param_alias(t) or bool(frozen and _is_frozen_weight_copy(t, frozen))
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
         return False
