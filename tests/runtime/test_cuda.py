@@ -8,6 +8,9 @@ tests use ``annotate_offload.testing.bit_reproducible()``.
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -22,6 +25,7 @@ from ._models import assert_bit_identical, clone, grads, make_stack, run_offload
 pytestmark = pytest.mark.cuda
 
 MiB = 1 << 20
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _sdpa_exact():
@@ -332,3 +336,65 @@ def test_a11_pinning_failure_falls_back_to_pageable(monkeypatch):
     with _sdpa_exact():
         run_plain(ref, x).sum().backward()
     assert_bit_identical(grads(blocks), grads(ref))
+
+
+# -- a forward and backward on the user's own stream ------------------------------------------
+def _forward_on_a_user_stream() -> None:
+    """Body of the test below (run in a child process)."""
+    torch.manual_seed(0)
+    blocks = make_stack(layers=3, hidden=512, heads=8, device="cuda")
+    ref_blocks = clone(blocks)
+    x = torch.randn(4, 256, 512, device="cuda")
+    user = torch.cuda.Stream()
+    ctx, sync_fn = ao.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=3, release_lag=0, prefetch_layers=1, min_offload_numel=0
+    )
+    with _sdpa_exact():
+        user.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(user):
+            torch.cuda._sleep(50_000_000)  # the D2H must not overtake the producer on this stream
+            out = run_offloaded(blocks, x, ctx, sync_fn)
+            assert torch.cuda.current_stream() == user
+            out.float().square().mean().backward()
+        torch.cuda.synchronize()
+        run_plain(ref_blocks, x).float().square().mean().backward()
+    assert ctx.offload_synchronizer.stats.bytes_offloaded > 0
+    assert_bit_identical(grads(blocks), grads(ref_blocks))
+
+
+def test_forward_on_a_user_stream_keeps_that_stream_current_and_is_exact():
+    """A model run on the user's own stream: each D2H waits for that stream (not the default one,
+    which a 50M-cycle sleep on the user stream would otherwise let it overtake), the user's stream
+    is current after every layer, and gradients are bit-identical.
+
+    It runs in a child process. On the H200 (torch 2.11.0+cu130), a plain forward and backward on
+    a side stream, with no offload at all, left the process in a state where a later
+    ``torch.autograd.graph.save_on_cpu`` backward (the W1 bench test) hit an illegal memory access
+    (benchmarks/NOTES.md, session of 2026-11-30 (fifth), D2-D6): a torch-level fault outside this
+    package that must not take the rest of the suite down with it.
+    """
+    code = "from tests.runtime.test_cuda import _forward_on_a_user_stream as f; f()"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_offload_on_a_device_that_is_not_current_keeps_the_current_device():
+    torch.manual_seed(0)
+    blocks = make_stack(layers=3, hidden=256, heads=4, device="cuda:1")
+    ref_blocks = clone(blocks)
+    x = torch.randn(2, 128, 256, device="cuda:1")
+    ctx, sync_fn = ao.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=3, release_lag=0, prefetch_layers=1,
+        min_offload_numel=0, device="cuda:1",
+    )
+    torch.cuda.set_device(0)
+    with _sdpa_exact():
+        out = run_offloaded(blocks, x, ctx, sync_fn)
+        assert torch.cuda.current_device() == 0
+        out.square().mean().backward()
+        run_plain(ref_blocks, x).square().mean().backward()
+    assert ctx.offload_synchronizer.stats.bytes_offloaded > 0
+    assert_bit_identical(grads(blocks), grads(ref_blocks))
