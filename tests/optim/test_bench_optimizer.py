@@ -64,3 +64,17 @@ def test_peer_that_does_not_step_is_flagged():
     assert bench._measure_peer("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3), m, x, cpu, 1, 0)["stepped"]
     row = bench._measure_peer("frozen", lambda ps: torch.optim.SGD(ps, lr=0.0), m, x, cpu, 1, 0)
     assert not row["stepped"] and "not stepping" in row["name"]
+
+
+def test_overlapped_modes_are_judged_against_floors_with_copies():
+    # B4 on the H200: host AdamW alone 299.0 ms, with one step's D2H+H2D running 345.2 ms
+    ref = {"t_fwd_ms": 25.0, "t_bwd_ms": 52.5, "t_gpu_step_ms": 87.3, "t_cpu_stepdma_ms": 345.2}
+    rows = [ref, {"name": "W3 delayed_param_update", "step_ms": 350.5}, {"name": "W3 step_in_backward", "step_ms": 400.0}]
+    delayed, sib = bench._floors_with_copies(ref, rows)
+    assert "= 345.2 ms: delayed_param_update 1.02x of it (within 1.05x)" in delayed
+    assert "T_fwd + max(T_bwd, T_cpu with copies) = 370.2 ms: step_in_backward 1.08x of it (within 1.10x)" in sib
+    rows[2]["step_ms"] = 420.0
+    assert "1.13x of it (above 1.10x)" in bench._floors_with_copies(ref, rows)[1]
+    assert bench._floors_with_copies({"t_fwd_ms": 1.0}, rows) == []  # no diagnostics: no floor lines
+    only = bench._floors_with_copies(ref, [ref])  # modes not run: the floors alone
+    assert len(only) == 2 and all(line.endswith("ms.") for line in only)
