@@ -8,13 +8,14 @@ Both are no-ops when autograd is off (eval, ``no_grad``, ``inference_mode``) and
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
 from annotate_offload.errors import OffloadError
 
-__all__ = ["LayerBoundary", "in_backward"]
+__all__ = ["LayerBoundary", "deepcopy_fields", "in_backward", "refuse_pickle"]
 
 
 def in_backward() -> bool:
@@ -48,6 +49,33 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return []
 
 
+def refuse_pickle(self: Any, protocol: Any = None) -> Any:
+    """``__reduce_ex__`` of the objects ``offload_transform`` puts on a model (see Note [Copying a
+    synchronizer] in annotate_offload/runtime/_synchronizer.py): ``copy.deepcopy`` of the model
+    works, pickling it does not."""
+    raise OffloadError(
+        "offload_transform: a model with offloading applied cannot be pickled (torch.save(model)): its "
+        "forward drives a runtime with CUDA side streams and host buffers that do not outlive the process. "
+        "Save model.state_dict() instead (its keys are unchanged by offload_transform), or call "
+        "remove_offload(model) before torch.save(model) and offload_transform again after loading."
+    )
+
+
+def deepcopy_fields(self: Any, memo: dict) -> Any:
+    """``__deepcopy__`` of those objects: a field-by-field deep copy (``__slots__`` and ``__dict__``),
+    so the runtime's own ``__deepcopy__`` decides what a copy of it is."""
+    cls = type(self)
+    new = cls.__new__(cls)
+    memo[id(self)] = new
+    for klass in cls.__mro__:
+        for name in getattr(klass, "__slots__", ()):
+            if name != "__weakref__" and hasattr(self, name):
+                setattr(new, name, copy.deepcopy(getattr(self, name), memo))
+    if hasattr(self, "__dict__"):
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+    return new
+
+
 class LayerBoundary:
     """Routes layer boundaries to one runtime synchronizer and remembers which scope is open.
 
@@ -58,6 +86,9 @@ class LayerBoundary:
 
     __slots__ = ("sync", "offloaded", "open_layer", "last_entered", "_measured", "_plan", "estimating",
                  "in_forward", "forward_last")
+
+    __reduce_ex__ = refuse_pickle
+    __deepcopy__ = deepcopy_fields
 
     def __init__(self, sync: Any, offloaded: frozenset[int], plan: Any = None) -> None:
         self.sync = sync

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as _cp
 
-from ._boundary import LayerBoundary, in_backward
+from ._boundary import LayerBoundary, deepcopy_fields, in_backward, refuse_pickle
 from ._hooks import HookState
 
 __all__ = ["OffloadedForward", "ByMode", "RecomputeForward"]
@@ -21,6 +21,9 @@ _ORIG_CHECKPOINT = _cp.checkpoint
 class OffloadedForward:
     """The model's instance-level forward: runs the transformed graph (fx) or the original forward
     (hooks), records whether the forward trains, and drops the step's offload state on an exception."""
+
+    __reduce_ex__ = refuse_pickle
+    __deepcopy__ = deepcopy_fields
 
     def __init__(self, fn: Callable[..., Any], boundary: LayerBoundary, hook_state: HookState, wrapped: Any) -> None:
         self.fn, self.boundary, self.hook_state = fn, boundary, hook_state

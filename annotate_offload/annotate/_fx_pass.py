@@ -2,10 +2,15 @@
 
 Inserted around layer ``i`` (the index is a constant in the graph, never a count)::
 
-    x_i  = boundary.enter(i, x)          # open layer i's offload scope; start_offload(x) if offloaded
+    b    = self._annotate_offload_boundary  # read from the live model at each call
+    x_i  = _enter(b, i, x)               # open layer i's offload scope; start_offload(x) if offloaded
     y    = layers.i(x_i)                 # or torch.utils.checkpoint.checkpoint(layers.i, x_i, ...)
-    y_c  = boundary.commit(y, i)         # close the scope, mark the layer boundary
-    ...  = boundary.keep(t)              # for tensors the forward also returns: mark_not_offload
+    y_c  = _commit(b, y, i)              # close the scope, mark the layer boundary
+    ...  = _keep(b, t)                   # for tensors the forward also returns: mark_not_offload
+
+The boundary is an attribute of the model, not a constant of the generated code, so a deep copy
+of the model (Note [Copying a synchronizer] in annotate_offload/runtime/_synchronizer.py) runs its
+own copy of the boundary and runtime with the same code.
 
 ``torch.utils.checkpoint.checkpoint`` called on a layer is kept in the graph as one call (fx
 would otherwise trace through it and silently drop the recompute), so the checkpoint's saved
@@ -25,9 +30,22 @@ import torch.utils.checkpoint as _cp
 from ._boundary import LayerBoundary
 from ._discover import LayerRef
 
-__all__ = ["FxTraceError", "trace_layers", "ordered_layers", "insert_boundaries", "META_KEY"]
+__all__ = ["FxTraceError", "trace_layers", "ordered_layers", "insert_boundaries", "META_KEY", "BOUNDARY_ATTR"]
 
 META_KEY = "offload_layer"  # node.meta[META_KEY] = {"index", "fqn", "offload", "checkpoint"}
+BOUNDARY_ATTR = "_annotate_offload_boundary"  # the model attribute the generated code reads
+
+
+def _enter(boundary: LayerBoundary, index: int, x: Any = None) -> Any:
+    return boundary.enter(index, x)
+
+
+def _commit(boundary: LayerBoundary, out: Any, index: int) -> Any:
+    return boundary.commit(out, index)
+
+
+def _keep(boundary: LayerBoundary, x: Any) -> Any:
+    return boundary.keep(x)
 
 _ORIG_CHECKPOINT = _cp.checkpoint
 
@@ -178,7 +196,16 @@ def insert_boundaries(
     graph = gm.graph
     returned = _returned_nodes(gm)
     kept: set[fx.Node] = set()
-    for node, ref, via_ckpt in _layer_calls(gm, layers):
+    calls = _layer_calls(gm, layers)
+    if not calls:
+        return
+    gm.__dict__[BOUNDARY_ATTR] = boundary  # for lint; at run time `self` is the live model
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    where = graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(next(iter(graph.nodes)))
+    with where, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fx: get_attr of an object that is not a module/tensor
+        b = graph.get_attr(BOUNDARY_ATTR)
+    for node, ref, via_ckpt in calls:
         i = index[id(ref)]
         node.meta[META_KEY] = {"index": i, "fqn": ref.fqn, "offload": i in offloaded, "checkpoint": via_ckpt}
         arg_pos = 1 if via_ckpt else 0  # checkpoint(layer, x, ...) vs layer(x, ...)
@@ -189,21 +216,23 @@ def insert_boundaries(
                 if inp in returned and inp not in kept and inp.op != "get_attr":
                     kept.add(inp)
                     with graph.inserting_before(node):
-                        graph.call_function(boundary.keep, (inp,)).meta[META_KEY] = {"index": i, "role": "keep"}
+                        graph.call_function(_keep, (b, inp)).meta[META_KEY] = {"index": i, "role": "keep"}
         with graph.inserting_before(node):
             if isinstance(x, fx.Node):
-                entered = graph.call_function(boundary.enter, (i, x))
+                entered = graph.call_function(_enter, (b, i, x))
                 args = list(node.args)
                 args[arg_pos] = entered
                 node.args = tuple(args)
             else:
-                entered = graph.call_function(boundary.enter, (i,))
+                entered = graph.call_function(_enter, (b, i))
             entered.meta[META_KEY] = {"index": i, "role": "enter"}
         with graph.inserting_after(node):
-            committed = graph.call_function(boundary.commit, (node, i))
+            committed = graph.call_function(_commit, (b, node, i))
             committed.meta[META_KEY] = {"index": i, "role": "commit"}
         node.replace_all_uses_with(committed, delete_user_cb=lambda u, c=committed: u is not c)
         if node in returned:
             returned.add(committed)
-    graph.lint()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        graph.lint()
     gm.recompile()

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from annotate_offload.errors import OffloadError
 
-from ._boundary import LayerBoundary, in_backward
+from ._boundary import LayerBoundary, deepcopy_fields, in_backward, refuse_pickle
 from ._discover import LayerRef
 
 __all__ = ["install_hooks", "inside_checkpoint"]
@@ -37,6 +37,8 @@ class _LayerHooks:
     """Pre/post forward hooks of one layer (a small object, not closures, so it has a readable repr)."""
 
     __slots__ = ("boundary", "index", "ref", "state")
+    __reduce_ex__ = refuse_pickle
+    __deepcopy__ = deepcopy_fields
 
     def __init__(self, boundary: LayerBoundary, index: int, ref: LayerRef, state: "HookState") -> None:
         self.boundary, self.index, self.ref, self.state = boundary, index, ref, state

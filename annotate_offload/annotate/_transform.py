@@ -16,7 +16,7 @@ from ._boundary import LayerBoundary
 from ._discover import LayerRef, find_layers
 from ._estimate import autocast_dtype_of, estimate_bytes
 from ._forwards import ByMode, OffloadedForward, RecomputeForward
-from ._fx_pass import FxTraceError, insert_boundaries, ordered_layers, trace_layers
+from ._fx_pass import BOUNDARY_ATTR, FxTraceError, insert_boundaries, ordered_layers, trace_layers
 from ._hooks import HookState, install_hooks
 from ._plan import LayerPlan, OffloadPlan
 from ._settings import check_count, resolve
@@ -42,7 +42,17 @@ class _Applied:
     peft_marks: Any = None  # adapter / LM-head / frozen-weight marks this transform installed
 
 
-_MISSING = object()
+class _Missing:
+    """No instance-level forward before the transform; the same object in a deep copy of the model."""
+
+    def __deepcopy__(self, memo: dict) -> "_Missing":
+        return self
+
+    def __repr__(self) -> str:
+        return "<no instance forward>"
+
+
+_MISSING = _Missing()
 
 
 # --------------------------------------------------------------------------- public API
@@ -274,6 +284,8 @@ def offload_transform(
         # The generated code runs with `self` = the live model, so it always sees the model's
         # current submodules, parameters and buffers (after .to(), load_state_dict(assign=True), ...).
         insert_boundaries(gm, refs, boundary, offloaded)
+        model.__dict__[BOUNDARY_ATTR] = boundary  # what the generated code calls (self = the live model)
+        added.append(BOUNDARY_ATTR)
         fn = functools.partial(type(gm).forward, model)
         if gm_eval is not None:
             insert_boundaries(gm_eval, refs, boundary, offloaded)

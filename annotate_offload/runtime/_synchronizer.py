@@ -23,6 +23,7 @@ layers), ``k + 1`` in backward; :meth:`DefaultOffloadSynchronizer.schedule` repo
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import weakref
@@ -176,6 +177,39 @@ class OffloadSynchronizer:
         self._last_entered = -1
         self._num_of_fwds: Optional[int] = None  # TE-compatible counter for fwd_step()
         self.current_layer_id = 0
+
+    # -- copies ------------------------------------------------------------------------------
+    # Note [Copying a synchronizer]: ``copy.deepcopy`` of a model after ``offload_transform`` (an
+    # EMA copy, ``torch.optim.swa_utils.AveragedModel``, a frozen reference model) reaches the
+    # runtime through the model's forward. The copy is a fresh runtime with the same configuration:
+    # the per-step state (saved tensors in flight, their host buffers, the statistics) belongs to
+    # the original's autograd graph, and the process-wide backend (CUDA side streams) and pinned
+    # pool are shared, never duplicated. Pickling is refused: streams and host buffers do not
+    # survive a process, and a model is saved through its ``state_dict``.
+    def _fresh_state(self) -> dict[str, Any]:
+        """The per-step attributes of a runtime that has not run a step yet."""
+        return {
+            "stats": OffloadStats(), "_step": None, "_steps": 0, "_scope": None, "_scope_index": -1,
+            "_cur": None, "_cur_kept": None, "_last_entered": -1, "_num_of_fwds": None, "current_layer_id": 0,
+        }
+
+    def __deepcopy__(self, memo: dict) -> "OffloadSynchronizer":
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        fresh = self._fresh_state()
+        for key, value in self.__dict__.items():
+            if key in fresh:
+                continue
+            new.__dict__[key] = value if key in ("backend", "pool") else copy.deepcopy(value, memo)
+        new.__dict__.update(fresh)
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise OffloadError(
+            f"{type(self).__name__} cannot be pickled: it holds CUDA side streams and the host buffers of "
+            "saved tensors in flight, which do not outlive the process. Create a new one after loading "
+            "(copy.deepcopy works and gives a fresh runtime with the same configuration)."
+        )
 
     # -- what is offloaded -------------------------------------------------------------------
     def _layer_offloaded(self, index: int) -> bool:
@@ -587,6 +621,9 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     def release_point(self, index: int) -> int:
         """Entry index at which layer ``index`` is released at the latest (``L``: end of forward)."""
         return min(index + 1 + self.release_lag, self.num_layers)
+
+    def _fresh_state(self) -> dict[str, Any]:
+        return {**super()._fresh_state(), "_pending": []}
 
     def _new_step(self) -> None:
         super()._new_step()

@@ -132,3 +132,57 @@ def test_layer_called_twice_falls_back_then_refuses_clearly():
     with torch.no_grad():
         model(X)  # eval forwards never reach the runtime
     assert sync_of(model)._step is None
+
+
+# -- copies (Note [Copying a synchronizer]) ----------------------------------------------------
+@pytest.mark.parametrize("path", ["fx", "hooks"])
+def test_deepcopy_is_an_independent_offloaded_model(path):
+    ref = Stack(3)
+    model = _apply(copy.deepcopy(ref), path)
+    dup = copy.deepcopy(model)  # an EMA copy, a frozen reference model
+    assert type(dup) is type(model) and dup.offload_plan.path == path
+    assert sync_of(dup) is not sync_of(model)
+    assert sync_of(dup).backend is sync_of(model).backend and sync_of(dup).pool is sync_of(model).pool
+    for p, q in zip(dup.parameters(), model.parameters()):
+        assert p is not q and torch.equal(p, q)
+    steps = sync_of(model).stats.step
+    # the copy steps on its own runtime; the original's step count does not move
+    assert_same_step(run_step(dup, X), run_step(ref, X))
+    assert sync_of(dup).stats.bytes_offloaded > 0 and sync_of(model).stats.step == steps
+    assert_same_step(run_step(model, X), run_step(ref, X))
+    # interleaved forwards of the two (the original's scope open while the copy runs) stay exact
+    loss_a = model(X.clone().requires_grad_(True)).square().mean()
+    loss_b = dup(X.clone().requires_grad_(True)).square().mean()
+    loss_a.backward()
+    loss_b.backward()
+    assert _grads_equal(model, dup)
+    model.zero_grad(set_to_none=True)
+    dup.zero_grad(set_to_none=True)
+    from annotate_offload.annotate import remove_offload
+
+    remove_offload(dup)  # undoing the copy leaves the original offloaded
+    assert "forward" not in dup.__dict__ and not any(m._forward_pre_hooks for m in dup.modules())
+    assert_same_step(run_step(model, X), run_step(ref, X))
+    assert sync_of(model).stats.bytes_offloaded > 0
+
+
+def test_averaged_model_of_a_transformed_model_steps():
+    model = _apply(Stack(3))
+    ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    run_step(model, X)
+    ema.update_parameters(model)
+    with torch.no_grad():
+        assert torch.equal(ema(X), ema.module(X))
+
+
+@pytest.mark.parametrize("path", ["fx", "hooks"])
+def test_pickling_a_transformed_model_names_the_fix(path, tmp_path):
+    from annotate_offload.errors import OffloadError
+
+    model = _apply(Stack(3), path)
+    with pytest.raises(OffloadError, match=r"state_dict\(\).*remove_offload"):
+        torch.save(model, tmp_path / "m.pt")
+    torch.save(model.state_dict(), tmp_path / "sd.pt")  # the supported way
+    fresh = Stack(3)
+    fresh.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    assert_same_step(run_step(_apply(fresh, path), X), run_step(model, X))

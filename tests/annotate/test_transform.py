@@ -137,7 +137,7 @@ def test_returned_tensor_is_marked_not_offload():
     _transformed(model, 2, "fx")
     keeps = [n for n in model.__dict__["_annotate_offload_state"].graph_module.graph.nodes
              if n.meta.get("offload_layer", {}).get("role") == "keep"]
-    assert len(keeps) == 1 and keeps[0].args[0].name == "commit"
+    assert len(keeps) == 1 and keeps[0].args[1].meta["offload_layer"]["role"] == "commit"
     x = torch.randn(2, 32, 64, requires_grad=True)
     out, h0 = model(x)
     assert getattr(h0, "_TE_do_not_offload", False)

@@ -297,3 +297,26 @@ def test_kept_last_layer_paces_the_first_reload(monkeypatch, k):
     else:
         assert first[1] is None  # no pacing with a longer look-ahead: reloads start at once
     assert s.stats.on_demand_reloads == 0
+
+
+def test_deepcopy_gives_a_fresh_runtime_with_the_same_configuration():
+    import copy
+    import pickle
+
+    from annotate_offload.errors import OffloadError
+
+    s = DefaultOffloadSynchronizer(4, 2, device="cpu", release_lag=1, prefetch_layers=1, min_offload_numel=7)
+    s.add_frozen_weights([torch.zeros(3, 5)])
+    x = torch.randn(64, 64, requires_grad=True)
+    s.enter_layer(0)
+    y = s.commit_layer((x * 2).sin(), 0)  # a step in flight: its state must not reach the copy
+    c = copy.deepcopy(s)
+    assert type(c) is type(s) and c.stats is not s.stats and c._step is None and c._pending == []
+    assert (c.num_layers, c.offloaded_layers, c.release_lag, c.prefetch_layers, c.min_offload_numel, c.policy) == (
+        s.num_layers, s.offloaded_layers, s.release_lag, s.prefetch_layers, s.min_offload_numel, s.policy)
+    assert c._frozen_shapes == s._frozen_shapes and c._frozen_shapes is not s._frozen_shapes
+    assert c.backend is s.backend and c.pool is s.pool  # process-wide, shared
+    y.sum().backward()
+    assert s.stats.bytes_offloaded > 0 and c.stats.bytes_offloaded == 0
+    with pytest.raises(OffloadError, match="cannot be pickled"):
+        pickle.dumps(s)
