@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
+from annotate_offload._example_inputs import split
+
 # The runtime's own unit and parameter rules (private helpers of one package), so the estimate
 # counts what the runtime would move.
 from annotate_offload.runtime._layer_state import _is_weight, frozen_shapes
@@ -222,11 +224,8 @@ def estimate_bytes(
     """
     state = {n: nn.Parameter(_to_meta(p.detach()), requires_grad=p.requires_grad) for n, p in model.named_parameters()}
     state.update({n: _to_meta(b) for n, b in model.named_buffers()})
-    if isinstance(example_inputs, dict):
-        args, kwargs = (), _to_meta(example_inputs)
-    else:
-        args = _to_meta(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
-        kwargs = {}
+    args, kwargs = split(example_inputs, "offload_transform")
+    args, kwargs = _to_meta(args), _to_meta(kwargs)
     # offload_transform's frozen-weight marks register these with the runtime (peft/_apply.py)
     frozen = frozen_shapes(p for p in model.parameters() if not p.requires_grad)
     counter = _CountingSync(boundary.offloaded, min_numel, policy, frozen)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch.nn as nn
 import torch.utils.checkpoint as _cp
 
+from annotate_offload._example_inputs import split as split_inputs
 from annotate_offload.errors import OffloadError
 
 from ._boundary import LayerBoundary
@@ -107,7 +108,9 @@ def offload_transform(
             names; ``cpu_offloading=False`` (or ``cpu_offloading_activations=False``) returns the
             model unchanged. Default: ``None``.
         example_inputs (Tensor | tuple | dict | None): one training step's inputs; used to
-            estimate bytes per layer on the meta device (and to profile with ``"auto"``). Without
+            estimate bytes per layer on the meta device (and to profile with ``"auto"``, which adds
+            ``use_cache=False`` for models whose forward takes it: a training step uses no
+            key/value cache; see ``annotate_offload/_example_inputs.py``). Without
             them the bytes are measured on the first training step. The estimate emulates bf16
             autocast when ``config`` says ``bf16=True`` or the call runs inside ``torch.autocast``
             (its dtype; Note [Autocast on meta] in ``_estimate.py``). Default: ``None``.
@@ -128,10 +131,12 @@ def offload_transform(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``num_layers`` not an int or ``"auto"``; a
-            bad ``layer_types``/``filter_fn``/``config``.
+            bad ``layer_types``/``filter_fn``/``config``; ``example_inputs`` not a tensor,
+            tuple/list or dict.
         ValueError: ``num_layers`` missing, out of ``[0, L)``, or different from the config's;
-            no layers found; ``"auto"`` without ``memory_budget``/``example_inputs``; a config
-            rule (raised by the config before the model is touched); bad ``path``.
+            no layers found; ``"auto"`` without ``memory_budget``/``example_inputs``, or
+            ``memory_budget`` without ``"auto"``; a config rule (raised by the config before the
+            model is touched); bad ``path``.
         OffloadError: the model was already transformed; ``path="fx"`` and tracing failed.
 
     Warns:
@@ -158,6 +163,8 @@ def offload_transform(
         raise ValueError(f"offload_transform: path must be one of {_PATHS}, got {path!r}.")
     if not isinstance(recompute, bool):
         raise TypeError(f"offload_transform: recompute must be a bool, got {recompute!r}.")
+    if example_inputs is not None:
+        split_inputs(example_inputs, "offload_transform")  # a TypeError now, not a note in the plan
     settings = resolve(num_layers, config, release_lag, prefetch_layers, policy, min_offload_numel)
     if settings is None:
         return model
@@ -177,6 +184,12 @@ def offload_transform(
                 "pass both, e.g. memory_budget=4 * 2**30, example_inputs=(x,)."
             )
     else:
+        if memory_budget is not None:
+            raise ValueError(
+                f"offload_transform: memory_budget={memory_budget!r} is used only by num_layers='auto' (got "
+                f"num_layers={settings.num_layers!r}); drop memory_budget=, or pass num_layers='auto' with "
+                "example_inputs= to let the planner fit the budget."
+            )
         check_count(settings.num_layers, eligible, len(refs))  # type: ignore[arg-type]
 
     # ---- trace (fx) or fall back (hooks)

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from annotate_offload._example_inputs import for_training, split
+
 from ._cost_model import LayerMeasurement
 
 __all__ = ["measure_layers", "discover_layers"]
@@ -51,19 +53,6 @@ def discover_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             "with two or more children of one class); pass layers=[...] with the blocks to plan."
         )
     return best
-
-
-def _as_args(example_inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    raise TypeError(
-        "plan_offload: example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword "
-        f"inputs, got {type(example_inputs).__name__}; pass e.g. example_inputs=(x,)."
-    )
 
 
 class _ModelState:
@@ -249,7 +238,8 @@ def measure_layers(
                     "modules from model.modules()."
                 )
         named = [(names[id(layer)], layer) for layer in layers]
-    args, kwargs = _as_args(example_inputs)
+    args, kwargs = split(example_inputs, "plan_offload")
+    kwargs = for_training(model, kwargs)
     # parameters and buffers stay on the GPU whatever the plan: not activation memory
     param_ptrs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     state = _ModelState(model)

@@ -108,3 +108,25 @@ def test_peft_lora_model_goes_through_the_hook_path():
     assert a[1] and all("lora_" in k for k in a[1])  # only the adapters train
     _same(a, b)
     assert set(model.offload_plan.stats.bytes_offloaded_per_layer) == {0, 1}
+
+
+def test_auto_plan_on_a_cache_using_model_profiles_without_the_cache():
+    # Hugging Face's use_cache=True hands all layers one key/value cache: profiling a layer twice
+    # appended to it and the second backward reached a freed graph (fresh-user report)
+    model = _llama()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offload_transform(model, num_layers="auto", memory_budget=1 << 30, example_inputs={"input_ids": _ids()})
+    assert len(model.offload_plan.layers) == L
+    ids = _ids()
+    _same(_step(model, ids), _step(ref, ids))
+
+
+def test_use_cache_is_off_only_when_the_forward_takes_it_and_the_caller_left_it_unset():
+    from annotate_offload._example_inputs import for_training
+
+    model = _llama()
+    assert for_training(model, {"input_ids": 1}) == {"input_ids": 1, "use_cache": False}
+    assert for_training(model, {"use_cache": True}) == {"use_cache": True}  # the caller's choice stands
+    assert for_training(torch.nn.Linear(2, 2), {"input": 1}) == {"input": 1}

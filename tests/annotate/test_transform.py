@@ -467,3 +467,14 @@ def test_layer_input_is_copied_only_if_saved_under_autocast():
     stats = model.offload_plan.stats
     assert [lp.bytes_per_step for lp in model.offload_plan.layers] == est and est[0] > 0
     assert stats.bytes_offloaded == sum(est)
+
+
+def test_bad_example_inputs_and_a_stray_memory_budget_are_refused_before_the_model_changes():
+    model = Stack(L)
+    before = (dict(model.__dict__), [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()])
+    with pytest.raises(TypeError, match=r"example_inputs must be a tensor.*got str.*example_inputs=\(x,\)"):
+        offload_transform(model, num_layers=1, example_inputs="hello")
+    with pytest.raises(ValueError, match=r"memory_budget=1048576 is used only by num_layers='auto'.*num_layers=1"):
+        offload_transform(model, num_layers=1, memory_budget=1 << 20)
+    assert (dict(model.__dict__), [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]) == before
+    assert "offload_plan" not in model.__dict__

@@ -1,0 +1,60 @@
+"""``example_inputs`` of ``offload_transform`` and the planner: one training step's inputs (private).
+
+The meta-device estimate and the planner's profiling run ``model(*args, **kwargs)`` with them.
+Hugging Face models default to ``use_cache=True``, which hands every decoder layer one shared
+key/value cache: the planner, which profiles each layer several times on the inputs captured
+from one forward, then appended to that cache on every run (later runs attend to earlier runs'
+keys, and their backward reached a freed graph). A training step does not use the cache, so when
+the model's forward takes ``use_cache`` and the caller did not set it, profiling passes
+``use_cache=False`` (what Hugging Face's own Trainer does under gradient checkpointing). The meta
+estimate runs the forward once and keeps the caller's inputs: there the cache is empty and the
+saved shapes are a training step's (and Llama's mask code without a cache calls ``.item()``,
+which meta tensors refuse).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__: list[str] = []
+
+
+def split(example_inputs: Any, who: str) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for ``model(*args, **kwargs)``.
+
+    Args:
+        example_inputs: a tensor, a tuple/list of positional inputs, or a dict of keyword inputs.
+        who: the public function named in the error.
+
+    Raises:
+        TypeError: anything else (a string, a number, ``None``), naming the parameter and the fix.
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict) and all(isinstance(k, str) for k in example_inputs):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(
+        f"{who}: example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword inputs "
+        f"(str keys), got {type(example_inputs).__name__}; pass one training step's inputs, e.g. "
+        "example_inputs=(x,) or example_inputs={'input_ids': ids}."
+    )
+
+
+def for_training(model: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` with ``use_cache=False`` added when ``model.forward`` takes ``use_cache`` and
+    the caller did not set it (see the module docstring)."""
+    if "use_cache" in kwargs:
+        return kwargs
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature (C++ / builtins)
+        return kwargs
+    if "use_cache" in params:
+        return {**kwargs, "use_cache": False}
+    return kwargs
