@@ -9,13 +9,50 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as _cp
 
+from annotate_offload.errors import OffloadError
+
 from ._boundary import LayerBoundary, deepcopy_fields, in_backward, refuse_pickle
 from ._hooks import HookState
 
-__all__ = ["OffloadedForward", "ByMode", "RecomputeForward"]
+__all__ = ["OffloadedForward", "ByMode", "RecomputeForward", "LayerContainers"]
 
 _ORIG_CHECKPOINT = _cp.checkpoint
 
+
+
+class LayerContainers:
+    """The fx path's check that the ``nn.ModuleList``/``nn.Sequential`` holding the layers still has
+    the children the forward was traced with: the generated code calls ``layers.0`` .. ``layers.{L-1}`` by name, so a layer
+    appended after the transform would never run (and a removed one fails deep inside the graph).
+    Replacing a layer in place is fine (the code looks it up on the live model)."""
+
+    __deepcopy__ = deepcopy_fields
+    __reduce_ex__ = refuse_pickle
+
+    def __init__(self, model: nn.Module, fqns: list[str]) -> None:
+        self.model = model
+        # only the ordered containers layers are appended to; other parents (the root itself, a
+        # block holding named sub-blocks) gain unrelated submodules legitimately
+        self.counts = {
+            fqn: len(m._modules) for fqn in dict.fromkeys(fqns)
+            if isinstance(m := model.get_submodule(fqn), (nn.ModuleList, nn.Sequential))
+        }
+
+    def check(self) -> None:
+        for fqn, n in self.counts.items():
+            try:
+                now = len(self.model.get_submodule(fqn)._modules)
+            except AttributeError:
+                now = None
+            if now != n:
+                where = fqn or type(self.model).__name__
+                has = "is gone" if now is None else f"has {now} modules"
+                raise OffloadError(
+                    f"offload_transform (fx path): {where} {has}, but had {n} when the forward was traced; "
+                    "the traced forward calls the layers it saw by name, so it would skip or miss the change. "
+                    "Call remove_offload(model) and offload_transform(model, ...) again after changing the "
+                    "layers, or use path='hooks', which follows the model's own forward."
+                )
 
 
 class OffloadedForward:
@@ -25,11 +62,14 @@ class OffloadedForward:
     __reduce_ex__ = refuse_pickle
     __deepcopy__ = deepcopy_fields
 
-    def __init__(self, fn: Callable[..., Any], boundary: LayerBoundary, hook_state: HookState, wrapped: Any) -> None:
-        self.fn, self.boundary, self.hook_state = fn, boundary, hook_state
+    def __init__(self, fn: Callable[..., Any], boundary: LayerBoundary, hook_state: HookState, wrapped: Any,
+                 containers: "LayerContainers | None" = None) -> None:
+        self.fn, self.boundary, self.hook_state, self.containers = fn, boundary, hook_state, containers
         functools.update_wrapper(self, wrapped)  # inspect.signature(model.forward) still works
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.containers is not None:
+            self.containers.check()
         training = torch.is_grad_enabled() and not in_backward()
         b = self.boundary
         prev, self.hook_state.forward_grad = self.hook_state.forward_grad, training

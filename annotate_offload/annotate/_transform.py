@@ -16,7 +16,7 @@ from annotate_offload.errors import OffloadError
 from ._boundary import LayerBoundary
 from ._discover import LayerRef, find_layers
 from ._estimate import autocast_dtype_of, estimate_bytes
-from ._forwards import ByMode, OffloadedForward, RecomputeForward
+from ._forwards import ByMode, LayerContainers, OffloadedForward, RecomputeForward
 from ._fx_pass import BOUNDARY_ATTR, FxTraceError, insert_boundaries, ordered_layers, trace_layers
 from ._hooks import HookState, install_hooks
 from ._plan import LayerPlan, OffloadPlan
@@ -293,7 +293,9 @@ def offload_transform(
     prev_forward = model.__dict__.get("forward", _MISSING)
     wrapped = model.forward
     handles: list[Any] = []
+    containers = None
     if gm is not None:
+        containers = LayerContainers(model, [r.fqn.rpartition(".")[0] for r in refs])
         # The generated code runs with `self` = the live model, so it always sees the model's
         # current submodules, parameters and buffers (after .to(), load_state_dict(assign=True), ...).
         insert_boundaries(gm, refs, boundary, offloaded)
@@ -317,7 +319,7 @@ def offload_transform(
     from annotate_offload.peft import apply_offload_marks, has_offload_marks
 
     peft_marks = None if has_offload_marks(model) else apply_offload_marks(model, warn=False)
-    model.forward = OffloadedForward(fn, boundary, hook_state, wrapped)
+    model.forward = OffloadedForward(fn, boundary, hook_state, wrapped, containers)
     model.__dict__[_STATE] = _Applied(
         boundary, handles, prev_forward, recompute_layers, added, gm, gm_eval, peft_marks
     )

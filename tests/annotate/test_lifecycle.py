@@ -186,3 +186,23 @@ def test_pickling_a_transformed_model_names_the_fix(path, tmp_path):
     fresh = Stack(3)
     fresh.load_state_dict(torch.load(tmp_path / "sd.pt"))
     assert_same_step(run_step(_apply(fresh, path), X), run_step(model, X))
+
+
+def test_fx_path_refuses_a_layer_list_changed_after_the_trace():
+    from annotate_offload.annotate import remove_offload
+    from annotate_offload.errors import OffloadError
+
+    ref = Stack(3)
+    model = _apply(copy.deepcopy(ref))
+    model.layers[1] = copy.deepcopy(ref.layers[1])  # replacing in place: the code looks it up live
+    assert_same_step(run_step(model, X), run_step(ref, X))
+    model.layers.append(copy.deepcopy(ref.layers[0]))  # the traced forward would never call it
+    with pytest.raises(OffloadError, match=r"layers has 4 modules, but had 3 when the forward was traced.*remove_offload"):
+        model(X)
+    del model.layers[3]
+    assert_same_step(run_step(model, X), run_step(ref, X))  # back to the traced shape: runs again
+    remove_offload(model)
+    model.layers.append(copy.deepcopy(ref.layers[0]))
+    _apply(model)  # transformed again with the new list
+    assert len(model.offload_plan.layers) == 4
+    model(X)
