@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import warnings
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -177,6 +178,7 @@ class OffloadSynchronizer:
         self._last_entered = -1
         self._num_of_fwds: Optional[int] = None  # TE-compatible counter for fwd_step()
         self.current_layer_id = 0
+        self._warned_count = False  # a forward whose context count did not match num_layers
 
     # -- copies ------------------------------------------------------------------------------
     # Note [Copying a synchronizer]: ``copy.deepcopy`` of a model after ``offload_transform`` (an
@@ -457,6 +459,8 @@ class OffloadSynchronizer:
     def _on_backward_layer(self, step: _Step, index: int, grad_outputs: Any) -> None:
         if not step.bwd_active:
             step.bwd_active = True
+            if self._num_of_fwds is not None and self._num_of_fwds != self.num_layers - 1:
+                self._warn_layer_count()
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(self._on_backward_end, step)
             )
@@ -491,6 +495,22 @@ class OffloadSynchronizer:
         self.stats.pinned_bytes = self.pool.cached_bytes
 
     # -- TransformerEngine-compatible counting API -------------------------------------------
+    def _warn_layer_count(self) -> None:
+        """TE-counted scopes (``fwd_step``) whose last forward did not end at layer ``L - 1``."""
+        if self._warned_count:
+            return
+        self._warned_count = True
+        warnings.warn(
+            f"get_cpu_offload_context: backward began after the offload context counted layer "
+            f"{self._num_of_fwds} of model_layers={self.num_layers} (expected {self.num_layers - 1}): the "
+            "forward ran the context a different number of times than model_layers. Scopes are counted modulo "
+            "model_layers (TransformerEngine's semantics), so extra layers start a new step and missing ones "
+            "shift the schedule; gradients stay exact, but the offload schedule and stats no longer match the "
+            "model. Pass model_layers equal to the number of `with ctx:` blocks per forward.",
+            UserWarning,
+            stacklevel=3,
+        )
+
     def fwd_step(self) -> int:
         """Open the next layer's scope by counting entries modulo ``num_layers`` (TE semantics)."""
         if self._num_of_fwds is None or self._num_of_fwds >= self.num_layers - 1:

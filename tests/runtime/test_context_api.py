@@ -212,3 +212,22 @@ def test_user_saved_tensor_hooks_around_ours_are_shadowed():
     assert (stats.tensors_offloaded, stats.tensors_deduplicated) == (2, 1)  # x twice, one copy
     assert stats.bytes_offloaded == x.nbytes
     assert len(seen) == 2
+
+
+@pytest.mark.parametrize("ran, warns", [(4, False), (5, True), (3, True), (8, False)])
+def test_a_forward_that_runs_the_context_a_different_number_of_times_than_model_layers_warns(ran, warns):
+    # 8 = two full forwards before one backward (gradient accumulation), which is fine
+    layers = [torch.nn.Linear(64, 64) for _ in range(ran)]
+    ctx, sync = ao.get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, min_offload_numel=0, device="cpu")
+    h = torch.randn(8, 64, requires_grad=True)
+    for layer in layers:
+        with ctx:
+            h = torch.tanh(layer(h))
+        h = sync(h)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        h.sum().backward()
+    hits = [w for w in seen if "model_layers=4" in str(w.message)]
+    assert len(hits) == (1 if warns else 0), [str(w.message) for w in seen]
+    if warns:
+        assert "Pass model_layers equal to the number of `with ctx:` blocks" in str(hits[0].message)
