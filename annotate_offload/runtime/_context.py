@@ -237,8 +237,13 @@ def get_cpu_offload_context(
                 contextlib.nullcontext(),
                 _identity,
             )
-    if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
-        raise ValueError(f"model_layers={model_layers!r}: must be an int >= 1 (layers per forward)")
+    if isinstance(model_layers, bool) or not isinstance(model_layers, int):
+        raise TypeError(
+            f"model_layers={model_layers!r}: expected an int (the number of `with ctx:` blocks per forward), "
+            f"got {type(model_layers).__name__}"
+        )
+    if model_layers < 1:
+        raise ValueError(f"model_layers={model_layers}: must be >= 1 (the number of `with ctx:` blocks per forward)")
     if offload_stream is not None and not manual_synchronization:
         raise ValueError(
             "offload_stream is only supported with manual_synchronization=True; drop "
@@ -253,7 +258,10 @@ def get_cpu_offload_context(
         if isinstance(num_layers, bool) or not isinstance(num_layers, int):
             raise TypeError(f"num_layers={num_layers!r}: expected an int")
         if num_layers < 0:
-            raise ValueError(f"num_layers={num_layers}: must be >= 0")
+            raise ValueError(
+                f"num_layers={num_layers}: must be >= 0 (the first num_layers of model_layers={model_layers} "
+                "layers are offloaded; 0 offloads none)"
+            )
         if num_layers > model_layers - 1:
             raise ValueError(
                 f"Cannot offload {num_layers} layers of {model_layers}: the last layer is not "

@@ -12,7 +12,7 @@ Note [Default schedule]. With ``L`` model layers of which the set ``O`` is offlo
   entry of ``L - N + i``). At every layer entry, layers whose D2H has already finished are released
   early without any wait.
 * prefetch: when backward reaches layer ``m``, the reloads of offloaded layers ``m - k .. m`` start
-  on the H2D stream (``prefetch_layers=None`` is TE's distance ``k = L - N - 1``; ``k >= 1`` keeps
+  on the H2D stream (``prefetch_layers=None`` is TE's distance ``k = L - N - 1``; a given ``k >= 1`` keeps
   a reload in flight behind compute even at ``N = L - 1``, where TE serialises).
 * when backward reaches layer ``m``, the device memory of layers above ``m`` is released; the end
   of backward releases the rest, and the runtime then holds no device tensors.
@@ -574,7 +574,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             the last layer cannot be offloaded (its backward runs first).
         release_lag (int): release layer ``i`` by the entry of layer ``i + 1 + release_lag``.
             ``None``: TransformerEngine's bound, ``L - N - 1``. Default: ``None``.
-        prefetch_layers (int): reload layer ``j`` when backward reaches layer ``j + k``.
+        prefetch_layers (int): reload layer ``j`` when backward reaches layer ``j + k``, ``k >= 1``.
             ``None``: TransformerEngine's distance ``L - N - 1``. Default: ``None``.
         policy, min_offload_numel, device: see :class:`OffloadSynchronizer`.
 
@@ -628,7 +628,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         self.prefetch_layers = (
             default_gap
             if prefetch_layers is None
-            else _check_int("prefetch_layers", prefetch_layers, 0)
+            else _check_int("prefetch_layers", prefetch_layers, 1)  # as offload_transform and the config
         )
         self._pending: list[int] = []  # offloaded layers of this step whose copies are held
 

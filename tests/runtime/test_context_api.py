@@ -233,3 +233,16 @@ def test_a_forward_that_runs_the_context_a_different_number_of_times_than_model_
     assert len(hits) == (1 if warns else 0), [str(w.message) for w in seen]
     if warns:
         assert "Pass model_layers equal to the number of `with ctx:` blocks" in str(hits[0].message)
+
+
+def test_wrong_types_are_type_errors_and_prefetch_zero_is_refused_like_offload_transform():
+    with pytest.raises(TypeError, match=r"model_layers='4': expected an int"):
+        ao.get_cpu_offload_context(enabled=True, num_layers=1, model_layers="4")
+    with pytest.raises(TypeError, match=r"model_layers=4.0: expected an int"):
+        ao.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=4.0)
+    with pytest.raises(ValueError, match=r"model_layers=0: must be >= 1"):
+        ao.get_cpu_offload_context(enabled=True, num_layers=0, model_layers=0)
+    with pytest.raises(ValueError, match=r"num_layers=-1: must be >= 0 .*0 offloads none"):
+        ao.get_cpu_offload_context(enabled=True, num_layers=-1, model_layers=4)
+    with pytest.raises(ValueError, match=r"prefetch_layers=0: must be >= 1"):
+        ao.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=4, prefetch_layers=0, device="cpu")
