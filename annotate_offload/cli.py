@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                        help="tqdm progress bar when tqdm is installed (default: on)")
     train.add_argument("--sdpa-backend", default="efficient", choices=("efficient", "math", "default"),
-                       help="CUDA attention kernel; efficient (default) and math are bit-reproducible, "
-                            "flash/cuDNN (default) are not, so parity needs one of the first two")
+                       help="CUDA attention kernel (default: efficient). 'efficient' (memory-efficient) and "
+                            "'math' are bit-reproducible; 'default' lets torch pick, usually flash or cuDNN, "
+                            "which are not, so the loss parity check needs one of the first two")
     plan = sub.add_parser("plan", help="print the offload plan and predicted memory without training")
     _add_common(plan)
     sub.add_parser("bench", help="run the benchmark suite (annotate_offload.bench)", add_help=False)
