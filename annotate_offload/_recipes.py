@@ -167,7 +167,9 @@ def check_runnable(recipe: Recipe, device: torch.device, *, train: bool = True) 
 # plus saved activations. Saved tensors outside the runtime's layer scopes are counted live by an
 # outer saved_tensors_hooks pair (the runtime's hooks are innermost inside layers); inside layers
 # the runtime reports what it kept (``OffloadStats.kept_bytes``, parameters excluded) and what it
-# still holds of offloaded layers (``peak_resident_bytes``). It is labelled as such in the table.
+# still holds of offloaded layers (``peak_resident_bytes``). The peak adds the peak of each part
+# (they need not coincide), so it is an upper bound of the live curve ``--plot`` draws (a fresh
+# user saw 41.6 MiB in the table against a ~34 MiB curve). It is labelled as such in the table.
 
 _MiB = 1 << 20
 
@@ -490,7 +492,7 @@ class Report:
     def memory_source(self) -> str:
         """Where the peak memory figures come from."""
         return ("torch.cuda.max_memory_allocated" if self.device.type == "cuda"
-                else "CPU: runtime accounting, see Note [CPU memory accounting]")
+                else "CPU: runtime accounting, an upper bound, see Note [CPU memory accounting]")
 
     @property
     def max_delta(self) -> Optional[float]:
