@@ -56,6 +56,22 @@ def _check_cls(cls: Any, name: str, *, host: bool) -> None:
             "host (CPU) tensors here (TE FusedAdam does so silently and corrupts the state, NVIDIA-NeMo/RL #3544). "
             "Use torch.optim.AdamW/Adam (fused on CPU) or torch.optim.SGD for the host part."
         )
+    if _needs_closure(cls):
+        raise TypeError(
+            f"HybridDeviceOptimizer: {name}={cls.__module__}.{cls.__name__} needs a closure in step(), but "
+            "HybridDeviceOptimizer calls the closure once itself and steps its sub-optimizers without one (the host part "
+            "per chunk of parameters, in a worker thread). Use a closure-free class: torch.optim.AdamW (default), "
+            "torch.optim.Adam or torch.optim.SGD."
+        )
+
+
+def _needs_closure(cls: type) -> bool:
+    """True when ``cls.step`` has a ``closure`` parameter without a default (``torch.optim.LBFGS``)."""
+    try:
+        prm = inspect.signature(cls.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no introspectable signature: let the class be
+        return False
+    return prm is not None and prm.default is inspect.Parameter.empty and prm.kind not in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD)
 
 
 def _flag(name: str, value: Any) -> bool:

@@ -108,8 +108,10 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             range (``lr``, ``eps``, ``weight_decay``, ``momentum`` >= 0, ``0 <= betas[i] < 1``),
             in ``**kwargs`` or in a param group.
         TypeError: a non-bool flag, a class that is not a torch optimizer, an accelerator-only
-            class for the host part, or a keyword that neither optimizer class accepts (e.g.
-            ``lrr``, ``optimizer``; the message names the closest valid one).
+            class for the host part, a class whose ``step`` requires a closure
+            (``torch.optim.LBFGS``: sub-optimizers are stepped without one), or a keyword that
+            neither optimizer class accepts (e.g. ``lrr``, ``optimizer``; the message names the
+            closest valid one).
 
     ``defaults`` holds only plain values (no classes), so ``state_dict()`` loads with
     ``torch.load(weights_only=True)``. ``state[p]`` holds ``exp_avg``, ``exp_avg_sq``, ``step``

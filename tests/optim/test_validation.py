@@ -148,3 +148,20 @@ def test_foreach_selects_the_foreach_kernels_on_both_halves():
     assert_same(m, r)
     with pytest.raises(ValueError, match="fused=True and foreach=True"):
         HybridDeviceOptimizer(m.parameters(), fused=True, foreach=True)
+
+
+@pytest.mark.parametrize("which", ["cpu_optimizer_cls", "gpu_optimizer_cls"])
+def test_closure_only_class_refused(which):
+    """Fresh-user report (third pass) item 1: LBFGS was accepted, then every step() raised
+    'LBFGS.step() missing 1 required positional argument: closure'."""
+    m = Tiny()
+    with pytest.raises(TypeError, match=rf"{which}=torch.optim.lbfgs.LBFGS needs a closure in step\(\).*"
+                                         r"torch.optim.AdamW \(default\), torch.optim.Adam or torch.optim.SGD"):
+        HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, **{which: torch.optim.LBFGS})
+    assert _hooks(m.parameters()) == [0] * 8
+
+    class OptionalClosure(torch.optim.SGD):  # a closure parameter with a default is fine
+        def step(self, closure=None):
+            return super().step(closure)
+
+    HybridDeviceOptimizer(m.parameters(), **{which: OptionalClosure}, lr=0.1).close()
