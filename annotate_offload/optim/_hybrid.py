@@ -24,7 +24,7 @@ from ._pipeline import PipelineMixin, _GradHook
 from ._slots import DevSlot, HostSlot
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
 from ._threads import CpuWorker, thread_budget
-from ._validate import check_kwargs, check_values
+from ._validate import check_group_keys, check_kwargs, check_values
 
 __all__ = ["HybridDeviceOptimizer"]
 
@@ -106,12 +106,14 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         ValueError: a fraction outside ``[0, 1]``, conflicting modes, a bad ``chunk_bytes`` or
             ``cpu_threads``, parameters on several devices, or a hyper-parameter out of torch's
             range (``lr``, ``eps``, ``weight_decay``, ``momentum`` >= 0, ``0 <= betas[i] < 1``),
-            in ``**kwargs`` or in a param group.
+            in ``**kwargs`` or in a param group; a param group setting one of this optimizer's
+            own options (``offload_fraction``, ...: per optimizer) to another value.
         TypeError: a non-bool flag, a class that is not a torch optimizer, an accelerator-only
             class for the host part, a class whose ``step`` requires a closure
             (``torch.optim.LBFGS``: sub-optimizers are stepped without one), or a keyword that
             neither optimizer class accepts (e.g. ``lrr``, ``optimizer``; the message names the
-            closest valid one).
+            closest valid one), or a param group key that is a near miss of a valid one (``lrr``;
+            other extra group keys, e.g. Megatron's ``wd_mult``, are kept unread as in torch).
 
     ``defaults`` holds only plain values (no classes), so ``state_dict()`` loads with
     ``torch.load(weights_only=True)``. ``state[p]`` holds ``exp_avg``, ``exp_avg_sq``, ``step``
@@ -208,10 +210,10 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         defaults.update(flags, offload_fraction=float(offload_fraction), cpu_threads=cpu_threads, chunk_bytes=chunk_bytes)
 
         self._built = False
+        self._cpu_cls, self._gpu_cls = cpu_cls, gpu_cls  # add_param_group checks group keys against them
         super().__init__(params, defaults)
         self._built = True
         self.state = defaultdict(dict)
-        self._cpu_cls, self._gpu_cls = cpu_cls, gpu_cls
         self._fraction = float(offload_fraction)
         self._overlap = overlap_cpu_optimizer_d2h_h2d
         self._fp32 = param_update_in_fp32
@@ -273,13 +275,24 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction helpers
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Used by the constructor for each group; refused afterwards.
+
+        Raises:
+            OffloadError: called after construction (the split is fixed then).
+            ValueError: a hyper-parameter out of range in the group, or a per-optimizer option
+                (``offload_fraction``, ...) set to another value than the optimizer's.
+            TypeError: a group key that is a near miss of a valid one (``lrr``), or a non-number value.
+        """
         if getattr(self, "_built", False):
             raise OffloadError(
                 "HybridDeviceOptimizer: add_param_group after construction is not supported (the host/GPU split, "
                 "pinned buffers and hooks are fixed at construction); build a new HybridDeviceOptimizer with all groups."
             )
         if isinstance(param_group, dict):  # anything else: torch's own error
-            check_values(param_group, f" in param group {len(self.param_groups)}")
+            where = f" in param group {len(self.param_groups)}"
+            check_group_keys(param_group, where, (self._cpu_cls, self._gpu_cls),
+                             {k: self.defaults[k] for k in _STRUCTURAL_KEYS})
+            check_values(param_group, where)
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ introspection

@@ -38,6 +38,17 @@ def _ctor_names(cls: type) -> tuple[set[str], bool]:
     return names, var_kw
 
 
+def _valid_names(classes: Iterable[type]) -> "set[str] | None":
+    """Union of the constructor keywords of ``classes``; ``None`` when one of them takes ``**kwargs``."""
+    valid: set[str] = set()
+    for cls in dict.fromkeys(classes):
+        names, var_kw = _ctor_names(cls)
+        if var_kw:
+            return None
+        valid |= names
+    return valid
+
+
 def check_kwargs(kwargs: dict[str, Any], classes: Iterable[type], own: Iterable[str]) -> None:
     """Raise ``TypeError`` for a keyword no sub-optimizer class (nor ``HybridDeviceOptimizer``) accepts.
 
@@ -49,12 +60,9 @@ def check_kwargs(kwargs: dict[str, Any], classes: Iterable[type], own: Iterable[
     Raises:
         TypeError: an unknown keyword, with the closest valid name (``difflib``) and the valid ones.
     """
-    valid: set[str] = set()
-    for cls in dict.fromkeys(classes):
-        names, var_kw = _ctor_names(cls)
-        if var_kw:  # the class takes anything: it is the judge
-            return
-        valid |= names
+    valid = _valid_names(classes)
+    if valid is None:  # a class takes anything: it is the judge
+        return
     for key in kwargs:
         if key in valid:
             continue
@@ -113,3 +121,72 @@ def check_values(hyper: dict[str, Any], where: str = "") -> None:
                     f"HybridDeviceOptimizer: invalid betas[{i}]={b!r} (betas={tuple(betas)!r}){where}; "
                     f"valid range: 0 <= betas[{i}] < 1."
                 )
+
+
+# Keys torch's ``add_param_group`` itself writes into a group (named parameters), besides ``params``.
+_TORCH_GROUP_KEYS = ("params", "param_names")
+
+
+def _typo_of(key: str, valid: Iterable[str]) -> "str | None":
+    """The valid name ``key`` is a near miss of (``lrr``, ``weight_decy``, ``betas1``), if any.
+
+    Stricter than ``check_kwargs``' hint (ratio >= 0.75, length within 2) because a group may also
+    carry metadata keys that merely resemble a hyper-parameter (``weight_decay_mult``, ``layer_decay``).
+    """
+    for name in difflib.get_close_matches(key, sorted(valid), n=3, cutoff=0.75):
+        if abs(len(name) - len(key)) <= 2:
+            return name
+    return None
+
+
+def check_group_keys(group: dict[str, Any], where: str, classes: Iterable[type], per_optimizer: dict[str, Any]) -> None:
+    """Check the keys of one param group, as ``check_kwargs`` does for keywords.
+
+    A group may hold ``params``, any constructor keyword of ``classes`` (torch reads those per
+    group), and, as in torch, other keys, which are kept and never read (Megatron's ``wd_mult``,
+    ``lr_mult``, ``is_expert_parallel``; a name). ``HybridDeviceOptimizer``'s own options are per
+    optimizer: a group may repeat the optimizer's value (``HybridDeviceOptimizer(old.param_groups,
+    **old.defaults)`` rebuilds) but not set its own.
+
+    Args:
+        group: one param group dict, as given.
+        where: context for the message, e.g. ``" in param group 1"``.
+        classes: ``cpu_optimizer_cls`` and the class used for the GPU part.
+        per_optimizer: ``HybridDeviceOptimizer``'s own options and their values for this optimizer
+            (``offload_fraction``, ...); ``cpu_optimizer_cls``/``gpu_optimizer_cls`` are never valid in a group.
+
+    Raises:
+        ValueError: a per-optimizer option with another value than the optimizer's (or an
+            optimizer class), naming it, the value and the constructor's value.
+        TypeError: a key that is a near miss of a valid one (a typo such as ``lrr``), with the
+            closest valid name and the valid ones.
+    """
+    valid = _valid_names(classes)
+    for key, value in group.items():
+        if not isinstance(key, str) or key in _TORCH_GROUP_KEYS or (valid is not None and key in valid):
+            continue
+        if key in per_optimizer or key in ("cpu_optimizer_cls", "gpu_optimizer_cls"):
+            if key in per_optimizer and _equal(value, per_optimizer[key]):
+                continue
+            mine = f"this optimizer's: {key}={per_optimizer[key]!r}" if key in per_optimizer else "not a group option"
+            raise ValueError(
+                f"HybridDeviceOptimizer: {key}={value!r}{where}; {key} is per optimizer, not per param group "
+                f"({mine}). Pass it to the HybridDeviceOptimizer constructor and remove it from the group."
+            )
+        if valid is None:  # a class takes anything: it is the judge, as for keywords
+            continue
+        close = _typo_of(key, valid | set(per_optimizer))
+        if close is not None:
+            names = ", ".join(c.__name__ for c in dict.fromkeys(classes))
+            raise TypeError(
+                f"HybridDeviceOptimizer: unexpected key {key!r}{where}; did you mean {close!r}? valid group keys "
+                f"({names}): params, {', '.join(sorted(valid))}. A key this close to a valid one is taken for a typo; "
+                "other extra keys (e.g. Megatron's wd_mult) are kept unread, as torch does."
+            )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. a multi-element tensor
+        return False

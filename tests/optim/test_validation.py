@@ -165,3 +165,57 @@ def test_closure_only_class_refused(which):
             return super().step(closure)
 
     HybridDeviceOptimizer(m.parameters(), **{which: OptionalClosure}, lr=0.1).close()
+
+
+@pytest.mark.parametrize(
+    "group, match",
+    [
+        ({"lrr": 1e-3}, r"unexpected key 'lrr' in param group 1; did you mean 'lr'\? valid group keys \(AdamW\): params, .*\blr\b"),
+        ({"weight_decy": 0.1}, r"unexpected key 'weight_decy' in param group 1; did you mean 'weight_decay'"),
+        ({"betas1": 0.9}, r"unexpected key 'betas1' in param group 1; did you mean 'betas'"),
+        ({"lr": "1e-3"}, r"lr must be a number in param group 1, got '1e-3'"),
+    ],
+)
+def test_param_group_keys_checked_like_keywords(group, match):
+    """Fresh-user report (third pass) item 2: {"params": ..., "lrr": 1e-3} was accepted silently
+    while lrr= as a keyword was refused."""
+    m = Tiny()
+    groups = m.groups()
+    groups[1].update(group)
+    with pytest.raises(TypeError, match=match):
+        HybridDeviceOptimizer(groups, offload_fraction=0.5, lr=1e-2)
+    assert _hooks(m.parameters()) == [0] * 8
+
+
+@pytest.mark.parametrize(
+    "group, match",
+    [
+        ({"offload_fraction": 2.0}, r"offload_fraction=2.0 in param group 0; offload_fraction is per optimizer, not per "
+                                    r"param group \(this optimizer's: offload_fraction=0.5\)\. Pass it to the "
+                                    r"HybridDeviceOptimizer constructor"),
+        ({"offload_fraction": 1.0}, r"offload_fraction=1.0 in param group 0; offload_fraction is per optimizer"),
+        ({"step_in_backward": True}, r"step_in_backward=True in param group 0; step_in_backward is per optimizer"),
+        ({"cpu_optimizer_cls": torch.optim.SGD}, r"cpu_optimizer_cls=<class 'torch.optim.sgd.SGD'> in param group 0; "
+                                                 r"cpu_optimizer_cls is per optimizer, not per param group \(not a group option\)"),
+    ],
+)
+def test_param_group_cannot_set_per_optimizer_options(group, match):
+    """offload_fraction (like every HybridDeviceOptimizer option) is per optimizer: the split reads the
+    constructor's value only, so a group's own value was silently ignored."""
+    m = Tiny()
+    with pytest.raises(ValueError, match=match):
+        HybridDeviceOptimizer([{"params": list(m.parameters()), **group}], offload_fraction=0.5)
+    assert _hooks(m.parameters()) == [0] * 8
+
+
+def test_param_group_metadata_and_rebuild_still_accepted():
+    """Extra keys that are not near misses stay (torch keeps them; Megatron relies on it), and a group
+    repeating the optimizer's own values (rebuilt from another optimizer's param_groups) is fine."""
+    m = Tiny()
+    groups = m.groups()
+    groups[0].update(name="weights", wd_mult=1.0, lr_mult=1.0, weight_decay_mult=1.0, layer_decay=0.9, max_lr=1e-2)
+    opt = HybridDeviceOptimizer(groups, offload_fraction=0.5, lr=1e-2)
+    assert opt.param_groups[0]["name"] == "weights" and opt.param_groups[0]["layer_decay"] == 0.9
+    rebuilt_groups = [dict(g) for g in opt.param_groups]
+    opt.close()
+    HybridDeviceOptimizer(rebuilt_groups, **opt.defaults).close()
