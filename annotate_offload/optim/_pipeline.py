@@ -51,6 +51,16 @@ class _GradHook:
 BATCHED_NUMEL = 4096
 
 
+def _sparse_grad(s: HostSlot, g: torch.Tensor) -> TypeError:
+    """The error for a non-strided (sparse) gradient of a host-stepped parameter."""
+    return TypeError(
+        f"HybridDeviceOptimizer: parameter {s.index} of param group {s.group} (shape {tuple(s.local.shape)}) has a sparse "
+        f"gradient (layout={g.layout}), but its host step copies gradients into dense host buffers and steps them with a "
+        "dense optimizer. Use a dense embedding (nn.Embedding(..., sparse=False), the default), or step this parameter "
+        "with torch.optim.SparseAdam outside this optimizer (leave it out of its params)."
+    )
+
+
 class PipelineMixin:
     """The step half of :class:`HybridDeviceOptimizer`."""
 
@@ -105,6 +115,8 @@ class PipelineMixin:
         g = local_grad(s.param)
         if g is None or not self._steps_here(s.chunk):
             return
+        if g.layout is not torch.strided:  # raised here, in backward(), not in the worker
+            raise _sparse_grad(s, g)
         with torch.no_grad():
             if self._in_backward:
                 if s.submitted:
@@ -148,6 +160,8 @@ class PipelineMixin:
                 if not s.use:
                     s.valid = False
                 continue
+            if g.layout is not torch.strided:
+                raise _sparse_grad(s, g)
             if not s.copied(g):
                 accumulate = self._offload_grads and s.valid
                 if self._batched(s) and not accumulate:
@@ -302,6 +316,8 @@ class PipelineMixin:
             g = local_grad(s.param)
             s.use = g is not None and self._steps_here(s.chunk)
             if s.use:
+                if g.layout is not torch.strided:
+                    raise _sparse_grad(s, g)
                 with side.use(cur):
                     s.grad_bufs[0].copy_(g, non_blocking=True)
         self._gpu_step()

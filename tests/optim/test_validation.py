@@ -219,3 +219,29 @@ def test_param_group_metadata_and_rebuild_still_accepted():
     rebuilt_groups = [dict(g) for g in opt.param_groups]
     opt.close()
     HybridDeviceOptimizer(rebuilt_groups, **opt.defaults).close()
+
+
+@pytest.mark.parametrize(
+    "rows, mode, raised_in",
+    [
+        (100, {}, "backward"),  # 6400 elements: gradient hook
+        (10, {}, "step"),  # 80 elements: copied at step() (Note [Tiny gradients at step()])
+        (100, {"overlap_cpu_optimizer_d2h_h2d": False}, "step"),  # the serial path
+        (100, {"step_in_backward": True}, "backward"),
+        (100, {"delayed_param_update": True}, "backward"),
+    ],
+)
+def test_sparse_gradient_is_a_type_error(rows, mode, raised_in):
+    """Fresh-user report (third pass) item 4: nn.Embedding(sparse=True) failed with an internal
+    "copy_() between dense and sparse Tensors is not implemented" from the D2H copy."""
+    emb = torch.nn.Embedding(rows, 64, sparse=True)
+    opt = HybridDeviceOptimizer(emb.parameters(), offload_fraction=1.0, **mode)
+    match = (rf"parameter 0 of param group 0 \(shape \({rows}, 64\)\) has a sparse gradient \(layout=torch.sparse_coo\).*"
+             r"nn.Embedding\(..., sparse=False\).*torch.optim.SparseAdam outside this optimizer")
+    before = emb.weight.detach().clone()
+    with pytest.raises(TypeError, match=match):
+        emb(torch.randint(0, rows, (4,))).sum().backward()
+        assert raised_in == "step"
+        opt.step()
+    assert torch.equal(emb.weight, before)
+    opt.close()
