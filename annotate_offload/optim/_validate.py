@@ -4,7 +4,9 @@
 valid names are those of their constructors; a typo (``lrr``) or a foreign option (``optimizer="sgd"``)
 would otherwise sit unused in ``defaults`` while training ran with the default value. Value ranges
 mirror torch's own constructor checks (``torch/optim/adamw.py``, ``adam.py``, ``sgd.py``): the
-sub-optimizers are built only after host buffers are carved, so we check up front.
+sub-optimizers are built only after host buffers are carved, so we check up front. Param groups get
+the same value checks and a key check (``check_group_keys``): typos of valid names and our own
+per-optimizer options are refused, other extra keys are kept as torch keeps them.
 """
 
 from __future__ import annotations
