@@ -28,6 +28,7 @@ what it computes without them, and tracing (``torch.fx``) sees no side effects.
 from __future__ import annotations
 
 import warnings
+import copy
 import weakref
 from typing import Any, Optional, Union
 
@@ -208,6 +209,16 @@ class _FrozenRegistry:
         self.done.add(sync)
         return None
 
+    def __deepcopy__(self, memo: dict) -> "_FrozenRegistry":
+        # a deep copy of the model (Note [Copying a synchronizer]) registers its own frozen weights
+        # with its own runtime: the weak reference follows the model into the copy
+        new = _FrozenRegistry.__new__(_FrozenRegistry)
+        memo[id(self)] = new
+        model = self.model()
+        new.model = weakref.ref(memo.get(id(model), model)) if model is not None else self.model
+        new.done = weakref.WeakSet()
+        return new
+
     def __repr__(self) -> str:
         return f"_FrozenRegistry(synchronizers={len(self.done)})"
 
@@ -234,6 +245,19 @@ class OffloadMarks:
         self.lora_linear_layers = 0
         self.frozen_modules = 0
         self._handles: list[Any] = []
+
+    def __deepcopy__(self, memo: dict) -> "OffloadMarks":
+        # the marks of a deep-copied model are the copy's: its hooks, head and model (the weak
+        # reference would otherwise keep pointing at the original)
+        new = OffloadMarks.__new__(OffloadMarks)
+        memo[id(self)] = new
+        model = self._model()
+        new._model = weakref.ref(memo.get(id(model), model)) if model is not None else self._model
+        new.lm_head = copy.deepcopy(self.lm_head, memo)
+        new.peft_lora_layers, new.lora_linear_layers = self.peft_lora_layers, self.lora_linear_layers
+        new.frozen_modules = self.frozen_modules
+        new._handles = copy.deepcopy(self._handles, memo)
+        return new
 
     @property
     def active(self) -> bool:

@@ -289,3 +289,38 @@ def test_lean_import():
             "assert not torch.cuda.is_initialized(); "
             "assert 'peft' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_deepcopy_of_a_transformed_lora_model_carries_its_own_marks():
+    # review of session 5: the copy's marks kept a weak reference to the original model, so with
+    # the original gone the copy's frozen-weight casts were offloaded (1775104 vs 1234432 bytes)
+    import gc
+    import warnings
+
+    from annotate_offload.annotate import remove_offload
+    from annotate_offload.models.llama import LlamaConfig
+
+    def make():
+        m = Llama(LlamaConfig.from_preset("llama-tiny"), seed=0, device="cpu")
+        apply_lora(m, ["q_proj", "k_proj", "v_proj", "o_proj"], r=8, alpha=16, dropout=0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return offload_transform(m, num_layers=2, min_offload_numel=0)
+
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def moved(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            F.cross_entropy(m(ids).float().flatten(0, 1), ids.flatten()).backward()
+        return m.offload_plan.runtime.stats.bytes_offloaded
+
+    expected = moved(make())
+    model = make()
+    dup = copy.deepcopy(model)
+    marks = dup.__dict__["_annotate_offload_peft_marks"]
+    assert marks.active and marks is not model.__dict__["_annotate_offload_peft_marks"]
+    del model
+    gc.collect()
+    assert moved(dup) == expected
+    remove_offload(dup)
+    assert not has_offload_marks(dup)
