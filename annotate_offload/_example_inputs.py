@@ -31,11 +31,24 @@ def split(example_inputs: Any, who: str) -> tuple[tuple, dict]:
         who: the public function named in the error.
 
     Raises:
-        TypeError: anything else (a string, a number, ``None``), naming the parameter and the fix.
+        TypeError: anything else (a string, a number, ``None``), or a dict with a non-str key.
+        ValueError: an empty tuple, list or dict.
     """
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
-    if isinstance(example_inputs, dict) and all(isinstance(k, str) for k in example_inputs):
+    if isinstance(example_inputs, (tuple, list, dict)) and len(example_inputs) == 0:
+        raise ValueError(
+            f"{who}: example_inputs={example_inputs!r} is empty; pass one training step's inputs, e.g. "
+            "example_inputs=(x,) or example_inputs={'input_ids': ids}."
+        )
+    if isinstance(example_inputs, dict):
+        bad = next((k for k in example_inputs if not isinstance(k, str)), None)
+        if bad is not None:
+            raise TypeError(
+                f"{who}: example_inputs is a dict with the non-str key {bad!r}; a dict gives keyword inputs "
+                "(model(**example_inputs)), so its keys must be the forward's argument names, e.g. "
+                "{'input_ids': ids}; pass positional inputs as a tuple, e.g. (x,)."
+            )
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
@@ -47,8 +60,10 @@ def split(example_inputs: Any, who: str) -> tuple[tuple, dict]:
 
 
 def for_training(model: nn.Module, kwargs: dict) -> dict:
-    """``kwargs`` with ``use_cache=False`` added when ``model.forward`` takes ``use_cache`` and
-    the caller did not set it (see the module docstring)."""
+    """``kwargs`` with ``use_cache=False`` added when the caller did not set it and the model takes
+    it: its forward names ``use_cache``, or passes ``**kwargs`` through (a peft ``PeftModel``, other
+    wrappers) to a model whose config has ``use_cache`` (Hugging Face ``PretrainedConfig``). See
+    the module docstring."""
     if "use_cache" in kwargs:
         return kwargs
     try:
@@ -56,5 +71,8 @@ def for_training(model: nn.Module, kwargs: dict) -> dict:
     except (TypeError, ValueError):  # a forward without a signature (C++ / builtins)
         return kwargs
     if "use_cache" in params:
+        return {**kwargs, "use_cache": False}
+    passes_through = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if passes_through and getattr(getattr(model, "config", None), "use_cache", None) is not None:
         return {**kwargs, "use_cache": False}
     return kwargs

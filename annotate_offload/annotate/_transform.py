@@ -132,10 +132,10 @@ def offload_transform(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``num_layers`` not an int or ``"auto"``; a
             bad ``layer_types``/``filter_fn``/``config``; ``example_inputs`` not a tensor,
-            tuple/list or dict.
+            tuple/list or dict with str keys.
         ValueError: ``num_layers`` missing, out of ``[0, L)``, or different from the config's;
             no layers found; ``"auto"`` without ``memory_budget``/``example_inputs``, or
-            ``memory_budget`` without ``"auto"``; a config rule (raised by the config before the
+            ``memory_budget`` without ``"auto"``; empty ``example_inputs``; a config rule (raised by the config before the
             model is touched); bad ``path``.
         OffloadError: the model was already transformed; ``path="fx"`` and tracing failed.
 

@@ -476,5 +476,9 @@ def test_bad_example_inputs_and_a_stray_memory_budget_are_refused_before_the_mod
         offload_transform(model, num_layers=1, example_inputs="hello")
     with pytest.raises(ValueError, match=r"memory_budget=1048576 is used only by num_layers='auto'.*num_layers=1"):
         offload_transform(model, num_layers=1, memory_budget=1 << 20)
+    with pytest.raises(TypeError, match=r"dict with the non-str key 0.*pass positional inputs as a tuple"):
+        offload_transform(model, num_layers=1, example_inputs={0: X()})
+    with pytest.raises(ValueError, match=r"example_inputs=\(\) is empty"):
+        offload_transform(model, num_layers=1, example_inputs=())
     assert (dict(model.__dict__), [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]) == before
     assert "offload_plan" not in model.__dict__

@@ -134,3 +134,19 @@ def test_offload_transform_applies_the_marks():
     spy = _transform(model, "opt_out")
     step(model, ids())
     assert spy.packed_rank_r() == []
+
+
+def test_auto_plan_of_a_peft_model_profiles_without_the_kv_cache():
+    # review of session 5: PeftModel.forward(*args, **kwargs) hides use_cache from the signature,
+    # so profiling ran with the cache on and failed ("backward through the graph a second time")
+    from annotate_offload._example_inputs import for_training
+
+    model = _hf()
+    assert for_training(model, {"input_ids": 1}) == {"input_ids": 1, "use_cache": False}
+    ref = copy.deepcopy(model)
+    x = ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offload_transform(model, num_layers="auto", memory_budget=1 << 20, example_inputs={"input_ids": x})
+    assert len(model.offload_plan.layers) == L
+    assert_same(step(model, x), step(ref, x))
