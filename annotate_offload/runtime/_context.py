@@ -143,7 +143,11 @@ class _CpuOffloadContext(contextlib.ContextDecorator):
         if not self._awaiting_sync or self.current_layer is None:
             raise OffloadError(
                 "synchronization function called before any layer ran inside the offload "
-                "context; enter the context for a layer first"
+                "context; enter the context for a layer first (`with ctx: x = layer(x)` then "
+                "`x = sync_fn(x)`). A layer run with autograd off does not count: "
+                "torch.utils.checkpoint(use_reentrant=True) runs its function under no_grad, so "
+                "call sync_fn inside the checkpointed function too (nothing is offloaded there), "
+                "or use use_reentrant=False, whose saved inputs the context offloads"
             )
         if not tensor.requires_grad:
             raise ValueError(
