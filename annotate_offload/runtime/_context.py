@@ -147,7 +147,7 @@ class _CpuOffloadContext(contextlib.ContextDecorator):
                 "`x = sync_fn(x)`). A layer run with autograd off does not count: "
                 "torch.utils.checkpoint(use_reentrant=True) runs its function under no_grad, so "
                 "call sync_fn inside the checkpointed function too (nothing is offloaded there), "
-                "or use use_reentrant=False, whose saved inputs the context offloads"
+                "or use use_reentrant=False"
             )
         if not tensor.requires_grad:
             raise ValueError(
