@@ -5,9 +5,12 @@ hooks after the reduce-scatter (torch/distributed/fsdp/_fully_shard/_fsdp_collec
 reduce-scatter stream current, so the optimizer's own hooks copy the reduced local shard
 (``to_local()``) and each rank offloads exactly its shard. What the attachment adds there is the
 guard of Note [Local shards] (``_shards.py``) and a refusal of the optimizer's own
-``clip_grad_norm_``, whose norm would cover only this rank's shard; ``torch.nn.utils.clip_grad_norm_``
-on the DTensor gradients computes the global norm, and the optimizer re-copies the clipped
-gradients at ``step()``.
+``clip_grad_norm_``, whose norm would cover only this rank's shard. Clip with this package's
+:func:`clip_grad_norm_` (global norm over the DTensor shards; the optimizer re-copies the clipped
+gradients at ``step()``). ``torch.nn.utils.clip_grad_norm_`` computes the same norm, but its
+foreach multiply leaves no version trace on DTensor gradients (Note [DTensor gradient versions]),
+so after it call :meth:`ShardedAttachment.mark_gradients_changed`, or the host steps the unclipped
+copy.
 """
 
 from __future__ import annotations
@@ -126,7 +129,8 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
       local shards; a step pre-hook raises ``OffloadError`` if a parameter or its local shard
       storage was replaced behind the optimizer (Note [Local shards]), and, when parameters are
       sharded, the optimizer's ``clip_grad_norm_`` (shard-local norm) is refused in favour of
-      ``torch.nn.utils.clip_grad_norm_``.
+      :func:`annotate_offload.distributed.clip_grad_norm_`. ``torch.nn.utils.clip_grad_norm_``
+      is not seen on DTensor gradients: call ``attachment.mark_gradients_changed()`` after it.
 
     Args:
         model (nn.Module): the DDP-wrapped or ``fully_shard``-ed model.
