@@ -68,7 +68,7 @@ class CpuWorker:
     re-raises the first exception a task raised (later tasks of that batch are skipped).
     """
 
-    __slots__ = ("_q", "_thread", "_threads", "_bind", "_error", "_pending", "_cv", "__weakref__")
+    __slots__ = ("_q", "_thread", "_threads", "_bind", "_error", "_pending", "_cv", "_ready", "__weakref__")
 
     def __init__(self, threads: int, bind: Callable[[], None]) -> None:
         self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
@@ -77,12 +77,27 @@ class CpuWorker:
         self._error: Optional[BaseException] = None
         self._pending = 0
         self._cv = threading.Condition()
+        self._ready = threading.Event()
+        # Note [Thread budget], continued: torch.set_num_threads also stores a process-wide value
+        # that every thread not yet using OpenMP adopts on its first parallel op (ATen's lazy
+        # per-thread init), so the worker's budget leaked into a training thread that had not run
+        # one yet (OMP_NUM_THREADS=1 read back as the budget; fresh-user trial, session 5). The
+        # caller's value is read first (which initialises its own) and put back once the worker
+        # has applied its budget to itself.
+        caller = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name="hdo-cpu-step", daemon=True)
         self._thread.start()
+        self._ready.wait(timeout=30)
+        if threads != caller:
+            torch.set_num_threads(caller)
 
     def _loop(self) -> None:
-        self._bind()
-        torch.set_num_threads(self._threads)
+        try:
+            self._bind()
+            torch.set_num_threads(self._threads)
+            torch.get_num_threads()  # ATen's lazy per-thread init, now: it adopts the process-wide value
+        finally:
+            self._ready.set()
         while True:
             fn = self._q.get()
             if fn is None:

@@ -443,3 +443,31 @@ def test_tiny_gradients_are_copied_together_at_step(monkeypatch, offload_gradien
     train(r, ref, xs[1:])
     assert_same(m, r)
     opt.close()
+
+
+def test_worker_budget_does_not_leak_into_the_training_thread():
+    """Note [Thread budget]: torch.set_num_threads on the worker also set the process-wide value
+    that a thread adopts on its first parallel op, so a training thread under OMP_NUM_THREADS=1
+    read back the worker's budget (fresh-user trial, session 5). The worker keeps its budget."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, torch\n"
+        "from annotate_offload import HybridDeviceOptimizer\n"
+        "from annotate_offload.optim._threads import CpuWorker\n"
+        "m = torch.nn.Linear(64, 64)\n"
+        "opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, cpu_threads=3)\n"
+        "w = CpuWorker(3, lambda: None); seen = {}\n"
+        "def task():\n"
+        "    torch.ones(1 << 16).mul_(2)\n"
+        "    seen['worker'] = torch.get_num_threads()\n"
+        "w.submit(task); w.drain()\n"
+        "t = threading.Thread(target=lambda: seen.__setitem__('fresh', torch.get_num_threads())); t.start(); t.join()\n"
+        "print(torch.get_num_threads(), seen['worker'], seen['fresh'])\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "3", "1"]  # training thread, worker, a thread started later
