@@ -238,7 +238,8 @@ def offload_transform(
                   if v is not None}
         try:
             result = plan_offload(model, memory_budget=memory_budget, example_inputs=example_inputs,
-                                  layers=[r.module for r in refs], **kwargs)
+                                  layers=[r.module for r in refs], min_offload_numel=_min_numel(settings.min_offload_numel),
+                                  **kwargs)
         except BaseException:
             _drop_attrs(model, added)
             raise

@@ -107,6 +107,11 @@ class LayerMeasurement:
         checkpoint_input_bytes (int): bytes of the layer's tensor inputs, i.e. what ``recompute``
             holds and ``recompute_offload`` copies.
         name (str): the layer's qualified name, for the plan table. Default: ``""``.
+        unmoved_bytes (int): the part of ``saved_bytes`` that ``offload`` leaves on the GPU: saved
+            tensors under the runtime's ``min_offload_numel`` (their storages not also saved by a
+            larger tensor). Default: ``0``.
+        unmoved_input_bytes (int): the part of ``checkpoint_input_bytes`` that ``recompute_offload``
+            leaves on the GPU (inputs under ``min_offload_numel``). Default: ``0``.
 
     Raises:
         TypeError, ValueError: a field that is not a finite non-negative number.
@@ -117,10 +122,19 @@ class LayerMeasurement:
     saved_bytes: int
     checkpoint_input_bytes: int
     name: str = ""
+    unmoved_bytes: int = 0
+    unmoved_input_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("forward_ms", "backward_ms", "saved_bytes", "checkpoint_input_bytes"):
+        for field in ("forward_ms", "backward_ms", "saved_bytes", "checkpoint_input_bytes", "unmoved_bytes",
+                      "unmoved_input_bytes"):
             _check_number("LayerMeasurement", field, getattr(self, field))
+        for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes")):
+            if getattr(self, part) > getattr(self, whole):
+                raise ValueError(
+                    f"LayerMeasurement: {part}={getattr(self, part)} exceeds {whole}={getattr(self, whole)}; it is "
+                    "the part of those bytes that an offloaded layer leaves on the GPU."
+                )
         if not isinstance(self.name, str):
             raise TypeError(f"LayerMeasurement: name must be a str, got {type(self.name).__name__}.")
 
@@ -234,7 +248,10 @@ def predict(
     n = len(layers)
     off = [c in _OFFLOADED for c in choices]
     rec = [c in _RECOMPUTED for c in choices]
-    moved = [(m.checkpoint_input_bytes if rec[i] else m.saved_bytes) if off[i] else 0 for i, m in enumerate(layers)]
+    # what an offloaded layer still holds on the GPU: its saved tensors under min_offload_numel
+    stays = [(m.unmoved_input_bytes if rec[i] else m.unmoved_bytes) if off[i] else 0 for i, m in enumerate(layers)]
+    moved = [(m.checkpoint_input_bytes if rec[i] else m.saved_bytes) - stays[i] if off[i] else 0
+             for i, m in enumerate(layers)]
     fwd_bytes = [m.checkpoint_input_bytes if rec[i] else m.saved_bytes for i, m in enumerate(layers)]
 
     # --- time (Note [Planner time model]) ---
@@ -270,7 +287,7 @@ def predict(
         t += layers[j].backward_ms
 
     # --- memory (Note [Planner memory model]) ---
-    kept = [0 if off[i] else fwd_bytes[i] for i in range(n)]
+    kept = [stays[i] if off[i] else fwd_bytes[i] for i in range(n)]
     prefix = [0] * (n + 1)  # prefix[j] = sum over i < j of kept(i)
     for i in range(n):
         prefix[i + 1] = prefix[i] + kept[i]

@@ -152,7 +152,20 @@ class _Timer:
         return (self.t1 - self.t0) * 1e3
 
 
-def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device) -> tuple[float, float, int, int]:
+def _unmoved_bytes(saved: list, skip: set, min_numel: int) -> int:
+    """Bytes of the storages only tensors under ``min_numel`` elements saved: the runtime keeps
+    those on the device (reason ``too_small``) even when their layer is offloaded."""
+    if min_numel <= 0:
+        return 0
+    big = [t for t in saved if isinstance(t, torch.Tensor) and t.numel() >= min_numel]
+    moved = {(t.device, t.untyped_storage().data_ptr()) for t in big}
+    small = [t for t in saved if isinstance(t, torch.Tensor) and t.numel() < min_numel
+             and (t.device, t.untyped_storage().data_ptr()) not in moved]
+    return _unique_storage_bytes(small, skip)
+
+
+def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device,
+                   min_numel: int = 0) -> tuple[float, float, int, int, int, int]:
     args, kwargs = captured
 
     def fresh(x):
@@ -163,6 +176,7 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     args, kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
     ckpt_bytes = _unique_storage_bytes(inputs, param_ptrs)
+    ckpt_unmoved = _unmoved_bytes(inputs, param_ptrs, min_numel)
     wrt = [x for x in inputs if x.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
     saved: list[torch.Tensor] = []
 
@@ -174,11 +188,12 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
         out = layer(*args, **kwargs)
     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
     saved_bytes = _unique_storage_bytes(saved, param_ptrs)
+    unmoved = _unmoved_bytes(saved, param_ptrs, min_numel)
     saved.clear()
     with _Timer(device) as bwd:
         if outs:
             torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
-    return fwd.ms(), bwd.ms(), saved_bytes, ckpt_bytes
+    return fwd.ms(), bwd.ms(), saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved
 
 
 def _device_of(layer: nn.Module, captured) -> torch.device:
@@ -197,6 +212,7 @@ def measure_layers(
     *,
     warmup: int = 1,
     repeats: int = 3,
+    min_offload_numel: int = 0,
 ) -> tuple[LayerMeasurement, ...]:
     """Profile one forward and backward of each layer, in training mode, leaving the model as found.
 
@@ -208,6 +224,8 @@ def measure_layers(
             shapes of a training step (their batch and sequence decide the bytes).
         warmup (int): untimed runs per layer before timing. Default: ``1``.
         repeats (int): timed runs per layer; the median is kept. Default: ``3``.
+        min_offload_numel (int): the runtime's threshold: saved tensors under it stay on the device
+            when their layer is offloaded (``LayerMeasurement.unmoved_bytes``). Default: ``0``.
 
     Returns:
         tuple[LayerMeasurement, ...]: per layer, forward/backward ms (medians), saved bytes (unique
@@ -221,7 +239,7 @@ def measure_layers(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"measure_layers: model must be an nn.Module, got {type(model).__name__}.")
-    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1), ("min_offload_numel", min_offload_numel, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"measure_layers: {name} must be an int >= {low}, got {value!r}.")
     names = {id(m): n for n, m in model.named_modules()}
@@ -249,13 +267,16 @@ def measure_layers(
         result = []
         for (name, layer), inputs in zip(named, captured):
             device = _device_of(layer, inputs)
-            runs = [_profile_layer(layer, inputs, param_ptrs, device) for _ in range(warmup + repeats)][warmup:]
+            runs = [_profile_layer(layer, inputs, param_ptrs, device, min_offload_numel)
+                    for _ in range(warmup + repeats)][warmup:]
             result.append(
                 LayerMeasurement(
                     forward_ms=statistics.median(r[0] for r in runs),
                     backward_ms=statistics.median(r[1] for r in runs),
                     saved_bytes=max(r[2] for r in runs),
                     checkpoint_input_bytes=runs[0][3],
+                    unmoved_bytes=min(max(r[4] for r in runs), max(r[2] for r in runs)),
+                    unmoved_input_bytes=min(runs[0][5], runs[0][3]),
                     name=name,
                 )
             )

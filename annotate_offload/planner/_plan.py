@@ -117,7 +117,8 @@ def _reasons(
         elif c == "recompute":
             what = f"reruns forward (+{m.forward_ms:.2f} ms), holds its {_gib(m.checkpoint_input_bytes)} input"
         else:
-            nbytes = m.saved_bytes if c == "offload" else m.checkpoint_input_bytes
+            nbytes = (m.saved_bytes - m.unmoved_bytes if c == "offload"
+                      else m.checkpoint_input_bytes - m.unmoved_input_bytes)
             stall = base.d2h_stall_ms[i] + base.h2d_stall_ms[i]
             hidden = "hidden behind other layers' compute" if stall == 0 else f"stalls {stall:.2f} ms"
             what = (
@@ -166,6 +167,7 @@ def plan_offload(
     bandwidth: LinkBandwidth | None = None,
     release_lag: int = 1,
     prefetch_layers: int = 1,
+    min_offload_numel: int | None = None,
 ) -> PlannerResult:
     """Choose keep, offload, recompute or recompute_offload per layer to fit a memory budget, fastest.
 
@@ -185,6 +187,9 @@ def plan_offload(
         bandwidth (LinkBandwidth | None): skip the link measurement and use this.
         release_lag (int): runtime schedule the plan assumes (see :func:`predict`). Default: ``1``.
         prefetch_layers (int): runtime schedule the plan assumes (see :func:`predict`). Default: ``1``.
+        min_offload_numel (int | None): the runtime's threshold the plan assumes: saved tensors under
+            it stay on the GPU in an offloaded layer. ``None``: the runtime's default, 262144 (256K
+            elements, TransformerEngine's). Used when profiling (``measurements`` not given).
 
     Returns:
         PlannerResult: the plan; ``print(result)`` shows the predicted step time, peak and per-layer why.
@@ -210,7 +215,10 @@ def plan_offload(
             )
         if model is None:
             raise ValueError("plan_offload: model is None; pass the model, or measurements= to plan without one.")
-        measurements = measure_layers(model, layers, example_inputs)
+        from annotate_offload.runtime._layer_state import DEFAULT_MIN_OFFLOAD_NUMEL
+
+        threshold = DEFAULT_MIN_OFFLOAD_NUMEL if min_offload_numel is None else min_offload_numel
+        measurements = measure_layers(model, layers, example_inputs, min_offload_numel=threshold)
     else:
         measurements = tuple(measurements)
         for i, m in enumerate(measurements):

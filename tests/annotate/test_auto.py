@@ -70,3 +70,17 @@ def test_auto_with_the_real_planner_is_exact_and_within_budget():
 def test_auto_infeasible_budget_is_the_planners_error():
     with pytest.raises(ValueError, match="cannot be met; the smallest feasible budget is"):
         offload_transform(Stack(4), num_layers="auto", memory_budget=1, example_inputs=(X,))
+
+
+def test_auto_plan_counts_what_the_runtime_will_not_move():
+    # fresh-user trial, session 5: with the default threshold (256K elements) nothing of this model
+    # moves, yet the plan chose offload and promised a peak the run exceeded
+    from annotate_offload.models import GPTConfig, GPTStack
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 128, 64)
+    model = GPTStack(GPTConfig(hidden=64, heads=4, layers=4))
+    offload_transform(model, num_layers="auto", memory_budget=5 << 20, example_inputs=(x,))
+    assert not any(lp.choice == "offload" for lp in model.offload_plan.layers)  # it would free nothing
+    model(x).square().mean().backward()
+    assert model.offload_plan.runtime.stats.bytes_offloaded == 0

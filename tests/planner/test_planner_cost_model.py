@@ -134,3 +134,21 @@ def test_bandwidth_must_be_positive():
         LinkBandwidth(0.0, 1.0)
     with pytest.raises(ValueError, match="prefetch_layers must be an int >= 1"):
         predict(layers(3), ["keep"] * 3, FAST, prefetch_layers=0)
+
+
+def test_an_offloaded_layer_keeps_its_unmoved_bytes_and_copies_only_the_rest():
+    # saved tensors under the runtime's min_offload_numel stay on the GPU (fresh-user trial, session 5:
+    # the plan promised a peak the run exceeded, since nothing of a small model moved)
+    full = layers(4)
+    part = [LayerMeasurement(10.0, 20.0, GB, GB // 10, unmoved_bytes=GB // 4, unmoved_input_bytes=GB // 10)
+            for _ in range(4)]
+    plan = ["offload", "keep", "keep", "keep"]
+    a, b = predict(full, plan, SLOW), predict(part, plan, SLOW)
+    assert b.copy_ms[0] == pytest.approx(0.75 * a.copy_ms[0])  # 3/4 of the bytes cross the link
+    assert b.peak_bytes == a.peak_bytes + GB // 4  # at layer 3's forward: a1 + a2 + a3 plus layer 0's unmoved part
+    rec = ["recompute_offload", "keep", "keep", "keep"]
+    assert predict(part, rec, SLOW).copy_ms[0] == 0.0  # its whole input stays
+    nothing = [LayerMeasurement(10.0, 20.0, GB, GB // 10, unmoved_bytes=GB) for _ in range(4)]
+    assert predict(nothing, plan, FAST).peak_bytes == predict(nothing, ["keep"] * 4, FAST).peak_bytes
+    with pytest.raises(ValueError, match="unmoved_bytes=2 exceeds saved_bytes=1"):
+        LayerMeasurement(1.0, 1.0, 1, 1, unmoved_bytes=2)

@@ -190,3 +190,15 @@ def test_cuda_bandwidth_is_pinned_and_cached(monkeypatch):
     bw = measure_bandwidth("cuda")
     assert bw.d2h_gbps > 1 and bw.h2d_gbps > 1 and "pinned" in bw.source
     assert measure_bandwidth(f"cuda:{torch.cuda.current_device()}") is bw
+
+
+def test_unmoved_bytes_are_the_saved_tensors_under_the_threshold():
+    net = Net(width=16)
+    x = torch.randn(64, 16)
+    every = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    none = measure_layers(net, None, (x,), warmup=0, repeats=1, min_offload_numel=64 * 16 + 1)
+    some = measure_layers(net, None, (x,), warmup=0, repeats=1, min_offload_numel=1)
+    for a, b, c in zip(every, none, some):
+        assert a.unmoved_bytes == 0 and c.unmoved_bytes == 0
+        assert b.unmoved_bytes == b.saved_bytes > 0  # every saved tensor is 64 x 16: all stay
+        assert b.unmoved_input_bytes == b.checkpoint_input_bytes > 0
