@@ -143,8 +143,13 @@ def _reasons(
 
 
 def _check_budget(memory_budget: Any) -> int:
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not math.isfinite(memory_budget):
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
         raise TypeError(f"plan_offload: memory_budget must be a number of bytes, got {memory_budget!r}; pass e.g. 4 * 2**30.")
+    if not math.isfinite(memory_budget):
+        raise ValueError(
+            f"plan_offload: memory_budget must be a finite number of bytes, got {memory_budget!r}; pass e.g. 4 * 2**30 "
+            "(a budget larger than every layer's saved bytes keeps them all)."
+        )
     if memory_budget < 0:
         raise ValueError(f"plan_offload: memory_budget must be >= 0 bytes, got {memory_budget!r}.")
     return int(memory_budget)

@@ -50,9 +50,18 @@ _RANK = {c: r for r, c in enumerate(CHOICES)}
 EXHAUSTIVE_LIMIT = 1 << 15
 
 
+
 def format_bytes(n: float) -> str:
-    """``n`` bytes as ``"1.50 GiB (1610612736 bytes)"``."""
-    return f"{n / 2**30:.2f} GiB ({int(n)} bytes)"
+    """``n`` bytes as ``"1.50 GiB (1610612736 bytes)"``, in the largest binary unit that keeps the
+    value >= 1 (``"2.27 MiB (2375680 bytes)"``)."""
+    return f"{_in_unit(n)} ({int(n)} bytes)"
+
+
+def _in_unit(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def plan_key(choices: Sequence[str], prediction: Prediction) -> tuple:
@@ -238,8 +247,8 @@ def search(
     if best is None:
         plan, pred = smallest
         raise ValueError(
-            f"plan_offload: memory_budget={int(memory_budget)} bytes ({memory_budget / 2**30:.2f} GiB) cannot be met; "
-            f"the smallest feasible budget is {pred.peak_bytes} bytes ({pred.peak_bytes / 2**30:.2f} GiB), predicted "
+            f"plan_offload: memory_budget={int(memory_budget)} bytes ({_in_unit(memory_budget)}) cannot be "
+            f"met; the smallest feasible budget is {pred.peak_bytes} bytes ({_in_unit(pred.peak_bytes)}), predicted "
             f"for plan {list(plan)} at {pred.step_ms:.2f} ms. Pass memory_budget >= {pred.peak_bytes}, or shrink the "
             "batch or sequence."
         )

@@ -94,3 +94,13 @@ def test_end_to_end_on_a_small_gpt_leaves_weights_and_grads_alone():
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+def test_budget_messages_use_a_readable_unit_and_infinity_is_a_value_error():
+    from annotate_offload.planner._search import format_bytes
+
+    assert format_bytes(2375680) == "2.27 MiB (2375680 bytes)" and format_bytes(3 * 2**30) == "3.00 GiB (3221225472 bytes)"
+    assert format_bytes(512) == "512 B (512 bytes)"
+    with pytest.raises(ValueError, match="memory_budget must be a finite number of bytes, got inf"):
+        plan_offload(None, memory_budget=float("inf"), measurements=[LayerMeasurement(1.0, 1.0, 1, 1)] * 2,
+                     bandwidth=LinkBandwidth(1.0, 1.0))
