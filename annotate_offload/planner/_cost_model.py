@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 __all__ = ["CHOICES", "LayerMeasurement", "LinkBandwidth", "Prediction", "allowed_choices", "predict"]
 
@@ -199,13 +199,18 @@ def allowed_choices(layer: int, num_layers: int, release_lag: int) -> tuple[str,
     return ("keep", "recompute")
 
 
+def check_schedule(who: str, release_lag: Any, prefetch_layers: Any) -> None:
+    """``release_lag`` an int >= 0 and ``prefetch_layers`` an int >= 1, else ``ValueError`` naming ``who``."""
+    if isinstance(release_lag, bool) or not isinstance(release_lag, int) or release_lag < 0:
+        raise ValueError(f"{who}: release_lag must be an int >= 0, got {release_lag!r}.")
+    if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int) or prefetch_layers < 1:
+        raise ValueError(f"{who}: prefetch_layers must be an int >= 1, got {prefetch_layers!r}.")
+
+
 def _validate(layers: Sequence[LayerMeasurement], choices: Sequence[str], release_lag: int, prefetch_layers: int):
     if len(choices) != len(layers):
         raise ValueError(f"predict: choices has {len(choices)} entries for {len(layers)} layers; give one per layer.")
-    if isinstance(release_lag, bool) or not isinstance(release_lag, int) or release_lag < 0:
-        raise ValueError(f"predict: release_lag must be an int >= 0, got {release_lag!r}.")
-    if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int) or prefetch_layers < 1:
-        raise ValueError(f"predict: prefetch_layers must be an int >= 1, got {prefetch_layers!r}.")
+    check_schedule("predict", release_lag, prefetch_layers)
     for i, c in enumerate(choices):
         if c not in CHOICES:
             raise ValueError(f"predict: choices[{i}]={c!r} is not one of {CHOICES}.")

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from ._cost_model import LayerMeasurement, LinkBandwidth, Prediction, allowed_choices, predict
+from ._cost_model import LayerMeasurement, LinkBandwidth, Prediction, allowed_choices, check_schedule, predict
 from ._bandwidth import measure_bandwidth
 from ._measure import measure_layers
 from ._search import search
@@ -212,6 +212,7 @@ def plan_offload(
         result.choices  # ('recompute', 'recompute', 'offload', ..., 'keep')
     """
     budget = _check_budget(memory_budget)
+    check_schedule("plan_offload", release_lag, prefetch_layers)  # before any profiling
     if measurements is None:
         if example_inputs is None:
             raise ValueError(

@@ -104,3 +104,14 @@ def test_budget_messages_use_a_readable_unit_and_infinity_is_a_value_error():
     with pytest.raises(ValueError, match="memory_budget must be a finite number of bytes, got inf"):
         plan_offload(None, memory_budget=float("inf"), measurements=[LayerMeasurement(1.0, 1.0, 1, 1)] * 2,
                      bandwidth=LinkBandwidth(1.0, 1.0))
+
+
+def test_schedule_knobs_are_checked_by_plan_offload_before_profiling(monkeypatch):
+    from annotate_offload.planner import _plan
+
+    monkeypatch.setattr(_plan, "measure_layers", lambda *a, **k: pytest.fail("profiled before checking"))
+    model = GPTStack(GPTConfig(hidden=32, heads=2, layers=2))
+    with pytest.raises(ValueError, match=r"plan_offload: prefetch_layers must be an int >= 1, got 0"):
+        plan_offload(model, memory_budget=1 << 20, example_inputs=(torch.randn(1, 4, 32),), prefetch_layers=0)
+    with pytest.raises(ValueError, match=r"plan_offload: release_lag must be an int >= 0, got -1"):
+        plan_offload(model, memory_budget=1 << 20, example_inputs=(torch.randn(1, 4, 32),), release_lag=-1)
