@@ -138,6 +138,13 @@ class LayerMeasurement:
         if not isinstance(self.name, str):
             raise TypeError(f"LayerMeasurement: name must be a str, got {type(self.name).__name__}.")
 
+    def moved_bytes(self, recompute: bool) -> int:
+        """Bytes offloading this layer copies out and back: its saved tensors (``offload``) or its
+        checkpoint inputs (``recompute_offload``, ``recompute=True``), less what stays on the GPU."""
+        if recompute:
+            return self.checkpoint_input_bytes - self.unmoved_input_bytes
+        return self.saved_bytes - self.unmoved_bytes
+
 
 @dataclass(frozen=True)
 class LinkBandwidth:
@@ -255,8 +262,7 @@ def predict(
     rec = [c in _RECOMPUTED for c in choices]
     # what an offloaded layer still holds on the GPU: its saved tensors under min_offload_numel
     stays = [(m.unmoved_input_bytes if rec[i] else m.unmoved_bytes) if off[i] else 0 for i, m in enumerate(layers)]
-    moved = [(m.checkpoint_input_bytes if rec[i] else m.saved_bytes) - stays[i] if off[i] else 0
-             for i, m in enumerate(layers)]
+    moved = [m.moved_bytes(rec[i]) if off[i] else 0 for i, m in enumerate(layers)]
     fwd_bytes = [m.checkpoint_input_bytes if rec[i] else m.saved_bytes for i, m in enumerate(layers)]
 
     # --- time (Note [Planner time model]) ---

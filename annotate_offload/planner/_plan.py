@@ -117,8 +117,7 @@ def _reasons(
         elif c == "recompute":
             what = f"reruns forward (+{m.forward_ms:.2f} ms), holds its {_gib(m.checkpoint_input_bytes)} input"
         else:
-            nbytes = (m.saved_bytes - m.unmoved_bytes if c == "offload"
-                      else m.checkpoint_input_bytes - m.unmoved_input_bytes)
+            nbytes = m.moved_bytes(recompute=c != "offload")
             stall = base.d2h_stall_ms[i] + base.h2d_stall_ms[i]
             hidden = "hidden behind other layers' compute" if stall == 0 else f"stalls {stall:.2f} ms"
             what = (
