@@ -1,7 +1,7 @@
 """The two calls a layer boundary makes into the runtime, shared by the fx path and the hook path.
 
-``enter(i, x)`` before layer ``i`` opens its offload scope (and declares the layer input final
-with ``start_offload`` when the layer is offloaded); ``commit(out, i)`` after it closes the scope.
+``enter(i, x)`` before layer ``i`` opens its offload scope (and, when the layer is offloaded,
+marks its input ready: Note [Layer input at entry]); ``commit(out, i)`` after it closes the scope.
 Both are no-ops when autograd is off (eval, ``no_grad``, ``inference_mode``) and during backward
 (activation-checkpoint recompute re-runs layer forwards; they must not open scopes).
 """
@@ -81,7 +81,7 @@ class LayerBoundary:
 
     Args:
         sync: a ``DefaultOffloadSynchronizer`` (see docs/runtime_api.md).
-        offloaded (frozenset[int]): indices of offloaded layers (they get ``start_offload`` on their input).
+        offloaded (frozenset[int]): indices of offloaded layers (their input is marked ready at entry).
     """
 
     __slots__ = ("sync", "offloaded", "open_layer", "last_entered", "_measured", "_plan", "estimating",

@@ -3,7 +3,7 @@
 Inserted around layer ``i`` (the index is a constant in the graph, never a count)::
 
     b    = self._annotate_offload_boundary  # read from the live model at each call
-    x_i  = _enter(b, i, x)               # open layer i's offload scope; start_offload(x) if offloaded
+    x_i  = _enter(b, i, x)               # open layer i's offload scope; mark x ready if offloaded
     y    = layers.i(x_i)                 # or torch.utils.checkpoint.checkpoint(layers.i, x_i, ...)
     y_c  = _commit(b, y, i)              # close the scope, mark the layer boundary
     ...  = _keep(b, t)                   # for tensors the forward also returns: mark_not_offload

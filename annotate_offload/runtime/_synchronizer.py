@@ -167,17 +167,8 @@ class OffloadSynchronizer:
         backend = get_backend(device)
         self.backend: Any = backend if offload_stream is None else _StreamOverride(backend, offload_stream)
         self.pool = get_pool(backend.device_type)
-        self.stats = OffloadStats()
         self._frozen_shapes: set[tuple] = set()
-        self._step: Optional[_Step] = None
-        self._steps = 0
-        self._scope: Any = None
-        self._scope_index = -1
-        self._cur: Optional[_LayerState] = None
-        self._cur_kept: Optional[HalfPacer] = None
-        self._last_entered = -1
-        self._num_of_fwds: Optional[int] = None  # TE-compatible counter for fwd_step()
-        self.current_layer_id = 0
+        self.__dict__.update(self._fresh_state())
         self._warned_count = False  # a forward whose context count did not match num_layers
 
     # -- copies ------------------------------------------------------------------------------
@@ -189,10 +180,18 @@ class OffloadSynchronizer:
     # pool are shared, never duplicated. Pickling is refused: streams and host buffers do not
     # survive a process, and a model is saved through its ``state_dict``.
     def _fresh_state(self) -> dict[str, Any]:
-        """The per-step attributes of a runtime that has not run a step yet."""
+        """The per-step attributes of a runtime that has not run a step yet (``__init__`` and copies)."""
         return {
-            "stats": OffloadStats(), "_step": None, "_steps": 0, "_scope": None, "_scope_index": -1,
-            "_cur": None, "_cur_kept": None, "_last_entered": -1, "_num_of_fwds": None, "current_layer_id": 0,
+            "stats": OffloadStats(),
+            "_step": None,  # Optional[_Step]
+            "_steps": 0,
+            "_scope": None,
+            "_scope_index": -1,
+            "_cur": None,  # Optional[_LayerState]: the open layer scope's state
+            "_cur_kept": None,  # Optional[HalfPacer]
+            "_last_entered": -1,
+            "_num_of_fwds": None,  # TE-compatible counter for fwd_step()
+            "current_layer_id": 0,
         }
 
     def __deepcopy__(self, memo: dict) -> "OffloadSynchronizer":
@@ -630,7 +629,6 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             if prefetch_layers is None
             else _check_int("prefetch_layers", prefetch_layers, 1)  # as offload_transform and the config
         )
-        self._pending: list[int] = []  # offloaded layers of this step whose copies are held
 
     def _layer_offloaded(self, index: int) -> bool:
         return index in self.offloaded_layers
@@ -643,6 +641,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         return min(index + 1 + self.release_lag, self.num_layers)
 
     def _fresh_state(self) -> dict[str, Any]:
+        # _pending: offloaded layers of this step whose copies are held
         return {**super()._fresh_state(), "_pending": []}
 
     def _new_step(self) -> None:
