@@ -156,7 +156,7 @@ class _HostBuffers:
 
 
 def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: Any = False, per_piece: bool, worker: bool, dma: bool,
-                  numels: Optional[Sequence[int]] = None) -> float:
+                  numels: Optional[Sequence[int]] = None, kernel: str = "adamw") -> float:
     """Fused CPU AdamW over ``n`` fp32 params in 64 MiB pieces; ms per step (mean of ``reps``).
 
     ``pinned``: params and grads page-locked (``True``/``"pinned"``: as the optimizer's masters and
@@ -167,7 +167,8 @@ def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: Any = False, per_p
     pipeline's PCIe traffic), or ``"step"``: exactly one step's copies, ``4 x n`` bytes each way
     (fp32 gradients down, fp32 weights up) at link speed from the start of the host step: what a
     delayed-mode host update shares host memory with; ``numels``: step tensors of these sizes (the model's own) instead of
-    64 MiB pieces of ``n``.
+    64 MiB pieces of ``n``; ``kernel="add"``: ``param.add_(grad, alpha=1e-6)`` instead of AdamW, a pure host-memory
+    kernel (12 B per element: two fp32 reads, one write) whose GB/s is the host memory roofline.
     """
     from ..optim._threads import CpuWorker
 
@@ -180,6 +181,10 @@ def _cpu_adamw_ms(n: int, threads: int, reps: int, *, pinned: Any = False, per_p
     opts = [torch.optim.AdamW([t], lr=1e-5, fused=True) for t in host] if per_piece else [torch.optim.AdamW(host, lr=1e-5, fused=True)]
 
     def one() -> None:
+        if kernel == "add":
+            for t in host:
+                t.add_(t.grad, alpha=1e-6)
+            return
         for o in opts:
             o.step()
 
@@ -238,6 +243,10 @@ _CPU_VARIANTS = (  # (key, label, kwargs) of the host AdamW diagnostics (benchma
      dict(pinned=True, per_piece=True, worker=True, dma="step")),
     ("t_cpu_tensors_ms", "pinned, the model's own tensors in one step(), worker",
      dict(pinned=True, per_piece=False, worker=True, dma=False, numels="model")),
+    # Host memory roofline (Note [Host memory roofline])
+    ("t_add_ms", "in-place add (12 B/elem), per piece, worker", dict(pinned=True, per_piece=True, worker=True, dma=False, kernel="add")),
+    ("t_add_stepdma_ms", "in-place add, per piece, worker, with one step's D2H+H2D",
+     dict(pinned=True, per_piece=True, worker=True, dma="step", kernel="add")),
 )
 
 
@@ -506,6 +515,33 @@ def _expected_peak(r: dict[str, Any], base: Optional[dict[str, Any]]) -> int:
     return exp
 
 
+# Note [Host memory roofline]: torch's fused CPU AdamW over fp32 reads the parameter, its gradient
+# and both moments and writes the parameter and both moments back: 28 B of host memory traffic per
+# parameter for a handful of flops, so on a many-core host it runs at the memory bandwidth, not
+# the cores' speed. An in-place ``add_`` (12 B per element, no arithmetic to speak of) measures
+# the bandwidth the host step can get, alone and while one step's D2H+H2D (4 B per parameter each
+# way, which also cross host memory) run; 28 B x numel / that bandwidth is the least time any
+# host AdamW can take beside those copies, whoever implements the offload.
+ADAMW_HOST_BYTES = 28
+ADD_HOST_BYTES = 12
+
+
+def _roofline(ref: dict[str, Any]) -> list[str]:
+    """The host memory roofline line (diagnostics only; Note [Host memory roofline])."""
+    n, alone, dma = ref["numel"], ref.get("t_add_ms"), ref.get("t_add_stepdma_ms")
+    if alone is None or dma is None:
+        return []
+    bw = ADD_HOST_BYTES * n / alone / 1e6  # GB/s
+    bw_dma = ADD_HOST_BYTES * n / dma / 1e6
+    adamw = ADAMW_HOST_BYTES * n / ref["t_cpu_ms"] / 1e6
+    return [
+        f"Host memory roofline: in-place add {bw:.1f} GB/s alone, {bw_dma:.1f} GB/s with one step's D2H+H2D running; "
+        f"fused AdamW moves {ADAMW_HOST_BYTES} B/param = {adamw:.1f} GB/s measured alone ({adamw / bw:.0%} of the add's), "
+        f"so it needs at least {ADAMW_HOST_BYTES * n / bw / 1e6:.1f} ms alone and "
+        f"{ADAMW_HOST_BYTES * n / bw_dma / 1e6:.1f} ms beside the copies."
+    ]
+
+
 def _floors_with_copies(ref: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """Lines judging the two overlapped modes against floors whose host term is measured with the
     step's own copies running (diagnostics only: ``t_cpu_stepdma_ms``, 4 B per parameter each way).
@@ -554,7 +590,7 @@ def format_table(rows: list[dict[str, Any]], command: str = "") -> str:
     if diag:
         lines.append("Host AdamW alone, same threads: " + "; ".join(
             f"{label} {ms:.1f} ms ({ref['numel'] / ms / 1e6:.2f} G params/s)" for label, ms in diag) + ".")
-    lines += _floors_with_copies(ref, rows)
+    lines += _roofline(ref) + _floors_with_copies(ref, rows)
     lines += [
         "",
         "| run | step / bound | step ms | bound ms | peak GPU GiB | expected peak GiB | peak / expected | W3 memory bound GiB | "

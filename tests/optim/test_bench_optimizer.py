@@ -78,3 +78,13 @@ def test_overlapped_modes_are_judged_against_floors_with_copies():
     assert bench._floors_with_copies({"t_fwd_ms": 1.0}, rows) == []  # no diagnostics: no floor lines
     only = bench._floors_with_copies(ref, [ref])  # modes not run: the floors alone
     assert len(only) == 2 and all(line.endswith("ms.") for line in only)
+
+
+def test_host_memory_roofline_line():
+    # 1 G params; add_ over them (12 GB) in 100 ms = 120 GB/s alone, 150 ms = 80 GB/s beside the copies
+    ref = {"numel": 1_000_000_000, "t_cpu_ms": 280.0, "t_add_ms": 100.0, "t_add_stepdma_ms": 150.0}
+    (line,) = bench._roofline(ref)
+    assert "in-place add 120.0 GB/s alone, 80.0 GB/s with one step's D2H+H2D running" in line
+    assert "fused AdamW moves 28 B/param = 100.0 GB/s measured alone (83% of the add's)" in line
+    assert "at least 233.3 ms alone and 350.0 ms beside the copies" in line
+    assert bench._roofline({"numel": 1, "t_cpu_ms": 1.0}) == []  # no diagnostics: no line
