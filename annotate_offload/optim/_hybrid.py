@@ -592,6 +592,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict (masters included as separate tensors); ``weights_only``-loadable.
 
+        Each param group also records the implementation switches (``fused``, ``foreach``,
+        ``capturable``, ``differentiable``) its sub-optimizers actually use, where all of them agree
+        (a group split between a fused and a non-fused path records none), so a plain
+        ``torch.optim.AdamW`` that loads it keeps stepping like this optimizer (torch takes them from
+        the loaded groups). ``param_groups`` itself does not hold them (they are constructor choices).
+
         Raises:
             OffloadError: the host step is sharded across DDP ranks (each rank holds the host state of
                 its own chunks only; Note [Host-step sharding]).
@@ -606,7 +612,26 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self.flush()
         sd = super().state_dict()
         sd["state"] = {k: _state.detach_views(v) for k, v in sd["state"].items()}
+        for packed, impl in zip(sd["param_groups"], self._impl_in_use()):
+            packed.update(impl)  # packed groups are copies: param_groups is not touched
         return sd
+
+    def _impl_in_use(self) -> list[dict[str, Any]]:
+        """Per group, the ``_IMPL_KEYS`` values on which all of its sub-optimizer groups agree."""
+        subs: dict[int, list[dict[str, Any]]] = {}
+        for links in (*(c.links for c in self._chunks), self._gpu_links):
+            for sub, g, _ in links:
+                subs.setdefault(id(g), []).append(sub)
+        out = []
+        for g in self.param_groups:
+            ss = subs.get(id(g), [])
+            impl = {}
+            for k in _IMPL_KEYS:
+                vals = [sub[k] for sub in ss if k in sub]
+                if vals and len(vals) == len(ss) and all(v is vals[0] or v == vals[0] for v in vals):
+                    impl[k] = vals[0]
+            out.append(impl)
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from any ``HybridDeviceOptimizer`` (any fraction) or a torch Adam(W).
@@ -614,13 +639,14 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         State tensors are placed where this optimizer steps each parameter, in the inner dtype
         (fp32 masters and moments are never down-cast to the model dtype); ``master_param`` is
         copied into the existing (pinned) masters; hyper-parameters come from the state dict,
-        structural options (fraction, modes) stay this optimizer's.
+        structural options (fraction, modes) and implementation switches (``fused``, ``foreach``,
+        ``capturable``, ``differentiable``: chosen at construction) stay this optimizer's.
 
         Raises:
             ValueError: the number of groups or of parameters per group differs.
         """
         self.flush()
-        _state.load(self, state_dict, _STRUCTURAL_KEYS)
+        _state.load(self, state_dict, (*_STRUCTURAL_KEYS, *_IMPL_KEYS))
 
     def close(self) -> None:
         """Finish pending work, remove the backward hooks and stop the worker thread (idempotent).

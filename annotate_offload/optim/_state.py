@@ -64,7 +64,8 @@ def detach_views(st: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(opt: "HybridDeviceOptimizer", sd: dict[str, Any], structural: tuple[str, ...]) -> None:
-    """Load ``sd`` into ``opt``; see ``HybridDeviceOptimizer.load_state_dict``."""
+    """Load ``sd`` into ``opt``; see ``HybridDeviceOptimizer.load_state_dict``. Group keys in
+    ``structural`` are not taken from ``sd``."""
     if not isinstance(sd, dict) or "param_groups" not in sd or "state" not in sd:
         raise ValueError(
             "HybridDeviceOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups' "
