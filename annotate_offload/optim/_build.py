@@ -9,12 +9,12 @@ HybridDeviceOptimizer group they come from; ``_links`` records which keys to pus
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ._host import carve
-from ._slots import Chunk, HostSlot
+from ._slots import Chunk, DevSlot, HostSlot
 from ._split import make_chunks, split_serial
 
 __all__: list[str] = []
@@ -81,6 +81,14 @@ def _flag(name: str, value: Any) -> bool:
 
 
 
+def _master_of(s: HostSlot) -> torch.Tensor:
+    return s.master
+
+
+def _inner_of(s: DevSlot) -> torch.Tensor:
+    return s.inner
+
+
 class BuildMixin:
     """The construction half of :class:`HybridDeviceOptimizer` (state it sets: ``_chunks``, ``_gpu_opt``, links)."""
 
@@ -105,7 +113,9 @@ class BuildMixin:
                 s.master.copy_(s.local)
                 s.p_ver = s.param._version
         host_impl = dict(impl)
-        if self._cpu_cls in (torch.optim.Adam, torch.optim.AdamW) and not host_impl.get("foreach"):
+        split = False
+        if self._cpu_cls in (torch.optim.Adam, torch.optim.AdamW) and not host_impl.get("foreach") and not host_impl.get("differentiable"):
+            split = "fused" not in host_impl  # fused=True is our default, not the user's: Note [Complex parameters]
             host_impl.setdefault("fused", True)
             host_impl.pop("capturable", None)
         sizes = [s.master.numel() * s.master.element_size() for s in host]
@@ -118,11 +128,7 @@ class BuildMixin:
             for s in slots:
                 s.chunk = ci
                 by_group.setdefault(s.group, []).append(s)
-            groups = [self._sub_group(gi, [s.master for s in ss]) for gi, ss in by_group.items()]
-            opt = self._cpu_cls(groups, **host_impl)
-            links = self._links(opt, list(by_group))
-            for s in slots:
-                self.state[s.param] = opt.state[s.master]
+            opt, links = self._sub_opt(self._cpu_cls, by_group, _master_of, host_impl, split)
             self._chunks.append(Chunk(slots, opt, links, serial=serial))
 
     def _carve_mixed(self, numels: list[int], dtypes: list[torch.dtype], pin: bool) -> tuple[list[torch.Tensor], bool]:
@@ -138,7 +144,9 @@ class BuildMixin:
 
     def _build_dev(self, impl: dict[str, Any]) -> None:
         dev_impl = dict(impl)
-        if self._gpu_cls in (torch.optim.Adam, torch.optim.AdamW) and "foreach" not in dev_impl:
+        split = False
+        if self._gpu_cls in (torch.optim.Adam, torch.optim.AdamW) and "foreach" not in dev_impl and not dev_impl.get("differentiable"):
+            split = "fused" not in dev_impl
             dev_impl.setdefault("fused", True)
         by_group: dict[int, list[DevSlot]] = {}
         for s in self._dev_slots:
@@ -147,11 +155,38 @@ class BuildMixin:
         self._gpu_links: list[tuple[dict, dict, tuple]] = []
         if not by_group:
             return
-        self._gpu_opt = self._gpu_cls([self._sub_group(gi, [s.inner for s in ss]) for gi, ss in by_group.items()], **dev_impl)
-        self._gpu_links = self._links(self._gpu_opt, list(by_group))
+        self._gpu_opt, self._gpu_links = self._sub_opt(self._gpu_cls, by_group, _inner_of, dev_impl, split)
         for s in self._dev_slots:
-            self.state[s.param] = self._gpu_opt.state[s.inner]
             s.p_ver = s.param._version
+
+    def _sub_opt(self, cls: type, by_group: dict[int, list[Any]], inner: Callable[[Any], torch.Tensor],
+                 impl: dict[str, Any], split_complex: bool) -> tuple[torch.optim.Optimizer, list[tuple[dict, dict, tuple]]]:
+        """One sub-optimizer over the slots of ``by_group`` (HDO group index -> slots), stepping ``inner(slot)``.
+
+        Sets each slot's ``sub_group`` and ``self.state[param]``. Note [Complex parameters]: torch's
+        fused Adam(W) refuses complex tensors, which plain ``torch.optim.AdamW()`` (``fused=None``)
+        steps with its for-loop/foreach path. With ``split_complex`` (``fused=True`` is our default,
+        not the user's) the complex tensors of a group get a sub-group of their own with
+        ``fused=None``: torch's default path for exactly those tensors, while the real ones keep the
+        fused kernel (a model without complex parameters gets the same sub-groups as before).
+        """
+        parts: list[tuple[int, list[Any], dict[str, Any]]] = []
+        for gi, ss in by_group.items():
+            cplx = [s for s in ss if inner(s).is_complex()] if split_complex else []
+            real = [s for s in ss if not inner(s).is_complex()] if cplx else ss
+            if real:
+                parts.append((gi, real, self._sub_group(gi, [inner(s) for s in real])))
+            if cplx:
+                d = self._sub_group(gi, [inner(s) for s in cplx])
+                d.setdefault("fused", None)  # a group's own "fused" is the user's choice
+                parts.append((gi, cplx, d))
+        opt = cls([d for _, _, d in parts], **impl)
+        links = self._links(opt, [gi for gi, _, _ in parts])
+        for (_, part, _), sub in zip(parts, opt.param_groups):
+            for s in part:
+                s.sub_group = sub
+                self.state[s.param] = opt.state[inner(s)]
+        return opt, links
 
     def _sub_group(self, gi: int, tensors: list[torch.Tensor]) -> dict[str, Any]:
         g = self.param_groups[gi]

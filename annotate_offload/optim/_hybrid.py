@@ -29,6 +29,20 @@ from ._validate import check_group_keys, check_kwargs, check_values
 __all__ = ["HybridDeviceOptimizer"]
 
 
+def _refuse_complex_fused(groups: list[dict[str, Any]]) -> None:
+    """An explicit ``fused=True`` with a trainable complex parameter: torch's fused kernels refuse it at the first step."""
+    for gi, g in enumerate(groups):
+        for pi, p in enumerate(g["params"]):
+            loc = local_tensor(p)
+            if p.requires_grad and loc.is_complex():
+                raise TypeError(
+                    f"HybridDeviceOptimizer: fused=True was given, but parameter {pi} of param group {gi} (shape "
+                    f"{tuple(loc.shape)}) is {loc.dtype}; torch's fused optimizer kernels take floating-point parameters "
+                    "only. Omit fused (complex parameters then get torch's default non-fused path and the others stay "
+                    "fused) or pass fused=False."
+                )
+
+
 class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     """Adam(W)/SGD with a fraction of the parameters stepped on the host, pipelined with the GPU.
 
@@ -99,7 +113,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             benchmarks/NOTES.md).
         **kwargs: hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ...) for both
             halves; ``fused``/``foreach``/``capturable``/``differentiable`` go to the constructors (Adam/AdamW
-            default to ``fused=True`` on both sides unless ``foreach=True`` is given).
+            default to ``fused=True`` on both sides unless ``foreach=True`` or ``differentiable=True``
+            is given; complex parameters, which torch's fused kernels refuse, then get torch's default
+            non-fused path, as in ``torch.optim.AdamW()``, and the real ones stay fused).
 
     Raises:
         TypeError: ``offload_fraction``, ``cpu_threads`` or ``chunk_bytes`` of the wrong type.
@@ -107,13 +123,15 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             ``cpu_threads``, parameters on several devices, or a hyper-parameter out of torch's
             range (``lr``, ``eps``, ``weight_decay``, ``momentum`` >= 0, ``0 <= betas[i] < 1``),
             in ``**kwargs`` or in a param group; a param group setting one of this optimizer's
-            own options (``offload_fraction``, ...: per optimizer) to another value.
+            own options (``offload_fraction``, ...: per optimizer) to another value;
+            ``fused=True`` with ``foreach=True`` or ``differentiable=True``.
         TypeError: a non-bool flag, a class that is not a torch optimizer, an accelerator-only
             class for the host part, a class whose ``step`` requires a closure
             (``torch.optim.LBFGS``: sub-optimizers are stepped without one), or a keyword that
             neither optimizer class accepts (e.g. ``lrr``, ``optimizer``; the message names the
             closest valid one), or a param group key that is a near miss of a valid one (``lrr``;
-            other extra group keys, e.g. Megatron's ``wd_mult``, are kept unread as in torch).
+            other extra group keys, e.g. Megatron's ``wd_mult``, are kept unread as in torch), or an
+            explicit ``fused=True`` with a complex parameter.
 
     ``defaults`` holds only plain values (no classes), so ``state_dict()`` loads with
     ``torch.load(weights_only=True)``. ``state[p]`` holds ``exp_avg``, ``exp_avg_sq``, ``step``
@@ -203,6 +221,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 "HybridDeviceOptimizer: fused=True and foreach=True were both given; torch's optimizers take one "
                 "implementation. Omit foreach (both halves then use the fused kernels) or pass fused=False."
             )
+        if kwargs.get("fused") and kwargs.get("differentiable"):
+            raise ValueError(
+                "HybridDeviceOptimizer: fused=True and differentiable=True were both given; torch's fused kernels do not "
+                "support differentiable=True. Omit fused (differentiable=True then uses torch's non-fused path on both "
+                "halves) or pass differentiable=False."
+            )
         check_values(kwargs)
         impl = {k: kwargs.pop(k) for k in _IMPL_KEYS if k in kwargs}
         defaults = _hyper_defaults(cpu_cls)
@@ -222,6 +246,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._delayed = delayed_param_update
         self._threads = thread_budget(cpu_threads)
         all_params = [p for g in self.param_groups for p in g["params"]]
+        if impl.get("fused"):
+            _refuse_complex_fused(self.param_groups)
         self._side = pick_side([local_tensor(p) for p in all_params])
 
         # ---- split ---------------------------------------------------------------------------
@@ -398,16 +424,17 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         """
         for s in self._host_slots:
             opt = self._chunks[s.chunk].opt
-            self._adopt(s.param, s.master, opt, s.master)
+            self._adopt(s.param, s.master, opt, s.master, s.sub_group)
         for d in self._dev_slots:
             assert self._gpu_opt is not None
-            self._adopt(d.param, d.inner, self._gpu_opt, d.inner if d.has_master else None)
+            self._adopt(d.param, d.inner, self._gpu_opt, d.inner if d.has_master else None, d.sub_group)
 
-    def _adopt(self, p: torch.Tensor, inner: torch.Tensor, opt: torch.optim.Optimizer, master: Optional[torch.Tensor]) -> None:
+    def _adopt(self, p: torch.Tensor, inner: torch.Tensor, opt: torch.optim.Optimizer, master: Optional[torch.Tensor],
+               group: dict[str, Any]) -> None:
         st = self.state[p]
         if opt.state.get(inner) is not st:
             opt.state[inner] = st
-        _state.place(st, inner, master, fused=_state.wants_device_step(opt))
+        _state.place(st, inner, master, fused=_state.wants_device_step(group))
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -565,6 +592,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict (masters included as separate tensors); ``weights_only``-loadable.
 
+        Each param group also records the implementation switches (``fused``, ``foreach``,
+        ``capturable``, ``differentiable``) its sub-optimizers actually use, where all of them agree
+        (a group split between a fused and a non-fused path records none), so a plain
+        ``torch.optim.AdamW`` that loads it keeps stepping like this optimizer (torch takes them from
+        the loaded groups). ``param_groups`` itself does not hold them (they are constructor choices).
+
         Raises:
             OffloadError: the host step is sharded across DDP ranks (each rank holds the host state of
                 its own chunks only; Note [Host-step sharding]).
@@ -579,7 +612,26 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self.flush()
         sd = super().state_dict()
         sd["state"] = {k: _state.detach_views(v) for k, v in sd["state"].items()}
+        for packed, impl in zip(sd["param_groups"], self._impl_in_use()):
+            packed.update(impl)  # packed groups are copies: param_groups is not touched
         return sd
+
+    def _impl_in_use(self) -> list[dict[str, Any]]:
+        """Per group, the ``_IMPL_KEYS`` values on which all of its sub-optimizer groups agree."""
+        subs: dict[int, list[dict[str, Any]]] = {}
+        for links in (*(c.links for c in self._chunks), self._gpu_links):
+            for sub, g, _ in links:
+                subs.setdefault(id(g), []).append(sub)
+        out = []
+        for g in self.param_groups:
+            ss = subs.get(id(g), [])
+            impl = {}
+            for k in _IMPL_KEYS:
+                vals = [sub[k] for sub in ss if k in sub]
+                if vals and len(vals) == len(ss) and all(v is vals[0] or v == vals[0] for v in vals):
+                    impl[k] = vals[0]
+            out.append(impl)
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from any ``HybridDeviceOptimizer`` (any fraction) or a torch Adam(W).
@@ -587,13 +639,14 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         State tensors are placed where this optimizer steps each parameter, in the inner dtype
         (fp32 masters and moments are never down-cast to the model dtype); ``master_param`` is
         copied into the existing (pinned) masters; hyper-parameters come from the state dict,
-        structural options (fraction, modes) stay this optimizer's.
+        structural options (fraction, modes) and implementation switches (``fused``, ``foreach``,
+        ``capturable``, ``differentiable``: chosen at construction) stay this optimizer's.
 
         Raises:
             ValueError: the number of groups or of parameters per group differs.
         """
         self.flush()
-        _state.load(self, state_dict, _STRUCTURAL_KEYS)
+        _state.load(self, state_dict, (*_STRUCTURAL_KEYS, *_IMPL_KEYS))
 
     def close(self) -> None:
         """Finish pending work, remove the backward hooks and stop the worker thread (idempotent).

@@ -32,6 +32,7 @@ class HostSlot:
     __slots__ = (
         "param", "group", "index", "local", "master", "grad_bufs", "staging", "scratch", "chunk",
         "grad_ref", "grad_ver", "grad_ptr", "valid", "use", "d2h_ev", "ready_ev", "scales", "p_ver", "submitted", "seq",
+        "sub_group",
     )
 
     def __init__(self, param: torch.Tensor, group: int, index: int, local: torch.Tensor) -> None:
@@ -55,6 +56,7 @@ class HostSlot:
         self.p_ver = -1
         self.submitted = False
         self.seq = -1  # D2H issue order of its gradient (Note [Host chunk order] in _pipeline.py)
+        self.sub_group: dict[str, Any] = {}  # its group in the chunk's optimizer (set when that is built)
 
     def copied(self, g: torch.Tensor) -> bool:
         """True if the host buffer holds exactly ``g`` (the local gradient) as it is now.
@@ -83,7 +85,7 @@ class HostSlot:
 class DevSlot:
     """One parameter stepped by the device optimizer (``inner`` is what that optimizer sees)."""
 
-    __slots__ = ("param", "group", "index", "local", "inner", "p_ver")
+    __slots__ = ("param", "group", "index", "local", "inner", "p_ver", "sub_group")
 
     def __init__(self, param: torch.Tensor, group: int, index: int, local: torch.Tensor, inner: torch.Tensor) -> None:
         self.param = param
@@ -92,6 +94,7 @@ class DevSlot:
         self.local = local
         self.inner = inner
         self.p_ver = -1
+        self.sub_group: dict[str, Any] = {}  # its group in the device optimizer (set when that is built)
 
     @property
     def has_master(self) -> bool:

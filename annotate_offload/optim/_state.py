@@ -18,9 +18,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__: list[str] = []
 
 
-def wants_device_step(opt: torch.optim.Optimizer) -> bool:
-    """torch keeps ``step`` as an fp32 tensor on the param's device for fused/capturable optimizers."""
-    return any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
+def wants_device_step(group: dict[str, Any]) -> bool:
+    """torch keeps ``step`` as an fp32 tensor on the param's device for fused/capturable groups
+    (per group, as torch's own ``load_state_dict``: Note [Complex parameters] in ``_build.py``)."""
+    return bool(group.get("fused") or group.get("capturable"))
 
 
 def _step_value(v: torch.Tensor, inner: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -63,7 +64,8 @@ def detach_views(st: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(opt: "HybridDeviceOptimizer", sd: dict[str, Any], structural: tuple[str, ...]) -> None:
-    """Load ``sd`` into ``opt``; see ``HybridDeviceOptimizer.load_state_dict``."""
+    """Load ``sd`` into ``opt``; see ``HybridDeviceOptimizer.load_state_dict``. Group keys in
+    ``structural`` are not taken from ``sd``."""
     if not isinstance(sd, dict) or "param_groups" not in sd or "state" not in sd:
         raise ValueError(
             "HybridDeviceOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups' "
@@ -100,7 +102,7 @@ def _load_one(opt: "HybridDeviceOptimizer", p: torch.Tensor, saved: dict[str, An
     else:
         inner, sub = slot.inner, opt._gpu_opt
         master = slot.inner if slot.has_master else None
-    fused = wants_device_step(sub)
+    fused = wants_device_step(slot.sub_group)
     new: dict[str, Any] = {}
     with torch.no_grad():
         for k, v in saved.items():

@@ -171,3 +171,35 @@ def test_o08_frozen_and_gradless_params(f, offload_gradients):
     assert_same(m, r)
     assert torch.equal(m.l1.bias, frozen_before)
     assert opt.state[m.l2.weight]["step"] == 3
+
+
+@pytest.mark.parametrize("kw, fused, foreach", [({}, True, None), ({"foreach": True}, None, True)])
+def test_state_dict_records_the_implementation_used(kw, fused, foreach):
+    """Fresh-user report (third pass) item 5: loading our state_dict() into torch.optim.AdamW(fused=True) reset
+    its fused to None (torch takes fused/foreach from the loaded groups and ours held none), so the next
+    steps ran another kernel. The state dict now records what the sub-optimizers use."""
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, lr=1e-2, **kw)
+    xs = _xs(6)
+    train(m, opt, xs[:3])
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)  # through a file: a loaded state dict must not share tensors with opt
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    for g in sd["param_groups"]:
+        assert (g["fused"], g["foreach"], g["capturable"], g["differentiable"]) == (fused, foreach, False, False)
+    assert all("fused" not in g for g in opt.param_groups)  # the live groups are not touched
+    r.load_state_dict(m.state_dict())
+    plain = torch.optim.AdamW(r.groups(), lr=1e-2, **({"fused": True} if fused else kw))
+    plain.load_state_dict(sd)
+    assert [(g["fused"], g["foreach"]) for g in plain.param_groups] == [(fused, foreach)] * 2
+    train(m, opt, xs[3:])
+    train(r, plain, xs[3:])
+    assert_same(m, r)
+    # loading does not switch our implementation: a plain fused AdamW's state dict into a foreach optimizer
+    m2 = Tiny()
+    m2.load_state_dict(r.state_dict())
+    opt2 = HybridDeviceOptimizer(m2.groups(), offload_fraction=0.5, lr=1e-2, foreach=True)
+    opt2.load_state_dict(torch.optim.AdamW(Tiny().groups(), lr=1e-2, fused=True).state_dict())
+    assert all("fused" not in g and "foreach" not in g for g in opt2.param_groups)
+    assert [(g["fused"], g["foreach"]) for g in opt2.state_dict()["param_groups"]] == [(None, True)] * 2

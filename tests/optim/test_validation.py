@@ -221,6 +221,49 @@ def test_param_group_metadata_and_rebuild_still_accepted():
     HybridDeviceOptimizer(rebuilt_groups, **opt.defaults).close()
 
 
+@pytest.mark.parametrize("f", [0.0, 1.0])
+def test_differentiable_does_not_get_the_fused_default(f):
+    """Fresh-user report (third pass) item 3: differentiable=True failed with "`fused` does not support
+    `differentiable`", a fused=True the user never asked for. It now gets torch's non-fused path, like
+    torch.optim.AdamW(differentiable=True), on the host (masters) and on the device (the parameters
+    themselves, where torch's own differentiable step refuses leaves that require grad, as plain AdamW does)."""
+    from _hdo_util import loss_of
+
+    m = Tiny()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, lr=1e-2, differentiable=True)
+    assert all(not g["fused"] and g["differentiable"] for sub in opt.sub_optimizers for g in sub.param_groups)
+    if f == 0.0:
+        loss_of(m, torch.randn(5, 8)).backward()
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            opt.step()
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            torch.optim.AdamW(m.parameters(), lr=1e-2, differentiable=True).step()
+        return
+    masters = [p.detach().clone() for p in m.parameters()]  # what the host steps: plain tensors
+    ref = torch.optim.AdamW(masters, lr=1e-2, differentiable=True)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        loss_of(m, torch.randn(5, 8, generator=g)).backward()
+        for p, q in zip(m.parameters(), masters):
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        for p, q in zip(m.parameters(), masters):
+            assert torch.equal(p, q)
+
+
+def test_explicit_fused_with_unsupported_options_is_a_clear_error():
+    m = Tiny()
+    with pytest.raises(ValueError, match=r"fused=True and differentiable=True were both given"):
+        HybridDeviceOptimizer(m.parameters(), fused=True, differentiable=True)
+    c = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"fused=True was given, but parameter 1 of param group 0 \(shape \(3,\)\) is "
+                                        r"torch.complex64; .*Omit fused"):
+        HybridDeviceOptimizer([m.l1.weight, c], fused=True)
+    assert _hooks(m.parameters()) == [0] * 8
+
+
 @pytest.mark.parametrize(
     "rows, mode, raised_in",
     [
