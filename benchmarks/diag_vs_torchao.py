@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,hookall,torchao (default: all)")
+    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,hookall,fewer,sib,sib_fewer,delayed,delayed_fewer,torchao (default: all)")
     ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
                     "optimizer with torch.profiler (CPU + CUDA) into DIR/<name>.json")
     a = ap.parse_args()
@@ -43,12 +43,21 @@ def main() -> None:
         return lambda: HybridDeviceOptimizer(model.parameters(), lr=1e-5, offload_fraction=1.0, offload_gradients=True, **kw)
 
     cores = len(os.sched_getaffinity(0))
+    fewer = max(1, cores - 2)
     every = {
         "defaults": ("annotate_offload exact (defaults)", ours()),
         "threads": (f"annotate_offload exact, cpu_threads={cores}", ours(cpu_threads=cores)),
         "chunk256": ("annotate_offload exact, chunk_bytes=256 MiB", ours(chunk_bytes=256 << 20)),
         "both": (f"annotate_offload exact, 256 MiB, cpu_threads={cores}", ours(chunk_bytes=256 << 20, cpu_threads=cores)),
         "hookall": ("annotate_offload exact, a hook per gradient (BATCHED_NUMEL=0)", ours()),
+        # the overlapped modes, at the default budget (cores - 1) and with one more core left to the
+        # training and autograd threads that launch forward/backward while the host step runs
+        "fewer": (f"annotate_offload exact, cpu_threads={fewer}", ours(cpu_threads=fewer)),
+        "sib": ("annotate_offload step_in_backward", ours(step_in_backward=True)),
+        "sib_fewer": (f"annotate_offload step_in_backward, cpu_threads={fewer}", ours(step_in_backward=True, cpu_threads=fewer)),
+        "delayed": ("annotate_offload delayed_param_update", ours(delayed_param_update=True)),
+        "delayed_fewer": (f"annotate_offload delayed_param_update, cpu_threads={fewer}",
+                          ours(delayed_param_update=True, cpu_threads=fewer)),
         "torchao": ("torchao CPUOffloadOptimizer", lambda: _peers.make_torchao_cpu_offload_optimizer(
             model.parameters(), lr=1e-5, offload_gradients=True)),
     }
