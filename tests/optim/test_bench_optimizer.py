@@ -71,10 +71,10 @@ def test_overlapped_modes_are_judged_against_floors_with_copies():
     ref = {"t_fwd_ms": 25.0, "t_bwd_ms": 52.5, "t_gpu_step_ms": 87.3, "t_cpu_stepdma_ms": 345.2}
     rows = [ref, {"name": "W3 delayed_param_update", "step_ms": 350.5}, {"name": "W3 step_in_backward", "step_ms": 400.0}]
     delayed, sib = bench._floors_with_copies(ref, rows)
-    assert "= 345.2 ms: delayed_param_update 1.02x of it (within 1.05x)" in delayed
-    assert "T_fwd + max(T_bwd, T_cpu with copies) = 370.2 ms: step_in_backward 1.08x of it (within 1.10x)" in sib
+    assert "= 345.2 ms: delayed_param_update 1.02x (within 1.05x) of it." in delayed
+    assert "T_fwd + max(T_bwd, T_cpu with copies) = 370.2 ms: step_in_backward 1.08x (within 1.10x) of it." in sib
     rows[2]["step_ms"] = 420.0
-    assert "1.13x of it (above 1.10x)" in bench._floors_with_copies(ref, rows)[1]
+    assert "1.13x (above 1.10x) of it" in bench._floors_with_copies(ref, rows)[1]
     assert bench._floors_with_copies({"t_fwd_ms": 1.0}, rows) == []  # no diagnostics: no floor lines
     only = bench._floors_with_copies(ref, [ref])  # modes not run: the floors alone
     assert len(only) == 2 and all(line.endswith("ms.") for line in only)
@@ -88,3 +88,22 @@ def test_host_memory_roofline_line():
     assert "fused AdamW moves 28 B/param = 100.0 GB/s measured alone (83% of the add's)" in line
     assert "at least 233.3 ms alone and 350.0 ms beside the copies" in line
     assert bench._roofline({"numel": 1, "t_cpu_ms": 1.0}) == []  # no diagnostics: no line
+
+
+def test_mode_rows_are_judged_against_t_cpu_timed_around_them():
+    # Note [T_cpu around each row]: tiny model, probes on, every mode row bracketed
+    rows = bench.run(tiny=True, fractions=(), steps=1, warmup=0, log=lambda s: None, adjacent=True)
+    named = {r["name"]: r for r in rows}
+    for name, target in (("W3 exact (offload_gradients)", 1.10), ("W3 step_in_backward", 1.10),
+                         ("W3 delayed_param_update", 1.05)):
+        r = named[name]
+        before, after = r["t_cpu_around_ms"]
+        assert before > 0 and after > 0 and r["target"] == target
+        assert r["bound_ms"] > 0 and ("floor_copies_ms" in r) == (name != "W3 exact (offload_gradients)")
+    ref, ex = named["reference"], named["W3 exact (offload_gradients)"]
+    assert ex["bound_ms"] == ref["t_fwd_ms"] + ref["t_bwd_ms"] + sum(ex["t_cpu_around_ms"]) / 2
+    assert "t_cpu_around_ms" not in named["W3 overlap off"] and named["W3 overlap off"]["bound_ms"] is None
+    table = bench.format_table(rows)
+    assert "(timed around the row)" in table and "| step / floor (target) |" in table
+    assert bench._judged(110.0, 100.0, 1.05) == "1.10x (above 1.05x)"
+    assert bench._judged(100.0, 100.0, 1.10) == "1.00x (within 1.10x)" and bench._judged(1.0, None, 1.1) == "-"
