@@ -99,7 +99,7 @@ def test_mode_rows_are_judged_against_t_cpu_timed_around_them():
         r = named[name]
         before, after = r["t_cpu_around_ms"]
         assert before > 0 and after > 0 and r["target"] == target
-        assert r["bound_ms"] > 0 and ("floor_copies_ms" in r) == (name != "W3 exact (offload_gradients)")
+        assert r["bound_ms"] > 0 and r["floor_copies_ms"] > 0 and min(r["t_cpu_h2d_around_ms"]) > 0
     ref, ex = named["reference"], named["W3 exact (offload_gradients)"]
     assert ex["bound_ms"] == ref["t_fwd_ms"] + ref["t_bwd_ms"] + sum(ex["t_cpu_around_ms"]) / 2
     assert "t_cpu_around_ms" not in named["W3 overlap off"] and named["W3 overlap off"]["bound_ms"] is None
