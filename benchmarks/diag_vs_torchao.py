@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,hookall,fewer,sib,sib_fewer,delayed,delayed_fewer,torchao (default: all)")
+    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,hookall,fewer,noog,sib,sib_fewer,delayed,delayed_fewer,torchao (default: all)")
     ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
                     "optimizer with torch.profiler (CPU + CUDA) into DIR/<name>.json")
     a = ap.parse_args()
@@ -40,7 +40,8 @@ def main() -> None:
     model = GPTStack(spec["config"], device=dev)
     x = torch.randn(spec["batch"], spec["seq"], spec["config"].hidden, device=dev)
     def ours(**kw):
-        return lambda: HybridDeviceOptimizer(model.parameters(), lr=1e-5, offload_fraction=1.0, offload_gradients=True, **kw)
+        kw.setdefault("offload_gradients", True)
+        return lambda: HybridDeviceOptimizer(model.parameters(), lr=1e-5, offload_fraction=1.0, **kw)
 
     cores = len(os.sched_getaffinity(0))
     fewer = max(1, cores - 2)
@@ -53,6 +54,7 @@ def main() -> None:
         # the overlapped modes, at the default budget (cores - 1) and with one more core left to the
         # training and autograd threads that launch forward/backward while the host step runs
         "fewer": (f"annotate_offload exact, cpu_threads={fewer}", ours(cpu_threads=fewer)),
+        "noog": ("annotate_offload exact, gradients kept on the GPU (offload_gradients=False)", ours(offload_gradients=False)),
         "sib": ("annotate_offload step_in_backward", ours(step_in_backward=True)),
         "sib_fewer": (f"annotate_offload step_in_backward, cpu_threads={fewer}", ours(step_in_backward=True, cpu_threads=fewer)),
         "delayed": ("annotate_offload delayed_param_update", ours(delayed_param_update=True)),
