@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -509,8 +510,9 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
             ("W3 delayed_param_update", {"delayed_param_update": True}, lambda t: max(ref["t_gpu_step_ms"], t), 1.05),
             ("W3 overlap off", {"overlap_cpu_optimizer_d2h_h2d": False}, None, None),
         ]
-        around = _AroundProbes(ref["numel"], threads, max(1, min(3, steps))) if (adjacent if adjacent is not None
-                                                                                 else diagnostics and not tiny) else None
+        around = None
+        if adjacent if adjacent is not None else diagnostics and not tiny:
+            around = _AroundProbes.fit(ref["numel"], threads, max(1, min(3, steps)), say)
         try:
             for name, kw, floor, target in cases:
                 say(name)
@@ -558,6 +560,21 @@ class _AroundProbes:
         self.reps = reps
         self.alone = _HostProbe(n, threads, pinned=False, per_piece=False, worker=False)
         self.copies = _HostProbe(n, threads, pinned=True, per_piece=True, worker=True)
+
+    @classmethod
+    def fit(cls, n: int, threads: int, reps: int, say: Callable[[str], None]) -> Optional["_AroundProbes"]:
+        """The probes, or ``None`` (with a message) when host memory cannot hold them beside the
+        optimizer under test: they keep 2 x 16 B per parameter (params, grads, two moments)."""
+        need = 2 * 16 * n + (2 << 30)
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+            avail = need
+        if avail < 2 * need:  # the optimizer under test holds about as much again
+            say(f"T_cpu around each row skipped: the probes need {need / GiB:.1f} GiB of host memory and "
+                f"{avail / GiB:.1f} GiB is free; the rows use the reference T_cpu")
+            return None
+        return cls(n, threads, reps)
 
     def measure(self) -> tuple[float, float, float]:
         """``(T_cpu alone, T_cpu beside one step's D2H+H2D, T_cpu beside its H2D only)`` in ms."""

@@ -107,3 +107,12 @@ def test_mode_rows_are_judged_against_t_cpu_timed_around_them():
     assert "(timed around the row)" in table and "| step / floor (target) |" in table
     assert bench._judged(110.0, 100.0, 1.05) == "1.10x (above 1.05x)"
     assert bench._judged(100.0, 100.0, 1.10) == "1.00x (within 1.10x)" and bench._judged(1.0, None, 1.1) == "-"
+
+
+def test_around_probes_skip_when_host_memory_is_short(monkeypatch):
+    import os
+
+    lines = []
+    monkeypatch.setattr(os, "sysconf", lambda name: 1 if name == "SC_AVPHYS_PAGES" else 4096)
+    assert bench._AroundProbes.fit(10**9, 1, 1, lines.append) is None
+    assert "T_cpu around each row skipped" in lines[0] and "the rows use the reference T_cpu" in lines[0]
