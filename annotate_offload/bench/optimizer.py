@@ -183,7 +183,6 @@ class _HostProbe:
         self.opts = ([torch.optim.AdamW([t], lr=1e-5, fused=True) for t in self.host] if per_piece
                      else [torch.optim.AdamW(self.host, lr=1e-5, fused=True)])
         self.worker = CpuWorker(threads, lambda: None) if worker else None
-        self.copies: Optional[tuple] = None
         self._timed()
 
     def _one(self) -> None:
@@ -213,13 +212,14 @@ class _HostProbe:
         down during backward). No copies without CUDA. The copies' GPU buffers (1 GiB) are freed
         before returning, so they never count in a later row's peak."""
         nb = 128 << 20  # 512 MiB fp32 each way; enqueue enough to cover every timed step
+        copies = None
         if dma and torch.cuda.is_available():
-            self.copies = (torch.empty(nb, device="cuda"), torch.empty(nb, device="cuda"), torch.empty(nb, pin_memory=True),
-                           torch.empty(nb, pin_memory=True), torch.cuda.Stream(), torch.cuda.Stream())
+            copies = (torch.empty(nb, device="cuda"), torch.empty(nb, device="cuda"), torch.empty(nb, pin_memory=True),
+                      torch.empty(nb, pin_memory=True), torch.cuda.Stream(), torch.cuda.Stream())
         total = 0.0
         for _ in range(reps):
-            if dma and self.copies is not None:
-                dev_a, dev_b, h_a, h_b, s1, s2 = self.copies
+            if copies is not None:
+                dev_a, dev_b, h_a, h_b, s1, s2 = copies
                 torch.cuda.synchronize()
                 if dma in ("step", "h2d"):
                     pieces = [min(nb, self.n - i) for i in range(0, self.n, nb)]
@@ -232,15 +232,14 @@ class _HostProbe:
                     with torch.cuda.stream(s2):
                         dev_b[:k].copy_(h_b[:k], non_blocking=True)
             total += self._timed()
-        if self.copies is not None:
+        if copies is not None:
             torch.cuda.synchronize()
-            self.copies = None
         return total * 1e3 / reps
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
-        self.opts, self.copies = [], None
+        self.opts = []
         for t in self.host:
             t.grad = None
         self.host = []
@@ -469,7 +468,7 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
         cpu_threads (int | None): the optimizer's host thread budget (default: its own rule).
         chunk_bytes (int | None): the optimizer's chunk size in bytes (default: its own, 64 MiB).
         diagnostics (bool): also time the host AdamW variants (pinned, per chunk, with DMA).
-        adjacent (bool | None): time T_cpu (and T_cpu with one step's copies) right before and right
+        adjacent (bool | None): time T_cpu (and T_cpu beside one step's copies) right before and right
             after each W3 mode row and judge the row against the mean of the two (Note [T_cpu around
             each row]). Default: with ``diagnostics`` on the full model.
 
@@ -502,22 +501,21 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
         say(f"fraction {f}")
         rows.append(_measure(f"fraction {f}", model, x, device, steps, warmup, offload_fraction=f, **common))
     if modes:
-        fwd, bwd = ref["t_fwd_ms"], ref["t_bwd_ms"]
-        # (name, options, floor as a function of T_cpu in ms, target ratio): issue 7's W3 rules
         cases = [
-            ("W3 exact (offload_gradients)", {}, lambda t: fwd + bwd + t, 1.10),
-            ("W3 step_in_backward", {"step_in_backward": True}, lambda t: fwd + max(bwd, t), 1.10),
-            ("W3 delayed_param_update", {"delayed_param_update": True}, lambda t: max(ref["t_gpu_step_ms"], t), 1.05),
-            ("W3 overlap off", {"overlap_cpu_optimizer_d2h_h2d": False}, None, None),
+            ("W3 exact (offload_gradients)", {}),
+            ("W3 step_in_backward", {"step_in_backward": True}),
+            ("W3 delayed_param_update", {"delayed_param_update": True}),
+            ("W3 overlap off", {"overlap_cpu_optimizer_d2h_h2d": False}),
         ]
         around = None
         if adjacent if adjacent is not None else diagnostics and not tiny:
             around = _AroundProbes.fit(ref["numel"], threads, max(1, min(3, steps)), say)
         try:
-            for name, kw, floor, target in cases:
+            for name, kw in cases:
                 say(name)
+                _, rule, target = _W3_FLOORS.get(name, (None, None, None))
                 og = kw.get("overlap_cpu_optimizer_d2h_h2d", True)
-                before = around.measure() if around and floor else None
+                before = around.measure() if around and rule else None
                 # the delayed mode's pipeline is two steps deep: with fewer warm-up steps its first
                 # timed step still waits for a whole host update (D8 of session 6: 637 vs ~340 ms)
                 w = max(warmup, 2) if kw.get("delayed_param_update") else warmup
@@ -533,9 +531,9 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
                     # the copies each mode's host step must overlap to hide them: the overlapped
                     # modes both directions, the exact mode the weights' H2D (its D2H ran in backward)
                     k = 1 if kw else 2
-                    row["floor_copies_ms"] = floor((before[k] + after[k]) / 2)
-                if floor is not None:
-                    row["bound_ms"], row["target"] = floor(t_cpu), target
+                    row["floor_copies_ms"] = rule(ref, (before[k] + after[k]) / 2)
+                if rule is not None:
+                    row["bound_ms"], row["target"] = rule(ref, t_cpu), target
                 rows.append(row)
         finally:
             if around is not None:
@@ -553,9 +551,10 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
 # session 6: T_cpu 247.8 ms pageable, then 319.0 ms pinned a minute later; the same buffers 2.98-3.91
 # G params/s in three alternated rounds of diag_host_memory.py). A floor measured once, minutes
 # before a row, then judges the row partly by the host's drift. Each mode row is therefore
-# bracketed: T_cpu alone (pageable, one step(), this thread: issue 7's definition) and T_cpu beside
-# one step's D2H+H2D (pinned, per 64 MiB piece, worker thread: the pipeline's situation) are timed
-# right before and right after it, on buffers allocated once, and the row's floors use the means.
+# bracketed: T_cpu alone (pageable, one step(), this thread: issue 7's definition), and T_cpu beside
+# one step's D2H+H2D and beside its H2D only (pinned, per 64 MiB piece, worker thread: the
+# pipeline's situation) are timed right before and right after it, on buffers allocated once, and
+# the row's floors use the means.
 class _AroundProbes:
     """The two host AdamW probes of Note [T_cpu around each row], allocated once."""
 
@@ -636,9 +635,19 @@ def _roofline(ref: dict[str, Any]) -> list[str]:
     ]
 
 
+# Issue 7's W3 rules, per mode row: (floor formula, floor in ms from the reference row and a T_cpu
+# in ms, target ratio of step time to floor)
+_W3_FLOORS: dict[str, tuple[str, Callable[[dict[str, Any], float], float], float]] = {
+    "W3 exact (offload_gradients)": ("T_fwd + T_bwd + T_cpu", lambda ref, t: ref["t_fwd_ms"] + ref["t_bwd_ms"] + t, 1.10),
+    "W3 step_in_backward": ("T_fwd + max(T_bwd, T_cpu)", lambda ref, t: ref["t_fwd_ms"] + max(ref["t_bwd_ms"], t), 1.10),
+    "W3 delayed_param_update": ("max(T_gpu_step, T_cpu)", lambda ref, t: max(ref["t_gpu_step_ms"], t), 1.05),
+}
+
+
 def _floors_with_copies(ref: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """Lines judging the two overlapped modes against floors whose host term is measured with the
-    step's own copies running (diagnostics only: ``t_cpu_stepdma_ms``, 4 B per parameter each way).
+    step's own copies running: the row's ``floor_copies_ms`` where T_cpu was timed around it (Note
+    [T_cpu around each row]), else the reference's ``t_cpu_stepdma_ms`` (4 B per parameter each way).
 
     Issue 7's bounds use the host AdamW time measured alone, but both modes must run it while the
     gradients' D2H and the weights' H2D of the same step cross host memory: ``delayed_param_update``
@@ -649,15 +658,12 @@ def _floors_with_copies(ref: dict[str, Any], rows: list[dict[str, Any]]) -> list
     named = {r.get("name"): r for r in rows}
     t_dma = ref.get("t_cpu_stepdma_ms")
     out = []
-    for name, label, formula, rule, target in (
-        ("W3 delayed_param_update", "Delayed-mode", "max(T_gpu_step, T_cpu with copies)",
-         lambda t: max(ref["t_gpu_step_ms"], t), 1.05),
-        ("W3 step_in_backward", "step_in_backward", "T_fwd + max(T_bwd, T_cpu with copies)",
-         lambda t: ref["t_fwd_ms"] + max(ref["t_bwd_ms"], t), 1.10),
-    ):
+    for name, label in (("W3 delayed_param_update", "Delayed-mode"), ("W3 step_in_backward", "step_in_backward")):
+        formula, rule, target = _W3_FLOORS[name]
+        formula = formula.replace("T_cpu", "T_cpu with copies")
         row = named.get(name)
         floor, where = (row["floor_copies_ms"], " (timed around the row)") if row and "floor_copies_ms" in row else (
-            (rule(t_dma), "") if t_dma is not None else (None, ""))
+            (rule(ref, t_dma), "") if t_dma is not None else (None, ""))
         if floor is None:
             continue
         tail = f": {name[3:]} {_judged(row['step_ms'], floor, target)} of it" if row is not None else ""
@@ -728,9 +734,8 @@ def format_table(rows: list[dict[str, Any]], command: str = "") -> str:
                      f"{exps} | {vs} | "
                      f"{mbs} | {abs_} | {tps} | {r['host_step_ms']:.1f} |")
     lines.append("")
-    lines.append("Floors (issue 7): exact T_fwd + T_bwd + T_cpu, target 1.10x; step_in_backward T_fwd + max(T_bwd, T_cpu), "
-                 "1.10x; delayed_param_update max(T_gpu_step, T_cpu), 1.05x. T_cpu around: fused CPU AdamW alone timed just "
-                 "before / after the row (Note [T_cpu around each row]; the floor uses their mean; '-': the reference's). "
+    rules = "; ".join(f"{name[3:]} {formula}, target {target:.2f}x" for name, (formula, _, target) in _W3_FLOORS.items())
+    lines.append(f"Floors (issue 7): {rules}. T_cpu around: fused CPU AdamW alone timed just before / after the row (Note [T_cpu around each row]; the floor uses their mean; '-': the reference's). "
                  "Floor with copies: the same formula with T_cpu timed beside the copies the mode's host step overlaps (one "
                  "step's D2H+H2D for the overlapped modes, its H2D for the exact mode).")
     lines.append("GPU after bwd: allocated right after backward (device idle) = weights + GPU state + gradients still on "
