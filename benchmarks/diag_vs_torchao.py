@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 
 import torch
 
@@ -25,12 +26,57 @@ from annotate_offload.models.gpt import GPTStack
 from annotate_offload.optim import HybridDeviceOptimizer, _pipeline
 
 
+class _Stamps:
+    """Where one training step's time goes: CUDA events on the compute stream (GPU side) and
+    ``perf_counter`` on the training thread (host side), at loss start, backward end and step end."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+        self.ev: list = []
+        self.t: list[float] = []
+
+    def mark(self) -> None:
+        self.t.append(time.perf_counter())
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.ev.append(e)
+
+    def gpu_ms(self, i: int) -> float:
+        return self.ev[i].elapsed_time(self.ev[i + 1]) if self.cuda else float("nan")
+
+    def host_ms(self, i: int) -> float:
+        return (self.t[i + 1] - self.t[i]) * 1e3
+
+
+def _alloc_counts(dev: torch.device) -> tuple[int, int, int]:
+    """The caching allocator's cudaMalloc / cudaFree / retry counters (0 on CPU)."""
+    if dev.type != "cuda":
+        return (0, 0, 0)
+    m = torch.cuda.memory_stats(dev)
+    return (m.get("num_device_alloc", 0), m.get("num_device_free", 0), m.get("num_alloc_retries", 0))
+
+
+def _split(stamps: list, mem0: tuple, mem1: tuple) -> str:
+    """Median phase columns over the timed steps (ms), then the allocator counters' growth."""
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    cols = [med([s.gpu_ms(0) for s, _ in stamps]), med([s.gpu_ms(1) for s, _ in stamps]),
+            med([s.host_ms(0) for s, _ in stamps]), med([s.host_ms(1) for s, _ in stamps])]
+    sums = [ph.summary() for _, ph in stamps if ph is not None]
+    cols += [med([p["d2h_wait_ms"] for p in sums]), med([p["host_busy_ms"] for p in sums])]
+    cells = [f"{c:.1f}" for c in cols]
+    cells.append(" / ".join(str(b - a) for a, b in zip(mem0, mem1)))
+    return " | ".join(cells)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,hookall,fewer,noog,sib,sib_fewer,delayed,delayed_fewer,torchao (default: all)")
+    ap.add_argument("--rotate", action="store_true", help="rotate the optimizers' order each round (an order effect "
+                    "shows as a variant that is fast only in one position)")
     ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
                     "optimizer with torch.profiler (CPU + CUDA) into DIR/<name>.json")
     a = ap.parse_args()
@@ -74,9 +120,13 @@ def main() -> None:
     batched_default = _pipeline.BATCHED_NUMEL
     times: dict[str, list[float]] = {k: [] for k in makers}
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU (smoke run)'}, {sum(p.numel() for p in model.parameters()) / 1e9:.3f} G params")
-    print("| round | optimizer | ms/step | host AdamW ms/step |\n|---|---|---:|---:|")
+    print("| round | optimizer | ms/step | host AdamW ms/step | GPU fwd+bwd | step() on GPU | backward() call | step() call "
+          "| D2H wait | host busy | cudaMalloc / cudaFree / retries |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    order = list(makers.items())
     for r in range(a.rounds):
-        for name, make in makers.items():
+        if a.rotate and r:
+            order = order[1:] + order[:1]
+        for name, make in order:
             _free(dev)
             # Note [Tiny gradients at step()]: the "hookall" variant restores the hook per tiny gradient
             _pipeline.BATCHED_NUMEL = 0 if "BATCHED_NUMEL=0" in name else batched_default
@@ -85,17 +135,28 @@ def main() -> None:
                 print(f"| {r} | {name} | not importable |")
                 continue
 
+            stamps: list = []
+
             def step() -> None:
+                st = _Stamps(dev)
+                st.mark()
                 _loss(model, x, dev).backward()
+                st.mark()
                 opt.step()
+                st.mark()
+                ph = getattr(opt, "_last_ph", None)
                 opt.zero_grad()
+                stamps.append((st, ph))
 
             for _ in range(a.warmup):
                 step()
+            stamps.clear()
+            mem0 = _alloc_counts(dev)
             ms = clock.time(step, a.steps)
+            mem1 = _alloc_counts(dev)
             times[name].append(ms)
             host = getattr(opt, "host_step_seconds", float("nan")) * 1e3  # the last step's
-            print(f"| {r} | {name} | {ms:.1f} | {host:.1f} |", flush=True)
+            print(f"| {r} | {name} | {ms:.1f} | {host:.1f} | {_split(stamps, mem0, mem1)} |", flush=True)
             if a.profile and r == 0:
                 from torch.profiler import ProfilerActivity, profile
 
