@@ -63,7 +63,7 @@ def _split(stamps: list, mem0: tuple, mem1: tuple) -> str:
     cols = [med([s.gpu_ms(0) for s, _ in stamps]), med([s.gpu_ms(1) for s, _ in stamps]),
             med([s.host_ms(0) for s, _ in stamps]), med([s.host_ms(1) for s, _ in stamps])]
     sums = [ph.summary() for _, ph in stamps if ph is not None]
-    cols += [med([p["d2h_wait_ms"] for p in sums]), med([p["host_busy_ms"] for p in sums])]
+    cols += [med([p[k] for p in sums]) for k in ("d2h_wait_ms", "host_busy_ms", "first_chunk_ms", "last_chunk_ms")]
     cells = [f"{c:.1f}" for c in cols]
     cells.append(" / ".join(str(b - a) for a, b in zip(mem0, mem1)))
     return " | ".join(cells)
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,hookall,fewer,noog,sib,sib_fewer,delayed,delayed_fewer,torchao (default: all)")
+    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,hookall,fewer,noog,sib,sib_fewer,sib_all,delayed,delayed_fewer,delayed_all,torchao (default: all)")
     ap.add_argument("--rotate", action="store_true", help="rotate the optimizers' order each round (an order effect "
                     "shows as a variant that is fast only in one position)")
     ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
@@ -103,7 +103,10 @@ def main() -> None:
         "noog": ("annotate_offload exact, gradients kept on the GPU (offload_gradients=False)", ours(offload_gradients=False)),
         "sib": ("annotate_offload step_in_backward", ours(step_in_backward=True)),
         "sib_fewer": (f"annotate_offload step_in_backward, cpu_threads={fewer}", ours(step_in_backward=True, cpu_threads=fewer)),
+        "sib_all": (f"annotate_offload step_in_backward, cpu_threads={cores}", ours(step_in_backward=True, cpu_threads=cores)),
         "delayed": ("annotate_offload delayed_param_update", ours(delayed_param_update=True)),
+        "delayed_all": (f"annotate_offload delayed_param_update, cpu_threads={cores}",
+                        ours(delayed_param_update=True, cpu_threads=cores)),
         "delayed_fewer": (f"annotate_offload delayed_param_update, cpu_threads={fewer}",
                           ours(delayed_param_update=True, cpu_threads=fewer)),
         "torchao": ("torchao CPUOffloadOptimizer", lambda: _peers.make_torchao_cpu_offload_optimizer(
@@ -121,7 +124,8 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in makers}
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU (smoke run)'}, {sum(p.numel() for p in model.parameters()) / 1e9:.3f} G params")
     print("| round | optimizer | ms/step | host AdamW ms/step | GPU fwd+bwd | step() on GPU | backward() call | step() call "
-          "| D2H wait | host busy | cudaMalloc / cudaFree / retries |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| D2H wait | host busy | first chunk | last chunk | cudaMalloc / cudaFree / retries |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     order = list(makers.items())
     for r in range(a.rounds):
         if a.rotate and r:
