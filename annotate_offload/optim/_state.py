@@ -25,7 +25,9 @@ def wants_device_step(group: dict[str, Any]) -> bool:
 
 
 def _step_value(v: torch.Tensor, inner: torch.Tensor, fused: bool) -> torch.Tensor:
-    if fused:
+    if fused:  # checked first: this runs for every parameter at every step, and .to() costs a dispatch
+        if v.dtype == torch.float32 and v.device == inner.device:
+            return v
         return v.to(device=inner.device, dtype=torch.float32)
     return v.to("cpu") if v.device.type != "cpu" else v
 

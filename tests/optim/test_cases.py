@@ -118,6 +118,28 @@ def test_o06_moving_state_and_back(f):
     assert opt.state[host.param]["master_param"] is host.master  # re-attached to the pinned master
 
 
+def test_o06_step_counter_placement():
+    """The fused kernels want ``step`` as fp32 on the parameter's device: a counter restored in
+    another dtype is re-cast before the next step, and one already right is kept as is (no copy per
+    step)."""
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, lr=1e-2)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    xs = _xs(4)
+    train(m, opt, xs[:2])
+    train(r, ref, xs[:2])
+    for st in opt.state.values():
+        st["step"] = st["step"].to(torch.float64)  # e.g. a checkpoint written by other code
+    train(m, opt, xs[2:3])
+    assert all(st["step"].dtype == torch.float32 for st in opt.state.values())
+    kept = {p: st["step"] for p, st in opt.state.items()}
+    train(m, opt, xs[3:])
+    train(r, ref, xs[2:])
+    assert_same(m, r)
+    assert all(torch.equal(opt.state[p]["step"], ref.state[q]["step"]) for p, q in zip(m.parameters(), r.parameters()))
+    assert all(opt.state[p]["step"] is kept[p] for p in kept)  # updated in place, never re-created
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("kind", ["lambda", "onecycle"])
 def test_o07_lr_schedulers(kind, overlap):
