@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ..errors import OffloadError
-from . import _state
+from . import _amp, _state
 from ._build import _IMPL_KEYS, _STRUCTURAL_KEYS, BuildMixin, _check_cls, _flag, _hyper_defaults
 from ._clip import clip_hybrid
 from ._device import pick_side
@@ -90,8 +90,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             (weights + activations, e.g. issue 7's W3 model) it stays there. The gradient then lives
             on the host until ``zero_grad()``: accumulation over micro-batches adds on the host (exact,
             but not hidden), and ``clip_grad_norm_`` of this optimizer sees it. Tools that read
-            ``p.grad`` directly (``torch.nn.utils.clip_grad_norm_``, ``GradScaler``) do not.
-            Needs overlap on. Default: ``False``.
+            ``p.grad`` directly do not: ``torch.nn.utils.clip_grad_norm_`` misses it, and
+            ``GradScaler`` (whose inf/NaN check would miss it) is refused at ``step()`` with an
+            ``OffloadError``. Needs overlap on. Default: ``False``.
         step_in_backward (bool): start each chunk's host step as soon as its gradients land in
             backward. Limits: one backward per step (no accumulation, no tied/shared parameters
             among host-stepped ones), no gradient clipping or unscaling across parameters (a
@@ -144,6 +145,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                                     offload_gradients=True)
         loss.backward(); opt.step(); opt.zero_grad()
     """
+
+    # Note [GradScaler] in _amp.py: GradScaler.step hands over grad_scale/found_inf instead of unscaling p.grad
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -289,6 +293,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._seq = 0  # D2H issue counter: host chunks are stepped in the order their gradients landed
         self._begun = False
         self._closed = False
+        self._amp: Optional[_amp.AmpStep] = None  # what a GradScaler asked of the step in progress
         self._hooks: list[Any] = []
         if self._overlap:
             for s in host:
@@ -441,9 +446,14 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimizer step of both halves. Returns the closure's loss (called once) or ``None``.
 
+        Under ``torch.amp.GradScaler`` (``scaler.step(opt)``) the scale and the inf/NaN check come
+        from the scaler (Note [GradScaler] in ``_amp.py``): an inf/NaN step changes nothing, and
+        results are bit-identical to the same optimizer class under GradScaler without offload.
+
         Raises:
             OffloadError: with ``step_in_backward=True``, a gradient changed after its chunk was
-                stepped in backward.
+                stepped in backward; GradScaler with ``offload_gradients=True`` or
+                ``step_in_backward=True``.
         """
         if self._closed:
             raise OffloadError(
@@ -460,6 +470,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         if self._worker is not None and not self._in_backward and not self._delayed:
             self._worker.drain()  # nothing should be in flight; re-raise a failure of the last step's host work
         try:
+            self._amp = _amp.begin(self)  # Note [GradScaler] in _amp.py; raises before anything is stepped
             cur = side.current_stream()
             if not self._overlap:
                 self._begin()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import OffloadError
+from . import _amp
 from ._clip import _host_scale
 from ._phases import StepPhases
 from ._slots import Chunk, HostSlot
@@ -140,6 +141,10 @@ class PipelineMixin:
 
     def _collect(self, stream: Any) -> None:
         """Decide, per host slot, whether it steps now; copy gradients the hooks did not (or that changed)."""
+        if self._amp is not None and self._amp.skip:  # GradScaler found inf/NaN: step nothing (Note [GradScaler])
+            for s in self._host_slots:
+                s.use = False
+            return
         batch: list = []
         for s in self._host_slots:
             if not self._steps_here(s.chunk):
@@ -206,10 +211,11 @@ class PipelineMixin:
         for s in self._chunks[ci].slots:
             s.submitted = True
         assert self._worker is not None
-        self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed, self._ph))
+        self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed, self._ph,
+                                              self._amp))
 
     def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool,
-                   ph: StepPhases) -> None:
+                   ph: StepPhases, amp: "_amp.AmpStep | None" = None) -> None:
         """Host step of one chunk (worker thread, or the training thread on the serial path)."""
         side = self._side
         c = self._chunks[ci]
@@ -226,13 +232,23 @@ class PipelineMixin:
                     side.synchronize(ev)
                     _host_scale(buf, s.local.dtype, coef)
                 s.master.grad = buf
+            scaled = plan and amp is not None and amp.scale is not None
+            if scaled and _amp.supports(c.opt):  # Note [GradScaler]: the fused kernel unscales
+                c.opt.grad_scale, c.opt.found_inf = amp.host_scale, amp.host_found
+            elif scaled:  # what GradScaler.unscale_ does, for a host class without the support
+                for s, _, _ in plan:
+                    _host_scale(s.grad_bufs[bi], s.local.dtype, amp.host_inv)
             t0 = time.perf_counter()
-            if plan:
-                if c.serial:
-                    with num_threads(1):
+            try:
+                if plan:
+                    if c.serial:
+                        with num_threads(1):
+                            c.opt.step()
+                    else:
                         c.opt.step()
-                else:
-                    c.opt.step()
+            finally:
+                if scaled and _amp.supports(c.opt):
+                    del c.opt.grad_scale, c.opt.found_inf
             stepped = [s for s, _, _ in plan]
             for s in stepped:
                 s.master.grad = None
@@ -262,7 +278,7 @@ class PipelineMixin:
         ``stream`` as soon as it is stepped."""
         with num_threads(self._threads):
             for ci in order:
-                self._run_chunk(ci, self._plan(ci), bi, stream, True, self._ph)
+                self._run_chunk(ci, self._plan(ci), bi, stream, True, self._ph, self._amp)
 
     def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any) -> None:
         side = self._side
@@ -277,13 +293,25 @@ class PipelineMixin:
             c.h2d_ev = side.record(stream)
 
     def _gpu_step(self) -> None:
-        if self._gpu_opt is None:
+        amp = self._amp
+        if self._gpu_opt is None or (amp is not None and amp.skip):
             return
+        scaled = amp is not None and amp.scale is not None
+        if scaled and not _amp.supports(self._gpu_opt):  # Note [GradScaler]: what GradScaler.unscale_ does
+            grads = [g for g in (local_grad(d.param) for d in self._dev_slots) if g is not None]
+            _amp.unscale_device_grads(grads, amp.scale)
         masters = [d for d in self._dev_slots if d.inner is not d.param]
         for d in masters:
             g = local_grad(d.param)
             d.inner.grad = None if g is None else g.to(d.inner.dtype)
-        self._gpu_opt.step()
+        if scaled and _amp.supports(self._gpu_opt):
+            self._gpu_opt.grad_scale, self._gpu_opt.found_inf = amp.scale, amp.found
+            try:
+                self._gpu_opt.step()
+            finally:
+                del self._gpu_opt.grad_scale, self._gpu_opt.found_inf
+        else:
+            self._gpu_opt.step()
         for d in masters:
             if d.inner.grad is not None:
                 d.inner.grad = None
@@ -300,6 +328,7 @@ class PipelineMixin:
         for c in self._chunks:
             c.landed = 0
         self._begun = False
+        self._amp = None
         self._last_ph, self._ph = self._ph, StepPhases()
         for s in self._host_slots:
             st = self.state[s.param]
@@ -312,9 +341,10 @@ class PipelineMixin:
 
     def _serial_step(self, cur: Any) -> None:
         side = self._side
+        skip = self._amp is not None and self._amp.skip  # Note [GradScaler]: inf/NaN, step nothing
         for s in self._host_slots:
             g = local_grad(s.param)
-            s.use = g is not None and self._steps_here(s.chunk)
+            s.use = g is not None and self._steps_here(s.chunk) and not skip
             if s.use:
                 if g.layout is not torch.strided:
                     raise _sparse_grad(s, g)

@@ -362,3 +362,31 @@ def test_bench_host_probe_frees_its_copy_buffers():
             assert torch.cuda.memory_allocated() == before
     finally:
         probe.close()
+
+
+@pytest.mark.parametrize("cls, kw", [(torch.optim.AdamW, {"fused": True}), (torch.optim.SGD, {"momentum": 0.9})])
+def test_gradscaler_fp16_autocast(cls, kw):
+    """Note [GradScaler]: fp16 autocast under GradScaler, f=0.5, with an inf step, vs the same torch
+    class under its own scaler. AdamW: both halves unscale inside the fused kernels; SGD: what
+    GradScaler.unscale_ does, on the GPU half and on the host copies."""
+    torch.manual_seed(0)
+    m = Wide(n=2, h=512).cuda()
+    r = copy.deepcopy(m)
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, cpu_optimizer_cls=cls, lr=LR,
+                                **({} if cls is torch.optim.AdamW else kw))
+    ref = cls(r.groups(), lr=LR, **kw)
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**16, growth_interval=2) for _ in range(2)]
+    for i in range(8):
+        x = torch.randn(16, 512, device="cuda")
+        for model, o, sc in ((m, opt, scalers[0]), (r, ref, scalers[1])):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            if i == 3:
+                loss = loss * float("inf")  # the scaler skips this step and halves its scale
+            sc.scale(loss).backward()
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    _close(m, r)
+    opt.close()
