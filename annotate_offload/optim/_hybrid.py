@@ -125,9 +125,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             range (``lr``, ``eps``, ``weight_decay``, ``momentum`` >= 0, ``0 <= betas[i] < 1``),
             in ``**kwargs`` or in a param group; a param group setting one of this optimizer's
             own options (``offload_fraction``, ...: per optimizer) to another value;
-            ``fused=True`` with ``foreach=True`` or ``differentiable=True``.
-        TypeError: a non-bool flag, a class that is not a torch optimizer, an accelerator-only
-            class for the host part, a class whose ``step`` requires a closure
+            ``fused=True`` with ``foreach=True`` or ``differentiable=True``; ``differentiable=True``
+            with parameters the GPU half would step in place (leaves that require grad, which
+            torch's differentiable optimizers refuse).
+        TypeError: a non-bool flag (ours, or torch's ``amsgrad``/``maximize``/``nesterov``/``fused``/...,
+            in ``**kwargs`` or a param group), a class that is not a torch optimizer, an
+            accelerator-only class for the host part, a class whose ``step`` requires a closure
             (``torch.optim.LBFGS``: sub-optimizers are stepped without one), or a keyword that
             neither optimizer class accepts (e.g. ``lrr``, ``optimizer``; the message names the
             closest valid one), or a param group key that is a near miss of a valid one (``lrr``;
@@ -269,6 +272,17 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                     needs_master = self._fp32 and loc.dtype != torch.float32 and loc.is_floating_point()
                     inner = loc.detach().float() if needs_master else (p if loc is p else loc.detach())
                     self._dev_slots.append(DevSlot(p, gi, pi, loc, inner))
+        if impl.get("differentiable"):
+            leaves = [(d.group, d.index) for d in self._dev_slots if d.inner is d.param and d.param.requires_grad]
+            if leaves:
+                gi, pi = leaves[0]
+                raise ValueError(
+                    f"HybridDeviceOptimizer: differentiable=True, but the GPU half would step {len(leaves)} parameters in "
+                    f"place (the first: parameter {pi} of param group {gi}), leaf tensors that require grad, which torch's "
+                    "differentiable optimizers refuse (RuntimeError at the first step(), after the host half had already "
+                    "stepped). Use offload_fraction=1.0 (the host steps plain copies), param_update_in_fp32=True for "
+                    "non-fp32 parameters, or differentiable=False."
+                )
         host.reverse()  # backward produces the last parameters' gradients first
         self._host_slots = host
         self._build_host(host, impl)

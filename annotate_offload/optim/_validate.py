@@ -106,12 +106,22 @@ def check_values(hyper: dict[str, Any], where: str = "") -> None:
         where: context for the message, e.g. ``" in param group 1"``.
 
     Raises:
-        TypeError: a value that is not a number (or a one-element tensor), ``betas`` not a pair.
+        TypeError: a value that is not a number (or a one-element tensor), ``betas`` not a pair, a
+            flag (``amsgrad``, ``maximize``, ``nesterov``, ``fused``, ...) that is not a bool (or ``None``
+            for the implementation flags).
         ValueError: a value out of range, naming the parameter, the value and the valid range.
     """
     for name in ("lr", "eps", "weight_decay", "momentum"):
         if name in hyper:
             _at_least_zero(name, hyper[name], where)
+    for name in _BOOL_KEYS:
+        v = hyper.get(name)
+        if name in hyper and not isinstance(v, bool) and not (v is None and name in _IMPL_BOOL_KEYS):
+            allowed = "True, False or None" if name in _IMPL_BOOL_KEYS else "True or False"
+            raise TypeError(
+                f"HybridDeviceOptimizer: {name} must be {allowed}{where}, got {v!r} ({type(v).__name__}); torch's fused "
+                f"kernels take it as a bool (e.g. {name}=True)."
+            )
     if "betas" in hyper:
         betas = hyper["betas"]
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -123,6 +133,12 @@ def check_values(hyper: dict[str, Any], where: str = "") -> None:
                     f"HybridDeviceOptimizer: invalid betas[{i}]={b!r} (betas={tuple(betas)!r}){where}; "
                     f"valid range: 0 <= betas[{i}] < 1."
                 )
+
+
+# Flags of torch's Adam/AdamW/SGD: checked as bools at construction (a string or an int reached the fused
+# kernel as an "invalid combination of arguments" at the first step: fresh-user report, seventh session).
+_IMPL_BOOL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+_BOOL_KEYS = ("amsgrad", "maximize", "nesterov", "decoupled_weight_decay", *_IMPL_BOOL_KEYS)
 
 
 # Keys torch's ``add_param_group`` itself writes into a group (named parameters), besides ``params``.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -221,24 +223,29 @@ def test_param_group_metadata_and_rebuild_still_accepted():
     HybridDeviceOptimizer(rebuilt_groups, **opt.defaults).close()
 
 
-@pytest.mark.parametrize("f", [0.0, 1.0])
+@pytest.mark.parametrize("f", [0.0, 0.5, 1.0])
 def test_differentiable_does_not_get_the_fused_default(f):
     """Fresh-user report (third pass) item 3: differentiable=True failed with "`fused` does not support
     `differentiable`", a fused=True the user never asked for. It now gets torch's non-fused path, like
     torch.optim.AdamW(differentiable=True), on the host (masters) and on the device (the parameters
-    themselves, where torch's own differentiable step refuses leaves that require grad, as plain AdamW does)."""
+    themselves, where torch's own differentiable step refuses leaves that require grad, as plain AdamW does).
+    Fresh-user report (seventh session) item 4: that refusal came at the first step(), after the host
+    half had already stepped (a half-applied step on every retry); it is now a ValueError at
+    construction."""
     from _hdo_util import loss_of
 
     m = Tiny()
-    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, lr=1e-2, differentiable=True)
-    assert all(not g["fused"] and g["differentiable"] for sub in opt.sub_optimizers for g in sub.param_groups)
-    if f == 0.0:
+    if f < 1.0:
+        before = [p.detach().clone() for p in m.parameters()]
+        with pytest.raises(ValueError, match=r"differentiable=True, but the GPU half would step \d+ parameters in place"):
+            HybridDeviceOptimizer(m.parameters(), offload_fraction=f, lr=1e-2, differentiable=True)
+        assert all(torch.equal(a, b) and b.grad is None for a, b in zip(before, m.parameters()))
         loss_of(m, torch.randn(5, 8)).backward()
-        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-            opt.step()
-        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):  # what plain torch does
             torch.optim.AdamW(m.parameters(), lr=1e-2, differentiable=True).step()
         return
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, lr=1e-2, differentiable=True)
+    assert all(not g["fused"] and g["differentiable"] for sub in opt.sub_optimizers for g in sub.param_groups)
     masters = [p.detach().clone() for p in m.parameters()]  # what the host steps: plain tensors
     ref = torch.optim.AdamW(masters, lr=1e-2, differentiable=True)
     g = torch.Generator().manual_seed(7)
@@ -288,3 +295,17 @@ def test_sparse_gradient_is_a_type_error(rows, mode, raised_in):
         opt.step()
     assert torch.equal(emb.weight, before)
     opt.close()
+
+
+@pytest.mark.parametrize("key, value", [("amsgrad", "yes"), ("maximize", 1), ("nesterov", None), ("fused", "true"),
+                                        ("foreach", 0)])
+def test_flags_must_be_bools(key, value):
+    """Fresh-user report (seventh session) item 5: amsgrad="yes" or maximize=1 built, then the first
+    step() failed inside torch's fused kernel ("invalid combination of arguments")."""
+    m = Tiny()
+    kw = {"momentum": 0.9} if key == "nesterov" else {}
+    cls = {"cpu_optimizer_cls": torch.optim.SGD} if key == "nesterov" else {}
+    with pytest.raises(TypeError, match=rf"{key} must be True(, False)? or (False|None), got {re.escape(repr(value))}"):
+        HybridDeviceOptimizer(m.parameters(), lr=1e-2, **{key: value}, **kw, **cls)
+    with pytest.raises(TypeError, match=rf"{key} must be .* in param group 0"):
+        HybridDeviceOptimizer([{"params": list(m.parameters()), key: value}], lr=1e-2, **kw, **cls)
