@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
@@ -20,7 +21,7 @@ from ._build import _IMPL_KEYS, _STRUCTURAL_KEYS, BuildMixin, _check_cls, _flag,
 from ._clip import clip_hybrid
 from ._device import pick_side
 from ._phases import StepPhases
-from ._pipeline import PipelineMixin, _GradHook
+from ._pipeline import PipelineMixin, _GradHook, claim
 from ._slots import DevSlot, HostSlot
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
 from ._threads import CpuWorker, thread_budget
@@ -309,6 +310,17 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._closed = False
         self._amp: Optional[_amp.AmpStep] = None  # what a GradScaler asked of the step in progress
         self._hooks: list[Any] = []
+        taken = claim([s.param for s in host], self)  # Note [One optimizer per parameter] in _pipeline.py
+        if taken:
+            first = host[taken[0]]
+            warnings.warn(
+                f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters (e.g. parameter {first.index} of param "
+                f"group {first.group}, shape {tuple(first.local.shape)}) belong to another HybridDeviceOptimizer that is "
+                "still alive and not closed. This one takes over their gradient hooks; the older one copies their "
+                "gradients at its own step() from now on. When an optimizer replaces another, call old.close().",
+                UserWarning,
+                stacklevel=2,
+            )
         if self._overlap:
             for s in host:
                 if s.param.requires_grad and not self._batched(s):

@@ -26,6 +26,36 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__: list[str] = []
 
 
+# Note [One optimizer per parameter]: an optimizer that is replaced but still referenced (an LR
+# finder's, one a scheduler or a closure keeps) kept its gradient hooks, and with
+# offload_gradients its hook freed p.grad under the new optimizer (fresh-user report, seventh
+# session: weights 0.031 off after 3 steps; with step_in_backward the new one raised a misleading
+# "second gradient" error). The newest optimizer built over a parameter owns it: older ones' hooks
+# stand aside (they still step correctly, copying the gradient at their own step()), and building
+# over parameters a live, unclosed optimizer owns warns, naming close().
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, owning optimizer)
+
+
+def claim(params: list[torch.Tensor], opt: "HybridDeviceOptimizer") -> list[int]:
+    """Make ``opt`` the owner of ``params``; the positions of those a live, unclosed optimizer owned."""
+    for k in [k for k, (p, _) in _OWNERS.items() if p() is None]:
+        del _OWNERS[k]
+    taken = []
+    for i, p in enumerate(params):
+        prev = _OWNERS.get(id(p))
+        if prev is not None and prev[0]() is p:
+            o = prev[1]()
+            if o is not None and o is not opt and not o._closed:
+                taken.append(i)
+        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
+    return taken
+
+
+def _owns(param: torch.Tensor, opt: "HybridDeviceOptimizer") -> bool:
+    e = _OWNERS.get(id(param))
+    return e is not None and e[1]() is opt and e[0]() is param
+
+
 class _GradHook:
     """Post-accumulate-grad hook of one host slot; holds the optimizer weakly (no cycle through C++)."""
 
@@ -37,7 +67,7 @@ class _GradHook:
 
     def __call__(self, param: torch.Tensor) -> None:
         opt = self.opt()
-        if opt is not None:
+        if opt is not None and _owns(param, opt):  # Note [One optimizer per parameter]
             opt._on_grad(self.slot)
 
 
