@@ -8,6 +8,8 @@ In every case only the outermost match counts (a layer inside a layer is part of
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -58,6 +60,15 @@ def find_layers(
             raise TypeError(
                 f"offload_transform: filter_fn must be callable as filter_fn(module, fqn) -> bool, got {filter_fn!r}"
             )
+        try:
+            inspect.signature(filter_fn).bind(model, "")
+        except TypeError:  # a one-argument lambda: the bare "takes 1 positional argument" named neither
+            raise TypeError(
+                f"offload_transform: filter_fn is called as filter_fn(module, fqn) -> bool, but {filter_fn!r} "
+                f"takes {inspect.signature(filter_fn)}; write it as e.g. lambda module, fqn: isinstance(module, Block)"
+            ) from None
+        except ValueError:  # no introspectable signature (a builtin): call it and let it fail on its own
+            pass
         refs = _outermost(model, lambda m, fqn: bool(filter_fn(m, fqn)))
         how = f"filter_fn={getattr(filter_fn, '__qualname__', repr(filter_fn))}"
     else:

@@ -56,6 +56,13 @@ def _check_cls(cls: Any, name: str, *, host: bool) -> None:
             "host (CPU) tensors here (TE FusedAdam does so silently and corrupts the state, NVIDIA-NeMo/RL #3544). "
             "Use torch.optim.AdamW/Adam (fused on CPU) or torch.optim.SGD for the host part."
         )
+    if host and issubclass(cls, torch.optim.SparseAdam):
+        raise TypeError(
+            f"HybridDeviceOptimizer: {name}=torch.optim.SparseAdam needs sparse gradients, but the host part copies "
+            "gradients into dense pinned buffers (its first step() would fail with 'SparseAdam does not support dense "
+            "gradients'). Step sparse embeddings with torch.optim.SparseAdam outside this optimizer, and give this one "
+            "the dense parameters (torch.optim.AdamW, the default)."
+        )
     if _needs_closure(cls):
         raise TypeError(
             f"HybridDeviceOptimizer: {name}={cls.__module__}.{cls.__name__} needs a closure in step(), but "

@@ -236,6 +236,15 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 "halves) or pass differentiable=False."
             )
         check_values(kwargs)
+        if 0.0 < float(offload_fraction) < 0.01 and "lr" not in kwargs:
+            warnings.warn(
+                f"HybridDeviceOptimizer: offload_fraction={offload_fraction!r} and no lr=. Its second positional "
+                "parameter is offload_fraction (Megatron-Core's signature), not torch.optim.AdamW's lr: pass the "
+                f"learning rate by keyword (lr={offload_fraction!r}). A fraction this small is meant only with an "
+                "explicit lr= (which silences this).",
+                UserWarning,
+                stacklevel=2,
+            )
         impl = {k: kwargs.pop(k) for k in _IMPL_KEYS if k in kwargs}
         defaults = _hyper_defaults(cpu_cls)
         defaults.update(kwargs)
@@ -634,6 +643,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         (a group split between a fused and a non-fused path records none), so a plain
         ``torch.optim.AdamW`` that loads it keeps stepping like this optimizer (torch takes them from
         the loaded groups). ``param_groups`` itself does not hold them (they are constructor choices).
+
+        With ``delayed_param_update=True`` it calls :meth:`flush` first, so the checkpoint holds the
+        weights the masters hold: the pending host update goes into the model now rather than at the
+        next ``step()``. A run that saves a checkpoint therefore differs from one that does not, in the
+        one step of staleness the mode has (fresh-user report, seventh session: 3 steps, save, 3 more
+        steps vs 6 uninterrupted steps); resuming from it matches the run that saved it.
 
         Raises:
             OffloadError: the host step is sharded across DDP ranks (each rank holds the host state of

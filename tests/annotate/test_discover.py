@@ -100,6 +100,11 @@ def test_selection_errors():
         find_layers(m, layer_types=(int,))
     with pytest.raises(TypeError, match="filter_fn must be callable"):
         find_layers(m, filter_fn=3)
+    # fresh-user report (seventh session): a one-argument lambda failed with a bare "takes 1 positional argument"
+    with pytest.raises(TypeError, match=r"filter_fn is called as filter_fn\(module, fqn\) -> bool, but .* takes \(mod\)"):
+        find_layers(m, filter_fn=lambda mod: True)
+    refs, _ = find_layers(m, filter_fn=lambda *a: a[1] == "layers.0")  # *args is fine
+    assert [r.fqn for r in refs] == ["layers.0"]
     with pytest.raises(ValueError, match="found no layers in Linear"):
         find_layers(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"found no layers in Stack \(looked for layer_types=\(Conv2d\)\)"):

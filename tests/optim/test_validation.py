@@ -169,6 +169,15 @@ def test_closure_only_class_refused(which):
     HybridDeviceOptimizer(m.parameters(), **{which: OptionalClosure}, lr=0.1).close()
 
 
+def test_sparse_adam_refused_for_the_host_part():
+    """Fresh-user report (seventh session) item 8: SparseAdam was accepted, then step() failed with
+    torch's 'SparseAdam does not support dense gradients' (host gradient buffers are dense)."""
+    m = Tiny()
+    with pytest.raises(TypeError, match=r"cpu_optimizer_cls=torch.optim.SparseAdam needs sparse gradients.*outside this optimizer"):
+        HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=torch.optim.SparseAdam)
+    assert _hooks(m.parameters()) == [0] * 8
+
+
 @pytest.mark.parametrize(
     "group, match",
     [
@@ -309,3 +318,17 @@ def test_flags_must_be_bools(key, value):
         HybridDeviceOptimizer(m.parameters(), lr=1e-2, **{key: value}, **kw, **cls)
     with pytest.raises(TypeError, match=rf"{key} must be .* in param group 0"):
         HybridDeviceOptimizer([{"params": list(m.parameters()), key: value}], lr=1e-2, **kw, **cls)
+
+
+def test_a_learning_rate_passed_as_the_fraction_warns():
+    """Fresh-user report (seventh session) item 7: HybridDeviceOptimizer(params, 3e-4) (AdamW's
+    positional lr) silently meant offload_fraction=3e-4 with the default lr."""
+    m = Tiny()
+    with pytest.warns(UserWarning, match=r"offload_fraction=0.0003 and no lr=.*lr=0.0003"):
+        HybridDeviceOptimizer(m.parameters(), 3e-4).close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HybridDeviceOptimizer(m.parameters(), 3e-4, lr=1e-3).close()  # explicit: meant
+        HybridDeviceOptimizer(m.parameters(), 0.5).close()
