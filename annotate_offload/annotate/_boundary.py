@@ -23,6 +23,14 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def inside_checkpoint() -> bool:
+    """True while the innermost saved-tensor hooks are those of a non-reentrant checkpoint's forward."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    return getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+
+
 def _first_tensor(x: Any) -> torch.Tensor | None:
     if isinstance(x, torch.Tensor):
         return x
@@ -109,6 +117,21 @@ class LayerBoundary:
     def enter(self, index: int, x: Any = None) -> Any:
         """Open layer ``index``'s scope; return ``x`` unchanged (the fx graph threads it to the layer)."""
         if not self.active():
+            return x
+        if inside_checkpoint():
+            # Note [A checkpoint around the layer]: a non-reentrant torch.utils.checkpoint around the model
+            # or the layer (the fx path calls this from inside it). It keeps only its own inputs and
+            # recomputes the rest, and a saved-tensor scope opened here would replace its hooks, so its
+            # recompute fails ("CheckpointError: ... different metadata"; fresh-user report, seventh
+            # session). Kept layers stand aside; offloaded ones are refused, as on the hook path.
+            if index in self.offloaded:
+                raise OffloadError(
+                    f"offload_transform: layer {index} runs inside torch.utils.checkpoint(use_reentrant=False) (a "
+                    "checkpoint around the model or the layer). That checkpoint keeps only its inputs and recomputes "
+                    "the layer in backward, so there is nothing to offload, and a saved-tensor scope inside it breaks "
+                    "its recompute. Fix: remove the checkpoint and pass recompute=True to offload_transform (it "
+                    "checkpoints the layers itself and offloads what the checkpoint saves), or keep this layer."
+                )
             return x
         if self.open_layer is not None:
             # The previous layer never committed: its call raised inside code that caught the error,

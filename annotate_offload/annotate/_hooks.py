@@ -19,18 +19,10 @@ import torch.nn as nn
 
 from annotate_offload.errors import OffloadError
 
-from ._boundary import LayerBoundary, deepcopy_fields, in_backward, refuse_pickle
+from ._boundary import LayerBoundary, deepcopy_fields, in_backward, inside_checkpoint, refuse_pickle
 from ._discover import LayerRef
 
 __all__ = ["install_hooks", "inside_checkpoint"]
-
-
-def inside_checkpoint() -> bool:
-    """True while the innermost saved-tensor hooks are those of a non-reentrant checkpoint's forward."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if top is None:
-        return False
-    return getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
 
 
 class _LayerHooks:

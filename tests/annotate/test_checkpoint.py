@@ -73,6 +73,39 @@ def test_checkpoint_around_layers_hooks_refuses_clearly(around):
     assert sync._scope is None and sync._step is None
 
 
+class _Wrapped(torch.nn.Module):
+    """The user's non-reentrant checkpoint around the whole (transformed) model."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("path", ["fx", "hooks"])
+def test_checkpoint_around_the_whole_model(path):
+    """Fresh-user report (seventh session) item 2: on the fx path a non-reentrant checkpoint around the
+    transformed model failed in backward with torch's "CheckpointError: ... different metadata" (our
+    saved-tensor scopes replaced the checkpoint's hooks), even with num_layers=0. Kept layers now
+    stand aside (bit-exact); offloaded ones are refused in forward with the fix, and the model still
+    trains without the checkpoint afterwards (Note [A checkpoint around the layer])."""
+    kept, ref = Stack(L), None
+    ref = copy.deepcopy(kept)
+    _apply(kept, path, n=0)
+    x = _x()
+    assert_same_step(run_step(_Wrapped(kept), x), run_step(_Wrapped(ref), x))
+    model = Stack(L)
+    ref = copy.deepcopy(model)
+    _apply(model, path)
+    with pytest.raises(OffloadError, match=r"layer 0 .*runs inside torch.utils.checkpoint\(use_reentrant=False\).*recompute=True"):
+        run_step(_Wrapped(model), x)
+    sync = sync_of(model)
+    assert sync._scope is None and sync._step is None
+    _check_offloads(model, ref)
+
+
 def test_checkpoint_around_kept_layers_hooks_is_left_alone():
     model = Stack(L, around="non_reentrant")
     ref = copy.deepcopy(model)
