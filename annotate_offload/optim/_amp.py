@@ -79,6 +79,10 @@ def begin(opt: "HybridDeviceOptimizer") -> Optional[AmpStep]:
             "them. Build the optimizer with offload_gradients=False when training with GradScaler (fp16)."
         )
     if opt._in_backward:
+        if opt._worker is not None:  # chunks already stepped in backward: let them land before raising
+            opt._worker.drain()
+            side = opt._side
+            side.wait_event(side.current_stream(), side.record(opt._h2d))
         raise OffloadError(
             "HybridDeviceOptimizer: GradScaler with step_in_backward=True is not supported: host chunks were stepped "
             "in backward, before the scaler's inf/NaN check and unscaling, so this step already used scaled gradients. "
