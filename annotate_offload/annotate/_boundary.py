@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from annotate_offload.errors import OffloadError
+from annotate_offload.runtime._context import inside_checkpoint
 
 __all__ = ["LayerBoundary", "deepcopy_fields", "in_backward", "refuse_pickle"]
 
@@ -21,14 +22,6 @@ __all__ = ["LayerBoundary", "deepcopy_fields", "in_backward", "refuse_pickle"]
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (e.g. checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def inside_checkpoint() -> bool:
-    """True while the innermost saved-tensor hooks are those of a non-reentrant checkpoint's forward."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if top is None:
-        return False
-    return getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
 
 
 def _first_tensor(x: Any) -> torch.Tensor | None:
@@ -119,11 +112,9 @@ class LayerBoundary:
         if not self.active():
             return x
         if inside_checkpoint():
-            # Note [A checkpoint around the layer]: a non-reentrant torch.utils.checkpoint around the model
-            # or the layer (the fx path calls this from inside it). It keeps only its own inputs and
-            # recomputes the rest, and a saved-tensor scope opened here would replace its hooks, so its
-            # recompute fails ("CheckpointError: ... different metadata"; fresh-user report, seventh
-            # session). Kept layers stand aside; offloaded ones are refused, as on the hook path.
+            # Note [A checkpoint around the layer] (runtime/_context.py): a checkpoint around the model or
+            # the layer (the fx path calls this from inside it). Kept layers stand aside; offloaded ones
+            # are refused, as on the hook path.
             if index in self.offloaded:
                 raise OffloadError(
                     f"offload_transform: layer {index} runs inside torch.utils.checkpoint(use_reentrant=False) (a "

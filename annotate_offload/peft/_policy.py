@@ -43,6 +43,7 @@ from annotate_offload.runtime import (
     mark_activation_offload,
     mark_not_offload,
 )
+from annotate_offload.runtime._context import inside_checkpoint
 from annotate_offload.runtime._synchronizer import _active_synchronizer
 
 __all__ = [
@@ -114,7 +115,7 @@ def marked_saves(policy: Optional[str], role: str) -> Any:
     hidden ``mark_not_offload`` and leaves the input alone. Without an open offload scope, or when
     the role needs no mark, it is a ``nullcontext``.
     """
-    sync = _active_synchronizer() if policy is not None else None
+    sync = _marking_sync() if policy is not None else None
     if sync is None:
         return contextlib.nullcontext()
     if policy == "opt_in":
@@ -127,8 +128,18 @@ def marked_saves(policy: Optional[str], role: str) -> Any:
 def keep_saves() -> Any:
     """A context in which every tensor autograd saves is marked ``mark_not_offload`` (any policy),
     while an offload scope is open; otherwise a ``nullcontext``."""
-    sync = _active_synchronizer()
+    sync = _marking_sync()
     return contextlib.nullcontext() if sync is None else _MarkedSaves(sync, _NOT_OFFLOAD)
+
+
+def _marking_sync() -> Any:
+    """The open synchronizer adapter saves should go to, or ``None``: none open, or inside a
+    non-reentrant checkpoint (Note [A checkpoint around the layer] in runtime/_context.py: the
+    checkpoint keeps only its inputs, and a scope here would break its recompute; fresh-user report,
+    seventh session: LoRA under recompute=True failed with "CheckpointError: ... different metadata")."""
+    if inside_checkpoint():
+        return None
+    return _active_synchronizer()
 
 
 def mark_adapter_input(policy: Optional[str], *tensors: torch.Tensor) -> None:

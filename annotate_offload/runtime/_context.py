@@ -44,6 +44,21 @@ from ._synchronizer import (
 __all__ = ["get_cpu_offload_context", "is_cpu_offload_enabled", "active_offload_policy"]
 
 
+def inside_checkpoint() -> bool:
+    """True while the innermost saved-tensor hooks are a non-reentrant ``torch.utils.checkpoint``'s
+    (its forward or its recompute in backward).
+
+    Note [A checkpoint around the layer]: such a checkpoint keeps only its inputs and recomputes the
+    rest, and a saved-tensor scope opened inside it replaces its hooks, so its recompute fails
+    ("CheckpointError: ... different metadata"). Layer boundaries and adapter marks stand aside
+    there (fresh-user reports, seventh session).
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        return False
+    return getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+
+
 def is_cpu_offload_enabled() -> bool:
     """True while a layer's offload scope is open on this thread (modules sample it in forward)."""
     return _active_synchronizer() is not None

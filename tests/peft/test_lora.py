@@ -324,3 +324,22 @@ def test_deepcopy_of_a_transformed_lora_model_carries_its_own_marks():
     assert moved(dup) == expected
     remove_offload(dup)
     assert not has_offload_marks(dup)
+
+
+# --------------------------------------------------------------------------- checkpoints around adapters
+
+
+@pytest.mark.parametrize("num_layers", [0, 2])
+@pytest.mark.parametrize("path", ["fx", "hooks"])
+@pytest.mark.parametrize("policy", ["opt_out", "opt_in"])
+def test_lora_under_recompute_is_exact(policy, path, num_layers):
+    """Fresh-user report (seventh session) item 1: LoRA under recompute=True (the fix our own errors
+    recommend for checkpointed models) failed in backward with "CheckpointError: ... different
+    metadata": the adapters' marking scopes opened inside the checkpoint replaced its saved-tensor
+    hooks. Inside a checkpoint they now stand aside (Note [A checkpoint around the layer])."""
+    model, ref = lora_llama(), None
+    ref = copy.deepcopy(model)
+    offload_transform(model, num_layers=num_layers, path=path, recompute=True, policy=policy, min_offload_numel=0)
+    x = ids()
+    for seed in range(2):
+        assert_same(step(model, x, seed=seed), step(ref, x, seed=seed))
