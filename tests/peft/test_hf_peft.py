@@ -150,3 +150,26 @@ def test_auto_plan_of_a_peft_model_profiles_without_the_kv_cache():
         offload_transform(model, num_layers="auto", memory_budget=1 << 20, example_inputs={"input_ids": x})
     assert len(model.offload_plan.layers) == L
     assert_same(step(model, x), step(ref, x))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("policy", ["opt_out", "opt_in"])
+def test_peft_with_gradient_checkpointing_is_exact(policy, when):
+    """Fresh-user report (seventh session, second pass) item 1: a peft model with
+    gradient_checkpointing_enable() failed in backward with "CheckpointError: ... different
+    metadata" under offload_transform: the adapters' marking scopes opened inside the checkpoint
+    replaced its saved-tensor hooks (Note [A checkpoint around the layer])."""
+    model, ref = _hf(), _hf()
+    ref.gradient_checkpointing_enable()
+    if when == "before":
+        model.gradient_checkpointing_enable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offload_transform(model, num_layers=L - 1, policy=policy, min_offload_numel=0)
+    if when == "after":
+        model.gradient_checkpointing_enable()
+    x = ids()
+    for seed in range(2):
+        assert_same(step(model, x, seed=seed), step(ref, x, seed=seed))
+    if policy == "opt_out":  # the checkpoints' inputs moved (opt-in moves only tagged tensors: the
+        assert _sync_of(model).stats.bytes_offloaded_per_layer  # adapters' stay inside the checkpoint)
