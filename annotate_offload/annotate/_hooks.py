@@ -1,13 +1,15 @@
 """The hook path, for models fx cannot trace (Hugging Face models): the same two boundary calls
 made by forward pre/post hooks on the layers.
 
-A layer that runs inside ``torch.utils.checkpoint`` (a checkpoint *around* the layer, e.g. Hugging
-Face ``gradient_checkpointing_enable()``) cannot be offloaded from module hooks: the checkpoint
-saves its inputs before the layer's pre-hook runs, and a scope opened inside the checkpoint would
-replace the checkpoint's own saved-tensor hooks. Such a layer is refused with an ``OffloadError``
-when it is meant to be offloaded (and left alone when it is kept), never silently offloaded for
-nothing. Checkpoints *inside* a layer, and the recompute ``offload_transform`` itself installs,
-are fine.
+A layer that runs inside ``torch.utils.checkpoint`` (a checkpoint *around* the layer call, as
+older Hugging Face versions' ``gradient_checkpointing_enable()`` did) cannot be offloaded from
+module hooks: the checkpoint saves its inputs before the layer's pre-hook runs, and a scope opened
+inside the checkpoint would replace the checkpoint's own saved-tensor hooks. Such a layer is
+refused with an ``OffloadError`` when it is meant to be offloaded (and left alone when it is
+kept), never silently offloaded for nothing. Checkpoints *inside* a layer's call are fine: the
+recompute ``offload_transform`` itself installs, and current transformers'
+``GradientCheckpointingLayer``, which checkpoints inside ``__call__`` after the hooks ran, so the
+checkpoint's saved inputs are what is offloaded (tests/annotate/test_hf_llama.py).
 """
 
 from __future__ import annotations
