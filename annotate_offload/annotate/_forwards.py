@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -74,6 +75,7 @@ class OffloadedForward:
         b = self.boundary
         prev, self.hook_state.forward_grad = self.hook_state.forward_grad, training
         prev_in, prev_last, b.in_forward, b.forward_last = b.in_forward, b.forward_last, True, -1
+        pre_calls = self.hook_state.pre_calls
         try:
             out = self.fn(*args, **kwargs)
         except BaseException:
@@ -85,7 +87,31 @@ class OffloadedForward:
             b.in_forward, b.forward_last = prev_in, prev_last
         if training:
             self.boundary.forward_done()
+            if self.hook_state.hooked and self.hook_state.pre_calls == pre_calls:
+                self._no_hooks_ran()
         return out
+
+    def _no_hooks_ran(self) -> None:
+        """Note [Hooks skipped by torch.compile]: Dynamo does not guard on module hooks by default
+        (``torch._dynamo.config.skip_nnmodule_hook_guards``), so code it compiled for a layer class
+        before ``offload_transform`` (a baseline of the same class, compiled first in the same
+        process) keeps running without our pre/post hooks: the step trains exactly but offloads
+        nothing (fresh-user report, seventh session). A training forward in which no layer hook ran
+        says so, once per model."""
+        hs = self.hook_state
+        if hs.warned:
+            return
+        hs.warned = True
+        warnings.warn(
+            "offload_transform (hook path): a training forward ran without any layer's forward hooks, so nothing "
+            "was offloaded. torch.compile reuses code it compiled for these layer classes before the hooks existed "
+            "(Dynamo does not guard on module hooks: torch._dynamo.config.skip_nnmodule_hook_guards). Fix: call "
+            "torch._dynamo.reset() after offload_transform (or compile only after it, in a process that has not "
+            "compiled these classes), set torch._dynamo.config.skip_nnmodule_hook_guards = False, or use "
+            "path='fx' if the model traces.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def __repr__(self) -> str:
         name = getattr(self.__wrapped__, "__qualname__", type(self.__wrapped__).__name__)

@@ -38,6 +38,7 @@ class _LayerHooks:
         self.boundary, self.index, self.ref, self.state = boundary, index, ref, state
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.state.pre_calls += 1  # Note [Hooks skipped by torch.compile] in _forwards.py
         if in_backward():
             return  # checkpoint recompute in backward: never a new layer scope
         offloaded = self.index in self.boundary.offloaded
@@ -72,15 +73,19 @@ class _LayerHooks:
 class HookState:
     """Whether the current model forward started with autograd enabled (set by the forward wrapper)."""
 
-    __slots__ = ("forward_grad",)
+    __slots__ = ("forward_grad", "pre_calls", "hooked", "warned")
 
     def __init__(self) -> None:
         self.forward_grad = False
+        self.pre_calls = 0  # layer pre-hooks run so far (Note [Hooks skipped by torch.compile])
+        self.hooked = False  # the hook path installed hooks for this model
+        self.warned = False
 
 
 def install_hooks(layers: list[LayerRef], boundary: LayerBoundary, state: HookState) -> list[Any]:
     """Register the pre/post hooks on each layer (layer ``i`` is ``layers[i]``); returns the handles."""
     handles = []
+    state.hooked = bool(layers)
     for i, ref in enumerate(layers):
         h = _LayerHooks(boundary, i, ref, state)
         handles.append(ref.module.register_forward_pre_hook(h.pre, with_kwargs=True))
