@@ -30,7 +30,7 @@ import torch.utils.checkpoint as _cp
 from ._boundary import LayerBoundary
 from ._discover import LayerRef
 
-__all__ = ["FxTraceError", "trace_layers", "ordered_layers", "insert_boundaries", "META_KEY", "BOUNDARY_ATTR"]
+__all__ = ["FxTraceError", "SharedLayerError", "trace_layers", "ordered_layers", "insert_boundaries", "META_KEY", "BOUNDARY_ATTR"]
 
 META_KEY = "offload_layer"  # node.meta[META_KEY] = {"index", "fqn", "offload", "checkpoint"}
 BOUNDARY_ATTR = "_annotate_offload_boundary"  # the model attribute the generated code reads
@@ -52,6 +52,11 @@ _ORIG_CHECKPOINT = _cp.checkpoint
 
 class FxTraceError(RuntimeError):
     """Tracing failed or the graph does not show the layers; the message is one line for the plan."""
+
+
+class SharedLayerError(FxTraceError):
+    """The graph calls one layer more than once: a property of the model, which the hook path cannot
+    offload either (its boundary refuses a layer entered twice in one forward)."""
 
 
 class _LayerTracer(fx.Tracer):
@@ -149,7 +154,7 @@ def _layer_calls(gm: fx.GraphModule, layers: list[LayerRef]) -> list[tuple[fx.No
     seen: dict[str, fx.Node] = {}
     for node, ref, _ in calls:
         if ref.fqn in seen:
-            raise FxTraceError(
+            raise SharedLayerError(
                 f"layer {ref.fqn} is called more than once in one forward (nodes {seen[ref.fqn].name} and "
                 f"{node.name}); a shared layer cannot be one offload unit"
             )

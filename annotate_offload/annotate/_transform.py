@@ -17,7 +17,7 @@ from ._boundary import LayerBoundary
 from ._discover import LayerRef, find_layers
 from ._estimate import autocast_dtype_of, estimate_bytes
 from ._forwards import ByMode, LayerContainers, OffloadedForward, RecomputeForward
-from ._fx_pass import BOUNDARY_ATTR, FxTraceError, insert_boundaries, ordered_layers, trace_layers
+from ._fx_pass import BOUNDARY_ATTR, FxTraceError, SharedLayerError, insert_boundaries, ordered_layers, trace_layers
 from ._hooks import HookState, install_hooks
 from ._plan import LayerPlan, OffloadPlan
 from ._settings import check_count, resolve
@@ -226,6 +226,14 @@ def offload_transform(
             gm, gm_eval, fx_failure, added = None, None, str(e), []
             if path == "fx":
                 raise OffloadError(f"offload_transform(path='fx'): tracing failed: {fx_failure}") from e
+            if isinstance(e, SharedLayerError):
+                # the hook path would accept the model and then refuse every training forward (a layer
+                # entered twice): say so now (fresh-user report, seventh session, second pass, item 3)
+                raise OffloadError(
+                    f"offload_transform: {fx_failure}. Neither path can offload it: choose layers with "
+                    "filter_fn= (or layer_types=) that leave the shared module out, or give each position its "
+                    "own module."
+                ) from e
     chosen_path = "fx" if gm is not None else "hooks"
 
     # ---- choose per layer

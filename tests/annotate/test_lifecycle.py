@@ -120,13 +120,17 @@ class SharedLayer(nn.Module):
         return x
 
 
-def test_layer_called_twice_falls_back_then_refuses_clearly():
+def test_layer_called_twice_is_refused_clearly():
+    """path='auto' used to fall back to the hook path, which then refused every training forward
+    (fresh-user report, seventh session, second pass, item 3): it now refuses at transform time,
+    leaving the model untouched. An explicit path='hooks' (no tracing) refuses at the first forward."""
     from annotate_offload.errors import OffloadError
 
     model = SharedLayer()
-    _apply(model, path="auto", n=1)
-    plan = model.offload_plan
-    assert plan.path == "hooks" and "layers.0 is called more than once" in plan.fx_failure
+    with pytest.raises(OffloadError, match=r"layers.0 is called more than once.*Neither path can offload it.*filter_fn="):
+        _apply(model, path="auto", n=1)
+    assert not hasattr(model, "offload_plan") and "forward" not in model.__dict__
+    _apply(model, path="hooks", n=1)
     with pytest.raises(OffloadError, match=r"layer 0 started after layer 0 in the same forward"):
         run_step(model, X)
     with torch.no_grad():
