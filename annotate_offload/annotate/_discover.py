@@ -86,7 +86,10 @@ def find_layers(
 
 
 def _check_types(layer_types: type | Sequence[type]) -> tuple[type, ...]:
-    types = (layer_types,) if isinstance(layer_types, type) else tuple(layer_types)
+    try:
+        types = (layer_types,) if isinstance(layer_types, type) else tuple(layer_types)
+    except TypeError:  # an instance (layer_types=Block()) is not iterable
+        types = ()
     bad = [t for t in types if not (isinstance(t, type) and issubclass(t, nn.Module))]
     if bad or not types:
         raise TypeError(

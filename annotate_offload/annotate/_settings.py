@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,17 +96,25 @@ def resolve(
             "num_layers='auto' with memory_budget= and example_inputs=."
         )
     n = s.num_layers
-    if n != "auto" and (isinstance(n, bool) or not isinstance(n, int)):
+    if n != "auto" and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
         raise TypeError(
             f"offload_transform: num_layers must be an int or 'auto', got {n!r} ({type(n).__name__}); "
             "pass e.g. num_layers=4."
         )
-    for name, low in (("release_lag", 0), ("prefetch_layers", 1)):
+    if n != "auto":
+        s.num_layers = int(n)  # numpy integers from a config or a sweep
+    for name, low in (("release_lag", 0), ("prefetch_layers", 1), ("min_offload_numel", 0)):
         v = getattr(s, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
             raise TypeError(f"offload_transform: {name} must be None or an int >= {low}, got {v!r} ({type(v).__name__}).")
         if v is not None and v < low:
             raise ValueError(f"offload_transform: {name} must be None or an int >= {low}, got {v!r}.")
+        if v is not None:
+            setattr(s, name, int(v))
+    if s.policy is not None and not isinstance(s.policy, str):
+        raise TypeError(
+            f"offload_transform: policy must be None, 'opt_out' or 'opt_in', got {s.policy!r} ({type(s.policy).__name__})."
+        )
     return s
 
 

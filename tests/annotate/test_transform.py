@@ -14,7 +14,7 @@ from annotate_offload.annotate import OffloadPlan, offload_layer, offload_transf
 from annotate_offload.config import Config, ModelConfig
 from annotate_offload.errors import OffloadError
 
-from ._models import Stack, assert_same_step, gpt, run_step, sync_of
+from ._models import MLPBlock, Stack, assert_same_step, gpt, run_step, sync_of
 
 L = 4
 X = lambda: torch.randn(2, 32, 64)  # noqa: E731
@@ -247,6 +247,20 @@ def test_bad_schedule_and_path_arguments():
         offload_transform(Stack(L), num_layers=1, path="jit")
     with pytest.raises(TypeError, match="recompute must be a bool"):
         offload_transform(Stack(L), num_layers=1, recompute="yes")
+    # fresh-user report (seventh session, second pass) item 6: these lacked the prefix or the type
+    with pytest.raises(TypeError, match=r"offload_transform: policy must be None, 'opt_out' or 'opt_in', got 1 \(int\)"):
+        offload_transform(Stack(L), num_layers=1, policy=1)
+    with pytest.raises(ValueError, match=r"offload_transform: min_offload_numel must be None or an int >= 0, got -5"):
+        offload_transform(Stack(L), num_layers=1, min_offload_numel=-5)
+    with pytest.raises(TypeError, match=r"(?s)layer_types must be nn.Module subclasses, got MLPBlock.*pass the layer classes"):
+        offload_transform(Stack(L), num_layers=1, layer_types=MLPBlock())
+
+
+def test_numpy_integer_counts_are_accepted():
+    np = pytest.importorskip("numpy")
+    model = Stack(L)
+    offload_transform(model, num_layers=np.int64(2), min_offload_numel=np.int32(0))
+    assert model.offload_plan.offloaded_layers == (0, 1)
 
 
 def test_auto_needs_budget_and_inputs():
