@@ -77,11 +77,11 @@ def mark_not_offload(*tensors: torch.Tensor) -> None:
     Use it for tensors the model keeps alive anyway (layer outputs, residuals, caches, weight
     copies): copying them costs link bandwidth and frees nothing.
 
-    The mark is read when autograd saves the tensor, so mark it before the first op that saves
-    it: in ``h = torch.relu(a(x)); mark_not_offload(h)`` relu has already saved ``h`` (and its
-    copy has started), and only later saves of ``h`` stay on the device. Mark right after the op
-    that creates the tensor, before it is used (e.g. ``h = a(x); mark_not_offload(h);
-    h = torch.relu(h)``), or mark what you pass into the next op.
+    The mark is read when autograd saves the tensor, and only later saves see it. An op that saves
+    its input saves it when you call the op, so mark the tensor before passing it on. An op that
+    saves its own output (``relu``, ``sigmoid``, ``tanh``, ``exp``) saves it before returning it:
+    in ``h = torch.relu(a(x)); mark_not_offload(h)`` relu's save of ``h`` is already offloaded, and
+    only the next op's save of ``h`` stays on the device.
 
     Args:
         *tensors: tensors (or lists/tuples of tensors; ``None`` is skipped).
