@@ -343,7 +343,12 @@ def offload_transform(
             plan._with_bytes(per_layer, "estimate")
         except Exception as e:  # a forward that cannot run on meta tensors (data-dependent code)
             first = (str(e).splitlines() or [""])[0][:160]
-            plan.notes = plan.notes + (f"meta estimate failed ({type(e).__name__}: {first}); bytes measured on the first step",)
+            note = f"meta estimate failed ({type(e).__name__}: {first}); bytes measured on the first step"
+            plan.notes = plan.notes + (note,)
+            # example_inputs= was passed for these numbers: a wrong shape or count must not pass quietly
+            # (fresh-user report, seventh session, second pass)
+            warnings.warn(f"offload_transform: example_inputs= could not run the forward: {note}. Check that "
+                          "example_inputs matches model(*example_inputs).", UserWarning, stacklevel=2)
     return model
 
 

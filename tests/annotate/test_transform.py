@@ -496,3 +496,12 @@ def test_bad_example_inputs_and_a_stray_memory_budget_are_refused_before_the_mod
         offload_transform(model, num_layers=1, example_inputs=())
     assert (dict(model.__dict__), [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]) == before
     assert "offload_plan" not in model.__dict__
+
+
+def test_example_inputs_that_cannot_run_the_forward_warn():
+    """Fresh-user report (seventh session, second pass) item 6: example_inputs of the wrong shape were
+    accepted with only a plan note."""
+    model = Stack(L)
+    with pytest.warns(UserWarning, match=r"example_inputs= could not run the forward: meta estimate failed"):
+        offload_transform(model, num_layers=1, example_inputs=(torch.randn(3, 7),))
+    assert any("meta estimate failed" in n for n in model.offload_plan.notes)
