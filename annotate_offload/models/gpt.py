@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from annotate_offload.annotate._decorators import offload_layer
+
 __all__ = ["GPTConfig", "GPTBlock", "GPTStack"]
 
 
@@ -89,6 +91,7 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return 1
 
 
+@offload_layer  # declared, so a one-layer model is found too (discovery needs repeated blocks)
 class GPTBlock(nn.Module):
     """One pre-LayerNorm transformer block with causal attention.
 

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from annotate_offload.annotate._decorators import offload_layer
+
 __all__ = ["LlamaConfig", "Llama", "LlamaDecoderLayer", "LLAMA_PRESETS"]
 
 
@@ -202,6 +204,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@offload_layer  # declared, so a one-layer model is found too (discovery needs repeated blocks)
 class LlamaDecoderLayer(nn.Module):
     """One pre-RMSNorm block: attention then SwiGLU MLP, each with a residual.
 

@@ -57,10 +57,25 @@ def test_marks_do_not_change_state_dict():
 
 
 def test_discovers_modulelist_blocks():
-    refs, how = find_layers(gpt(n=3))
+    refs, how = find_layers(Stack(n=3))
     assert [r.fqn for r in refs] == ["layers.0", "layers.1", "layers.2"]
     assert all(r.offload for r in refs)
-    assert "discovered layers: 3 x GPTBlock" in how
+    assert "discovered layers: 3 x MLPBlock" in how
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_builtin_models_declare_their_layers(n):
+    """Fresh-user report (seventh session, third pass) item 1: discovery needs repeated blocks, so a
+    one-layer built-in model had no layers and `annotate-offload plan model.num_layers=1` crashed.
+    GPTBlock and LlamaDecoderLayer are declared with @offload_layer."""
+    from annotate_offload.models.llama import Llama, LlamaConfig
+
+    refs, how = find_layers(gpt(n=n))
+    assert [r.fqn for r in refs] == [f"layers.{i}" for i in range(n)] and how == "@offload_layer marks"
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=n, num_attention_heads=4,
+                      num_key_value_heads=2)
+    refs, how = find_layers(Llama(cfg, seed=0))
+    assert len(refs) == n and how == "@offload_layer marks"
 
 
 def test_discovery_prefers_the_largest_container_and_skips_nested():

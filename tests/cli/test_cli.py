@@ -296,3 +296,11 @@ def test_plan_saved_bytes_skip_frozen_weights_autocast_casts():
     moved = [lp.bytes_per_step for lp in model.offload_plan.layers][: layers - 1]
     assert planned is not None and moved[0] > 0
     assert planned[: layers - 1] == moved
+
+
+def test_plan_of_a_one_layer_model(capsys):
+    """Fresh-user report (seventh session, third pass) item 1: following the error's advice for
+    model.num_layers=1 (cpu_offloading_num_layers=0) crashed with a traceback, because layer
+    discovery needs repeated blocks; the built-in blocks are now declared with @offload_layer."""
+    assert main(["plan", "model.num_layers=1", "model.cpu_offloading_num_layers=0"]) == 0
+    assert "saved activations of the layers" in capsys.readouterr().out
