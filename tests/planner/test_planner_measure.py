@@ -202,3 +202,13 @@ def test_unmoved_bytes_are_the_saved_tensors_under_the_threshold():
         assert a.unmoved_bytes == 0 and c.unmoved_bytes == 0
         assert b.unmoved_bytes == b.saved_bytes > 0  # every saved tensor is 64 x 16: all stay
         assert b.unmoved_input_bytes == b.checkpoint_input_bytes > 0
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
+def test_a_forward_that_fails_on_the_example_inputs_says_so():
+    """Fresh-user report (seventh session, third pass) item 4: a wrong example_inputs shape raised the
+    model's bare error; it keeps its type and gains a note naming example_inputs."""
+    net = Net(depth=2)
+    with pytest.raises(RuntimeError) as info:
+        measure_layers(net, None, (torch.randn(4, 7),))
+    assert any("check that example_inputs= is what the forward takes" in n for n in getattr(info.value, "__notes__", []))
