@@ -560,7 +560,8 @@ class Report:
         med = lambda r: f"{statistics.median(r.step_ms[1:] or r.step_ms):.1f} ms" if r.step_ms else "-"  # noqa: E731
         lines.append(f"| peak device memory ({self.memory_source}) | {cells(lambda r: _fmt_bytes(r.peak_bytes))} |")
         lines.append(f"| step time (median, first step excluded) | {cells(med)} |")
-        lines.append(f"| bytes offloaded per step | {cells(lambda r: _fmt_bytes(max(r.bytes_offloaded, default=0)))} |")
+        lines.append(f"| bytes offloaded per optimizer step (all micro-batches) | "
+                     f"{cells(lambda r: _fmt_bytes(max(r.bytes_offloaded, default=0)))} |")
         delta = self.max_delta
         crit = "identical losses (activation offload only)" if self.exact else "< 0.001 (optimizer offload)"
         lines += ["", f"max |Δloss| = {'-' if delta is None else f'{delta:.3g}'} (criterion: {crit}) -> {self.verdict}"]

@@ -41,7 +41,7 @@ def test_llama_tiny_three_steps_both_offloads_with_baseline_and_plot(capsys, tmp
     assert "criterion: < 0.001 (optimizer offload)) -> PASS" in out
     peak = re.search(r"\| peak device memory \(CPU: runtime accounting.*\| ([\d.]+) MiB \| ([\d.]+) MiB \|", out)
     assert peak and float(peak.group(1)) < float(peak.group(2))  # offloading lowered the accounted peak
-    moved = re.search(r"\| bytes offloaded per step \| ([\d.]+) MiB \| 0 B \|", out)
+    moved = re.search(r"\| bytes offloaded per optimizer step \(all micro-batches\) \| ([\d.]+) MiB \| 0 B \|", out)
     assert moved and float(moved.group(1)) > 1
     assert "OffloadPlan(path=fx" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
