@@ -70,6 +70,8 @@ def _device(args):
 
     device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
+        if args.tiny:  # --tiny was given: the CUDA device is what cannot be had
+            raise BenchUsageError("bench: --device cuda but no CUDA device here; drop --device (--tiny runs on the CPU).")
         raise BenchUsageError("bench: no CUDA device here; pass --tiny for the CPU smoke run "
                               "(or --device cpu for full-size shapes on the CPU, slow).")
     return device
