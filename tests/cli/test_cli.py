@@ -211,12 +211,17 @@ def test_bench_without_a_gpu_is_one_line_exit_2(capsys, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(bench, "_run_optimizer", lambda *a, **k: pytest.fail("optimizer suite started"))
-    for argv in (["bench"], ["bench", "activations"], ["bench", "all", "--device", "cuda", "--tiny"]):
+    for argv in (["bench"], ["bench", "activations"]):
         code = main(argv)
         out, err = capsys.readouterr()
         assert code == 2 and out == "", argv
         assert err.count("\n") == 1 and err.startswith("annotate-offload: error: bench: no CUDA device here")
         assert "pass --tiny" in err and "--device cpu" in err
+    # --tiny given with --device cuda: the device is what cannot be had (fresh-user report, seventh session)
+    code = main(["bench", "all", "--device", "cuda", "--tiny"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("annotate-offload: error: bench: --device cuda but no CUDA device here; drop --device")
 
 
 def test_bench_bad_argument_is_one_line_exit_2(capsys):
