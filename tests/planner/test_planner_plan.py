@@ -68,6 +68,7 @@ def test_infeasible_budget_raises_with_the_smallest_feasible_budget():
     [
         (dict(memory_budget="4GiB"), TypeError, "memory_budget must be a number of bytes"),
         (dict(memory_budget=-5), ValueError, "memory_budget must be >= 0"),
+        (dict(memory_budget=2.5), ValueError, r"memory_budget is a number of bytes, got the fraction 2.5"),
         (dict(memory_budget=GB), ValueError, "example_inputs is None and measurements is None"),
         (dict(memory_budget=GB, measurements=[1.0]), TypeError, r"measurements\[0\] is a float"),
         (dict(memory_budget=GB, measurements=SAME, bandwidth=50.0), TypeError, "bandwidth must be a LinkBandwidth"),
