@@ -118,10 +118,18 @@ class PipelineMixin:
                 buf.copy_(g, non_blocking=True)
                 s.d2h_ev = side.record(stream, self._timing)
                 self._last_d2h_ev = s.d2h_ev
-        self._copied(s, g, stream)
+        self._copied(s, g, stream, replaced=not accumulate)
 
-    def _copied(self, s: HostSlot, g: torch.Tensor, stream: Any) -> None:
-        """Bookkeeping once ``g``'s D2H into ``s``'s host buffer is enqueued on ``stream``."""
+    def _copied(self, s: HostSlot, g: torch.Tensor, stream: Any, *, replaced: bool = True) -> None:
+        """Bookkeeping once ``g``'s D2H into ``s``'s host buffer is enqueued on ``stream``.
+
+        ``replaced``: the buffer now holds ``g`` alone, so coefficients still pending for its old
+        contents (``clip_grad_norm_``'s, already applied to the GPU gradient in place) are dropped;
+        keeping them clipped a gradient changed after clipping twice (found reading the seventh
+        session's change).
+        """
+        if replaced:
+            s.scales = []
         side = self._side
         s.seq = self._seq
         self._seq += 1

@@ -225,3 +225,28 @@ def test_state_dict_records_the_implementation_used(kw, fused, foreach):
     opt2.load_state_dict(torch.optim.AdamW(Tiny().groups(), lr=1e-2, fused=True).state_dict())
     assert all("fused" not in g and "foreach" not in g for g in opt2.param_groups)
     assert [(g["fused"], g["foreach"]) for g in opt2.state_dict()["param_groups"]] == [(None, True)] * 2
+
+
+def test_gradient_changed_after_clip_grad_norm_is_clipped_once(monkeypatch):
+    """A gradient modified in place after this optimizer's clip_grad_norm_ is copied again at step();
+    the clip coefficient, already in the GPU gradient, was then applied to the new copy a second
+    time (8.7e-3 off torch after one step; found reading the seventh session's change)."""
+    from annotate_offload.optim import _pipeline
+
+    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # hooked copies, made in backward
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2)
+    ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
+    for x in _xs(3):
+        for model in (m, r):
+            loss_of(model, x).backward()
+        opt.clip_grad_norm_(0.01)
+        torch.nn.utils.clip_grad_norm_(list(r.parameters()), 0.01)
+        for p in (*m.parameters(), *r.parameters()):
+            p.grad.mul_(1.0)  # an in-place change after clipping: new version, same values
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert_same(m, r)
+    opt.close()
