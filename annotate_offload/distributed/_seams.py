@@ -80,8 +80,7 @@ def offloads_gradients(opt: HybridDeviceOptimizer) -> bool:
 
 def forget_grad_copy(slot: Any) -> None:
     """Make ``step()`` copy ``slot``'s gradient again (its device gradient changed unseen)."""
-    slot.valid = False
-    slot.grad_ref = None
+    slot.forget_copy()
 
 
 def set_shard(opt: HybridDeviceOptimizer, shard: Any) -> Any:

@@ -29,7 +29,8 @@ known).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+import contextlib
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -92,15 +93,29 @@ def begin(opt: "HybridDeviceOptimizer") -> Optional[AmpStep]:
         return AmpStep(True, None, None, None, None, None)
     scale = getattr(opt, "grad_scale", None)
     if scale is None:
-        # scaler.unscale_(opt) ran: p.grad changed in place with its version unchanged (Note [GradScaler])
+        # scaler.unscale_(opt) ran: p.grad changed in place with its version unchanged (Note [GradScaler]);
+        # the copy again also drops coefficients pending for the old one (_copied)
         for s in opt._host_slots:
             if local_grad(s.param) is not None:
-                s.valid = False
-                s.grad_ref = None
-                s.scales = []
+                s.forget_copy()
         return AmpStep(False, None, None, None, None, None)
     host_scale = scale.detach().to("cpu", torch.float32, copy=True)
     return AmpStep(False, scale, found, host_scale, torch.zeros((), dtype=torch.float32), inverse(host_scale))
+
+
+@contextlib.contextmanager
+def handed_over(opt: torch.optim.Optimizer, amp: Optional[AmpStep], *, host: bool) -> Iterator[None]:
+    """For one ``opt.step()``: ``grad_scale``/``found_inf`` set on ``opt`` (the host copies for a host
+    sub-optimizer) the way GradScaler hands them to torch's fused optimizers, when this step
+    unscales and ``opt`` supports it; otherwise nothing."""
+    if amp is None or amp.scale is None or not supports(opt):
+        yield
+        return
+    opt.grad_scale, opt.found_inf = (amp.host_scale, amp.host_found) if host else (amp.scale, amp.found)
+    try:
+        yield
+    finally:
+        del opt.grad_scale, opt.found_inf
 
 
 def unscale_device_grads(grads: list[torch.Tensor], scale: torch.Tensor) -> None:

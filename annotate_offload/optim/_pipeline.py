@@ -270,23 +270,17 @@ class PipelineMixin:
                     side.synchronize(ev)
                     _host_scale(buf, s.local.dtype, coef)
                 s.master.grad = buf
-            scaled = plan and amp is not None and amp.scale is not None
-            if scaled and _amp.supports(c.opt):  # Note [GradScaler]: the fused kernel unscales
-                c.opt.grad_scale, c.opt.found_inf = amp.host_scale, amp.host_found
-            elif scaled:  # what GradScaler.unscale_ does, for a host class without the support
-                for s, _, _ in plan:
+            if plan and amp is not None and amp.scale is not None and not _amp.supports(c.opt):
+                for s, _, _ in plan:  # Note [GradScaler]: what GradScaler.unscale_ does, for a class without the support
                     _host_scale(s.grad_bufs[bi], s.local.dtype, amp.host_inv)
             t0 = time.perf_counter()
-            try:
-                if plan:
+            if plan:
+                with _amp.handed_over(c.opt, amp, host=True):
                     if c.serial:
                         with num_threads(1):
                             c.opt.step()
                     else:
                         c.opt.step()
-            finally:
-                if scaled and _amp.supports(c.opt):
-                    del c.opt.grad_scale, c.opt.found_inf
             stepped = [s for s, _, _ in plan]
             for s in stepped:
                 s.master.grad = None
@@ -334,21 +328,14 @@ class PipelineMixin:
         amp = self._amp
         if self._gpu_opt is None or (amp is not None and amp.skip):
             return
-        scaled = amp is not None and amp.scale is not None
-        if scaled and not _amp.supports(self._gpu_opt):  # Note [GradScaler]: what GradScaler.unscale_ does
+        if amp is not None and amp.scale is not None and not _amp.supports(self._gpu_opt):
             grads = [g for g in (local_grad(d.param) for d in self._dev_slots) if g is not None]
-            _amp.unscale_device_grads(grads, amp.scale)
+            _amp.unscale_device_grads(grads, amp.scale)  # Note [GradScaler]: what GradScaler.unscale_ does
         masters = [d for d in self._dev_slots if d.inner is not d.param]
         for d in masters:
             g = local_grad(d.param)
             d.inner.grad = None if g is None else g.to(d.inner.dtype)
-        if scaled and _amp.supports(self._gpu_opt):
-            self._gpu_opt.grad_scale, self._gpu_opt.found_inf = amp.scale, amp.found
-            try:
-                self._gpu_opt.step()
-            finally:
-                del self._gpu_opt.grad_scale, self._gpu_opt.found_inf
-        else:
+        with _amp.handed_over(self._gpu_opt, amp, host=False):
             self._gpu_opt.step()
         for d in masters:
             if d.inner.grad is not None:

@@ -69,6 +69,11 @@ class HostSlot:
             and self.grad_ptr == g.data_ptr() and g._version == self.grad_ver
         )
 
+    def forget_copy(self) -> None:
+        """Make ``step()`` copy this parameter's gradient again (it changed where versions do not show)."""
+        self.valid = False
+        self.grad_ref = None
+
     def reset_step(self, keep_grad: bool) -> None:
         self.use = False
         self.submitted = False
