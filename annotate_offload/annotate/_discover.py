@@ -9,7 +9,6 @@ In every case only the outermost match counts (a layer inside a layer is part of
 from __future__ import annotations
 
 import inspect
-
 from dataclasses import dataclass
 from typing import Callable, Sequence
 

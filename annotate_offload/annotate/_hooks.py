@@ -21,10 +21,12 @@ import torch.nn as nn
 
 from annotate_offload.errors import OffloadError
 
-from ._boundary import LayerBoundary, deepcopy_fields, in_backward, inside_checkpoint, refuse_pickle
+from annotate_offload.runtime._context import inside_checkpoint
+
+from ._boundary import LayerBoundary, deepcopy_fields, in_backward, refuse_pickle
 from ._discover import LayerRef
 
-__all__ = ["install_hooks", "inside_checkpoint"]
+__all__ = ["install_hooks"]
 
 
 class _LayerHooks:
