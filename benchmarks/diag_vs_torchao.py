@@ -24,6 +24,7 @@ from annotate_offload.bench import _peers
 from annotate_offload.bench.optimizer import _FULL, _TINY, _Clock, _free, _loss
 from annotate_offload.models.gpt import GPTStack
 from annotate_offload.optim import HybridDeviceOptimizer, _pipeline
+from annotate_offload.optim._phases import StepPhases
 
 
 class _Stamps:
@@ -67,6 +68,31 @@ def _split(stamps: list, mem0: tuple, mem1: tuple) -> str:
     cells = [f"{c:.1f}" for c in cols]
     cells.append(" / ".join(str(b - a) for a, b in zip(mem0, mem1)))
     return " | ".join(cells)
+
+
+_SPANS: list = []  # (t_in, t0, t1, t_end) of each host chunk, perf_counter seconds
+
+
+def _record_spans() -> None:
+    """Keep each chunk's span: ``StepPhases.chunk_done`` gets t0, t1, t_end and the wait t0 - t_in."""
+    done = StepPhases.chunk_done
+
+    def chunk_done(self, t0, t1, t_end, wait_s, numel):
+        _SPANS.append((t0 - wait_s, t0, t1, t_end))
+        return done(self, t0, t1, t_end, wait_s, numel)
+
+    StepPhases.chunk_done = chunk_done
+
+
+def _anatomy(ph, spans: list) -> list[float]:
+    """step() split on the host clock (ms): prologue (call -> first chunk picked up), D2H waits,
+    host compute, H2D issue, worker idle between chunks, tail (last chunk done -> return)."""
+    if ph is None or not spans or ph.t_return is None:
+        return [float("nan")] * 7
+    spans = sorted(spans)
+    idle = sum(max(0.0, b[0] - a[3]) for a, b in zip(spans, spans[1:]))
+    return [1e3 * x for x in (spans[0][0] - ph.t_call, sum(s[1] - s[0] for s in spans), sum(s[2] - s[1] for s in spans),
+                              sum(s[3] - s[2] for s in spans), idle, ph.t_return - spans[-1][3])] + [float(len(spans))]
 
 
 def _free_grads_at_step(opt) -> None:
@@ -196,6 +222,8 @@ def main() -> None:
     print("| round | optimizer | ms/step | host AdamW ms/step | GPU fwd+bwd | step() on GPU | backward() call | step() call "
           "| D2H wait | host busy | first chunk | last chunk | cudaMalloc / cudaFree / retries |\n"
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    _record_spans()
+    anat: list[str] = []
     order = list(makers.items())
     for r in range(a.rounds):
         if a.rotate and r:
@@ -210,6 +238,7 @@ def main() -> None:
                 continue
 
             stamps: list = []
+            parts: list = []
 
             if "freed on the GPU at step()" in name:
                 _free_grads_at_step(opt)
@@ -223,19 +252,25 @@ def main() -> None:
                 st.mark()
                 _loss(model, x, dev).backward()
                 st.mark()
+                _SPANS.clear()
                 opt.step()
                 st.mark()
                 ph = getattr(opt, "_last_ph", None)
+                parts.append(_anatomy(ph, list(_SPANS)))
                 opt.zero_grad()
                 stamps.append((st, ph))
 
             for _ in range(a.warmup):
                 step()
             stamps.clear()
+            parts.clear()
             mem0 = _alloc_counts(dev)
             ms = clock.time(step, a.steps)
             mem1 = _alloc_counts(dev)
             times[name].append(ms)
+            if parts and parts[-1][-1] == parts[-1][-1]:  # not nan: a host-chunk optimizer
+                med = [statistics.median(p[i] for p in parts) for i in range(7)]
+                anat.append(f"| {r} | {name} | " + " | ".join(f"{v:.1f}" for v in med[:6]) + f" | {med[6]:.0f} |")
             host = getattr(opt, "host_step_seconds", float("nan")) * 1e3  # the last step's
             print(f"| {r} | {name} | {ms:.1f} | {host:.1f} | {_split(stamps, mem0, mem1)} |", flush=True)
             if a.profile and r == 0:
@@ -251,6 +286,11 @@ def main() -> None:
                 opt.close()
             del opt
             model.zero_grad(set_to_none=True)
+    print("\nstep() on the host clock, median ms over the timed steps: prologue = step() call to the first chunk "
+          "picked up; idle = the worker between chunks; tail = last chunk done to step() return")
+    print("| round | optimizer | prologue | D2H waits | host compute | H2D issue | idle | tail | chunks |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(anat))
     print("\n| optimizer | median ms/step | min | max |\n|---|---:|---:|---:|")
     for name, t in times.items():
         if t:
