@@ -175,7 +175,7 @@ class PipelineMixin:
                 c = self._chunks[s.chunk]
                 c.landed += 1
                 if c.landed == c.trainable:
-                    self._submit(s.chunk)
+                    self._submit(s.chunk, in_backward=True)
 
     def _collect(self, stream: Any) -> None:
         """Decide, per host slot, whether it steps now; copy gradients the hooks did not (or that changed)."""
@@ -245,16 +245,21 @@ class PipelineMixin:
         """What one chunk steps, captured now: the worker may run after the slots move on."""
         return [(s, s.d2h_ev, list(s.scales)) for s in self._chunks[ci].slots if s.use]
 
-    def _submit(self, ci: int) -> None:
+    def _submit(self, ci: int, *, in_backward: bool = False) -> None:
+        """Queue chunk ``ci``'s host step on the worker; ``in_backward``: submitted by a gradient hook
+        (``step_in_backward``), before step() ordered the H2D stream after the backward."""
         for s in self._chunks[ci].slots:
             s.submitted = True
         assert self._worker is not None
         self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed, self._ph,
-                                              self._amp))
+                                              self._amp, in_backward))
 
     def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool,
-                   ph: StepPhases, amp: "_amp.AmpStep | None" = None) -> None:
-        """Host step of one chunk (worker thread, or the training thread on the serial path)."""
+                   ph: StepPhases, amp: "_amp.AmpStep | None" = None, in_backward: bool = False) -> None:
+        """Host step of one chunk (worker thread, or the training thread on the serial path).
+
+        ``in_backward``: submitted by a gradient hook (``step_in_backward``); its H2D then waits for
+        the compute stream past each parameter's last use (Note [H2D ordering])."""
         side = self._side
         c = self._chunks[ci]
         t_in = time.perf_counter()
@@ -289,7 +294,7 @@ class PipelineMixin:
             t1 = time.perf_counter()
             self._host_s += t1 - t0
             if copy_back:
-                self._h2d_chunk(c, stepped, stream)
+                self._h2d_chunk(c, stepped, stream, in_backward=in_backward)
             else:
                 # delayed mode: once step() has opened the apply window (backward is over), the
                 # worker issues each chunk's H2D itself, overlapping the host steps still to come
@@ -312,14 +317,22 @@ class PipelineMixin:
             for ci in order:
                 self._run_chunk(ci, self._plan(ci), bi, stream, True, self._ph, self._amp)
 
-    def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any) -> None:
+    def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any, *, in_backward: bool = False) -> None:
+        # Note [H2D ordering]: an H2D overwrites a GPU parameter, so it must follow the parameter's
+        # last use on the compute stream. Everything issued from step() on is ordered by the one
+        # wait step() puts on the H2D stream at its entry (after the whole backward), and delayed
+        # mode and flush() issue theirs after such a wait too. Only a chunk stepped in backward
+        # (step_in_backward) is issued before it: its H2D waits on each parameter's gradient-ready
+        # event instead. The per-parameter waits used to run for every chunk; in the W3 exact step
+        # they were part of the worker's 12-17 ms of H2D issue (288 parameters; F2, NOTES).
         side = self._side
         with torch.no_grad(), side.use(stream):
             skip = self._h2d_skip
             for s in slots:
                 if s in skip:
                     continue
-                side.wait_event(stream, s.ready_ev)
+                if in_backward:
+                    side.wait_event(stream, s.ready_ev)
                 s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
                 s.p_ver = s.param._version
             c.h2d_ev = side.record(stream)

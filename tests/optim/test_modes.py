@@ -42,6 +42,34 @@ def test_step_in_backward_steps_during_backward():
     opt.step()
 
 
+@pytest.mark.parametrize("mode", ["exact", "step_in_backward"])
+def test_h2d_waits_per_parameter_only_for_chunks_stepped_in_backward(mode, monkeypatch):
+    # Note [H2D ordering]: from step() on, one wait at step() entry orders every H2D after the
+    # backward; only chunks stepped inside backward wait on each parameter's gradient-ready event.
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, chunk_bytes=512, lr=1e-2,
+                                step_in_backward=mode == "step_in_backward")
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    waits, h2d, inside = [], opt._h2d_chunk, []
+
+    def spy_h2d(c, slots, stream, **kw):
+        inside.append(kw.get("in_backward", False))
+        try:
+            h2d(c, slots, stream, **kw)
+        finally:
+            inside.pop()
+
+    wait = type(opt._side).wait_event  # a __slots__ class: patched on the class, restored after the test
+    monkeypatch.setattr(type(opt._side), "wait_event", lambda self, st, ev: (waits.append(bool(inside)), wait(self, st, ev))[1])
+    monkeypatch.setattr(opt, "_h2d_chunk", spy_h2d)
+    xs = _xs(3)
+    train(m, opt, xs)
+    train(r, ref, xs)
+    assert_same(m, r)
+    n_host = sum(1 for s in opt._host_slots if s.param.requires_grad)
+    assert waits.count(True) == (0 if mode == "exact" else n_host * len(xs))
+
+
 def test_step_in_backward_refuses_accumulation_and_clipping():
     m, _ = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, step_in_backward=True, lr=1e-2)
