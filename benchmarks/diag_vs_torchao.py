@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk256,both,hookall,fewer,h2d_waits,og_late_free,og_keep,og_wait_free,noog,sib,sib_fewer,sib_all,delayed,delayed_fewer,delayed_all,torchao (default: all)")
+    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk16,chunk32,chunk16_all,chunk256,both,hookall,fewer,h2d_waits,og_late_free,og_keep,og_wait_free,noog,sib,sib_fewer,sib_all,delayed,delayed_fewer,delayed_all,torchao (default: all)")
     ap.add_argument("--rotate", action="store_true", help="rotate the optimizers' order each round (an order effect "
                     "shows as a variant that is fast only in one position)")
     ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
@@ -196,6 +196,11 @@ def main() -> None:
     every = {
         "defaults": ("annotate_offload exact (defaults)", ours()),
         "threads": (f"annotate_offload exact, cpu_threads={cores}", ours(cpu_threads=cores)),
+        "chunk16": ("annotate_offload exact, chunk_bytes=16 MiB (about one big parameter per chunk, as torchao steps)",
+                    ours(chunk_bytes=16 << 20)),
+        "chunk32": ("annotate_offload exact, chunk_bytes=32 MiB", ours(chunk_bytes=32 << 20)),
+        "chunk16_all": (f"annotate_offload exact, chunk_bytes=16 MiB, cpu_threads={cores}",
+                        ours(chunk_bytes=16 << 20, cpu_threads=cores)),
         "chunk256": ("annotate_offload exact, chunk_bytes=256 MiB", ours(chunk_bytes=256 << 20)),
         "both": (f"annotate_offload exact, 256 MiB, cpu_threads={cores}", ours(chunk_bytes=256 << 20, cpu_threads=cores)),
         "hookall": ("annotate_offload exact, a hook per gradient (BATCHED_NUMEL=0)", ours()),
