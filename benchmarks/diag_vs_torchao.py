@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk16,chunk32,chunk16_all,chunk256,both,hookall,fewer,h2d_worker,h2d_waits,og_late_free,og_keep,og_wait_free,noog,sib,sib_fewer,sib_all,delayed,delayed_fewer,delayed_all,torchao (default: all)")
+    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk16,chunk32,chunk16_all,chunk256,both,hookall,fewer,h2d_waits,og_late_free,og_keep,og_wait_free,noog,sib,sib_fewer,sib_all,delayed,delayed_fewer,delayed_all,torchao (default: all)")
     ap.add_argument("--rotate", action="store_true", help="rotate the optimizers' order each round (an order effect "
                     "shows as a variant that is fast only in one position)")
     ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
@@ -209,8 +209,6 @@ def main() -> None:
         "fewer": (f"annotate_offload exact, cpu_threads={fewer}", ours(cpu_threads=fewer)),
         "og_late_free": ("annotate_offload exact, gradients offloaded but freed on the GPU at step(), not in their hook",
                          ours()),
-        "h2d_worker": ("annotate_offload exact, the worker issues each chunk's H2D (before Note [H2D issued by the caller])",
-                       ours()),
         "h2d_waits": ("annotate_offload exact, per-parameter waits before each H2D (before Note [H2D ordering])", ours()),
         "og_keep": ("annotate_offload exact, gradients offloaded but freed on the GPU after step() returned",
                     ours()),
@@ -252,7 +250,6 @@ def main() -> None:
             _free(dev)
             # Note [Tiny gradients at step()]: the "hookall" variant restores the hook per tiny gradient
             _pipeline.BATCHED_NUMEL = 0 if "BATCHED_NUMEL=0" in name else batched_default
-            _pipeline.H2D_BY_CALLER = "the worker issues each chunk's H2D" not in name
             opt = make()
             if opt is None:
                 print(f"| {r} | {name} | not importable |")

@@ -6,7 +6,6 @@ in ``_host.py`` for pinned memory and Note [Thread budget] in ``_threads.py`` fo
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import warnings
@@ -17,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ..errors import OffloadError
-from . import _amp, _pipeline, _state
+from . import _amp, _state
 from ._build import _IMPL_KEYS, _STRUCTURAL_KEYS, BuildMixin, _check_cls, _flag, _hyper_defaults
 from ._clip import clip_hybrid
 from ._device import pick_side
@@ -532,17 +531,13 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._begin()
         self._collect(self._d2h)
         ph.d2h_ev = self._last_d2h_ev
-        order = self._landing_order()
-        handoff = queue.SimpleQueue() if _pipeline.H2D_BY_CALLER and not self._delayed and order else None
-        for ci in order:
-            self._submit(ci, handoff=handoff)
+        for ci in self._landing_order():
+            self._submit(ci)
         self._gpu_step()
         if self._delayed:
             self._buf ^= 1
         else:
             assert self._worker is not None
-            if handoff is not None:  # Note [H2D issued by the caller] in _pipeline.py
-                self._issue_handed_over(handoff, len(order))
             self._worker.drain()
         ph.h2d_ev = side.record(self._h2d, self._timing)
         side.wait_event(cur, ph.h2d_ev)

@@ -55,12 +55,6 @@ class StepPhases:
             if busy > 0 and numel:
                 self.chunk_rates.append(numel / busy)
 
-    def h2d_issued(self, t: float) -> None:
-        """A chunk's H2D was issued at ``t`` by the training thread (Note [H2D issued by the caller])."""
-        with self._lock:
-            if self.t_last_chunk is None or t > self.t_last_chunk:
-                self.t_last_chunk = t
-
     def summary(self) -> dict[str, float]:
         """Milliseconds from the ``step()`` call (host clock) or from step entry on the compute stream (events).
 

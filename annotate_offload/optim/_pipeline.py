@@ -6,7 +6,6 @@ See Note [Host step lifecycle] in ``_slots.py``.
 from __future__ import annotations
 
 import functools
-import queue
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -81,17 +80,6 @@ class _GradHook:
 # copies their gradients in one batch, one stream switch and one event for all. Not with
 # ``step_in_backward`` (its chunks start in backward when every gradient has landed).
 BATCHED_NUMEL = 4096
-
-# Note [H2D issued by the caller]: in exact mode step() only waits while the worker steps the
-# chunks, so the training thread issues each stepped chunk's H2D itself, handed over by the worker
-# through a queue, and the worker goes straight on to the next chunk's host step. Issuing one
-# W3 chunk's copies took the worker 11-16 ms per step in all (about 40-55 us per copy while it
-# also ran the host step; 21 us alone: F2-F4 in benchmarks/NOTES.md), time in which no host step
-# ran. The copies, their stream and their order are unchanged; only the thread that issues them
-# moves. Chunks stepped inside backward (step_in_backward) and delayed mode keep the worker's issue:
-# the training thread is busy with backward / the next forward there. Private switch for A/B runs
-# (benchmarks/diag_vs_torchao.py); not an API.
-H2D_BY_CALLER = True
 
 
 def _sparse_grad(s: HostSlot, g: torch.Tensor) -> TypeError:
@@ -257,61 +245,21 @@ class PipelineMixin:
         """What one chunk steps, captured now: the worker may run after the slots move on."""
         return [(s, s.d2h_ev, list(s.scales)) for s in self._chunks[ci].slots if s.use]
 
-    def _submit(self, ci: int, *, in_backward: bool = False, handoff: "queue.SimpleQueue[Any] | None" = None) -> None:
+    def _submit(self, ci: int, *, in_backward: bool = False) -> None:
         """Queue chunk ``ci``'s host step on the worker; ``in_backward``: submitted by a gradient hook
-        (``step_in_backward``), before step() ordered the H2D stream after the backward; ``handoff``:
-        the worker puts the stepped chunk there for the training thread to issue its H2D (Note
-        [H2D issued by the caller])."""
+        (``step_in_backward``), before step() ordered the H2D stream after the backward."""
         for s in self._chunks[ci].slots:
             s.submitted = True
         assert self._worker is not None
         self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed, self._ph,
-                                              self._amp, in_backward, handoff))
-
-    def _issue_handed_over(self, handoff: "queue.SimpleQueue[Any]", n: int) -> None:
-        """Training thread, exact mode: issue the H2D of the ``n`` chunks the worker hands over, in
-        the order it finishes them. A ``None`` is a chunk whose host step raised. After a failed
-        task the worker skips the rest of the batch (``CpuWorker``), so nothing more may come:
-        with the worker idle and the queue empty, stop waiting. The chunks finished before were
-        handed over first and got their H2D, as when the worker issued them; the worker's
-        ``drain()`` that follows re-raises the error."""
-        worker = self._worker
-        assert worker is not None
-        for _ in range(n):
-            while True:
-                try:
-                    item = handoff.get(timeout=0.05)
-                    break
-                except queue.Empty:
-                    # the worker puts a chunk before it counts its task done: idle and empty
-                    # means no chunk is left to come
-                    if not worker.busy and handoff.empty():
-                        return
-            if item is None:
-                return
-            c, stepped = item
-            self._h2d_chunk(c, stepped, self._h2d)
-            self._ph.h2d_issued(time.perf_counter())
+                                              self._amp, in_backward))
 
     def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool,
-                   ph: StepPhases, amp: "_amp.AmpStep | None" = None, in_backward: bool = False,
-                   handoff: "queue.SimpleQueue[Any] | None" = None) -> None:
+                   ph: StepPhases, amp: "_amp.AmpStep | None" = None, in_backward: bool = False) -> None:
         """Host step of one chunk (worker thread, or the training thread on the serial path).
 
         ``in_backward``: submitted by a gradient hook (``step_in_backward``); its H2D then waits for
-        the compute stream past each parameter's last use (Note [H2D ordering]). ``handoff``: put
-        the stepped chunk there instead of issuing its H2D (Note [H2D issued by the caller]); on
-        an error a ``None`` goes there, so the training thread stops waiting."""
-        try:
-            self._step_chunk(ci, plan, bi, stream, copy_back, ph, amp, in_backward, handoff)
-        except BaseException:
-            if handoff is not None:
-                handoff.put(None)
-            raise
-
-    def _step_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool,
-                    ph: StepPhases, amp: "_amp.AmpStep | None", in_backward: bool,
-                    handoff: "queue.SimpleQueue[Any] | None") -> None:
+        the compute stream past each parameter's last use (Note [H2D ordering])."""
         side = self._side
         c = self._chunks[ci]
         t_in = time.perf_counter()
@@ -345,9 +293,7 @@ class PipelineMixin:
                     s.staging.copy_(s.master)
             t1 = time.perf_counter()
             self._host_s += t1 - t0
-            if copy_back and handoff is not None:
-                handoff.put((c, stepped))
-            elif copy_back:
+            if copy_back:
                 self._h2d_chunk(c, stepped, stream, in_backward=in_backward)
             else:
                 # delayed mode: once step() has opened the apply window (backward is over), the
