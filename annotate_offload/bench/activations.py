@@ -126,10 +126,14 @@ class WorkloadReport:
     def best_ours(self) -> MethodResult | None:
         """The annotate_offload row the targets are judged on, or ``None`` if none ran.
 
-        Issue 7 asks one configuration to meet the time target *and* use no more memory than
-        TRL: among the rows within the workload's time target (W1: 1.10 x the copy floor; W2:
-        1.02 x the baseline) the one with the least activation memory (then the fastest); the
-        fastest row when none is within it.
+        Issue 7 asks one configuration to meet the whole target: among the rows within the
+        workload's time target (W1: 1.10 x the copy floor; W2: 1.02 x the baseline), and for W1
+        also at least 1.4x faster than TRL's ``OffloadActivations`` with no more activation
+        memory (when that peer ran), the one with the least activation memory (then the
+        fastest). Without such a row: the least-memory row within the time target, else the
+        fastest row. (F6, session 8: the TE-API row sat at 1.10x of the floor with the least
+        memory, so it was judged, and failed "1.4x faster than TRL" at 1.31x while two other
+        rows met all three parts.)
         """
         ours = self.ran("ours")
         if not ours:
@@ -144,7 +148,13 @@ class WorkloadReport:
         within = [r for r in ours if limit is not None and r.times.step <= limit and r.times.peak_bytes is not None]
         if not within:
             return fastest
-        return min(within, key=lambda r: (r.times.peak_bytes, r.times.step))
+        lean = lambda r: (r.times.peak_bytes, r.times.step)  # noqa: E731
+        trl = self.peer("OffloadActivations") if self.workload.name == "W1" else None
+        if trl is not None and trl.times.peak_bytes is not None:
+            whole = [r for r in within if trl.times.step >= 1.4 * r.times.step and r.times.peak_bytes <= trl.times.peak_bytes]
+            if whole:
+                return min(whole, key=lean)
+        return min(within, key=lean)
 
     def peer(self, prefix: str) -> MethodResult | None:
         """The measured peer row whose name starts with ``prefix``."""

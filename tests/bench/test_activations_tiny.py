@@ -187,3 +187,24 @@ def test_targets_are_judged_on_one_row_that_meets_the_time_target():
     assert rep.best_ours is fast_fat
     rep.results = [base, _row("slow", "ours", 400.0, 1 << 30)]
     assert rep.best_ours.name == "slow"  # none within the target: the fastest is judged
+
+
+def test_with_trl_measured_the_judged_row_meets_every_part_of_the_w1_target():
+    """F6 (session 8): the leanest row within 1.10 x floor was only 1.31x faster than TRL while
+    two other rows met all three parts; the judged row is the leanest of those that meet all."""
+    from annotate_offload.bench._timing import Bandwidth
+    from annotate_offload.bench._workloads import WORKLOADS
+
+    base = _row("baseline", "baseline", 149.3, 8 << 30)
+    te = _row("TE schedule", "ours", 304.6, int(1.57 * 2**30))  # 1.10x floor, the least memory
+    lean = _row("lag=1 prefetch=1", "ours", 278.4, int(2.14 * 2**30))
+    fat = _row("lag=1 prefetch=2", "ours", 275.4, int(3.57 * 2**30))  # faster, but more memory than TRL
+    trl = _row("OffloadActivations", "peer", 398.5, int(2.38 * 2**30))
+    bw = Bandwidth(d2h_gbps=55.0, h2d_gbps=55.0, nbytes=1 << 30, pinned=True)
+    rep = WorkloadReport(WORKLOADS["W1"], "gpu", "x", "cmd", False, bw, 0, int(7.7e9), "stats",
+                         [base, te, lean, fat, trl], [])
+    assert te.times.step <= 1.10 * rep.floor_ms
+    assert rep.best_ours is lean
+    assert all(ok for _, ok in targets(rep))
+    rep.results = [base, te, fat, trl]  # no row meets all three: the least-memory row within time
+    assert rep.best_ours is te
