@@ -323,8 +323,9 @@ class PipelineMixin:
         # wait step() puts on the H2D stream at its entry (after the whole backward), and delayed
         # mode and flush() issue theirs after such a wait too. Only a chunk stepped in backward
         # (step_in_backward) is issued before it: its H2D waits on each parameter's gradient-ready
-        # event instead. The per-parameter waits used to run for every chunk; in the W3 exact step
-        # they were part of the worker's 12-17 ms of H2D issue (288 parameters; F2, NOTES).
+        # event instead. The per-parameter waits used to run for every chunk. Dropping them from
+        # the others is less driver work, not a measured speed-up: the W3 exact step's H2D issue
+        # stayed at 11-16 ms per step (F3, F4 in benchmarks/NOTES.md).
         side = self._side
         with torch.no_grad(), side.use(stream):
             skip = self._h2d_skip
