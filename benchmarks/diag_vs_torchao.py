@@ -107,12 +107,9 @@ def _h2d_waits_per_parameter(opt) -> None:
     opt._h2d_chunk = with_waits
 
 
-def _free_grads_at_step(opt) -> None:
-    """offload_gradients, but each GPU gradient lives until step() instead of being dropped (with
-    ``record_stream``) by its hook: separates when the gradient is freed from the bookkeeping of
-    offloaded gradients (E4: the exact step's host AdamW ran 2.97 vs 3.59 G params/s with and
-    without offload_gradients in one bench run)."""
-    copied, step = opt._copied, opt.step
+def _copy_keeping_gpu_grad(opt):
+    """``opt._copied`` as if offload_gradients were off: the hook copies but leaves ``p.grad``."""
+    copied = opt._copied
 
     def keep(s, g, stream, **kw) -> None:
         opt._offload_grads = False  # the hook runs while the training thread waits in backward()
@@ -121,27 +118,30 @@ def _free_grads_at_step(opt) -> None:
         finally:
             opt._offload_grads = True
 
+    return keep
+
+
+def _free_grads_at_step(opt) -> None:
+    """offload_gradients, but each GPU gradient lives until step() instead of being dropped (with
+    ``record_stream``) by its hook: separates when the gradient is freed from the bookkeeping of
+    offloaded gradients (E4: the exact step's host AdamW ran 2.97 vs 3.59 G params/s with and
+    without offload_gradients in one bench run)."""
+    step = opt.step
+
     def free_then_step(*a, **k):
         for s in opt._host_slots:
             if s.param.grad is not None and s.copied(s.param.grad):
                 s.param.grad = None  # its D2H was enqueued with record_stream in the hook
         return step(*a, **k)
 
-    opt._copied, opt.step = keep, free_then_step
+    opt._copied, opt.step = _copy_keeping_gpu_grad(opt), free_then_step
 
 
 def _free_grads_after_step(opt) -> None:
     """offload_gradients, but each GPU gradient lives until step() has returned (the host step is
     over), then is dropped: with og_late_free (dropped as step() begins) this tells whether E5's
     cost follows the moment the GPU blocks are freed or offload_gradients' bookkeeping."""
-    copied, step = opt._copied, opt.step
-
-    def keep(s, g, stream, **kw) -> None:
-        opt._offload_grads = False
-        try:
-            copied(s, g, stream, **kw)
-        finally:
-            opt._offload_grads = True
+    step = opt.step
 
     def step_then_free(*a, **k):
         out = step(*a, **k)
@@ -149,7 +149,7 @@ def _free_grads_after_step(opt) -> None:
             s.param.grad = None
         return out
 
-    opt._copied, opt.step = keep, step_then_free
+    opt._copied, opt.step = _copy_keeping_gpu_grad(opt), step_then_free
 
 
 def _free_grads_after_their_copy(opt) -> None:
@@ -157,14 +157,10 @@ def _free_grads_after_their_copy(opt) -> None:
     block is ever freed with a copy still reading it (the backward thread stalls at PCIe speed:
     compare host busy, not step ms). With og_late_free this splits E5's cost between blocks freed
     while their copy is pending and offload_gradients' other bookkeeping."""
-    copied = opt._copied
+    keep = _copy_keeping_gpu_grad(opt)
 
     def wait_then_free(s, g, stream, **kw) -> None:
-        opt._offload_grads = False
-        try:
-            copied(s, g, stream, **kw)
-        finally:
-            opt._offload_grads = True
+        keep(s, g, stream, **kw)
         opt._side.synchronize(s.d2h_ev)
         s.param.grad = None
 
