@@ -89,8 +89,11 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             has run; the backward thread never waits for it). GPU memory falls by their gradient
             bytes wherever gradients are part of the peak; when the peak is the end of forward
             (weights + activations, e.g. issue 7's W3 model) it stays there. The gradient then lives
-            on the host until ``zero_grad()``: accumulation over micro-batches adds on the host (exact,
-            but not hidden), and ``clip_grad_norm_`` of this optimizer sees it. Tools that read
+            on the host until ``step()`` or ``zero_grad()``: accumulation over micro-batches adds on the
+            host (exact, but not hidden), and ``clip_grad_norm_`` of this optimizer sees it. ``step()``
+            consumes it, as if ``zero_grad()`` followed (so ``model.zero_grad()``, which cannot reach
+            the host copy, is enough between steps); a loop that never zeroes gradients between steps,
+            so that each backward adds onto the last step's gradient, is not supported. Tools that read
             ``p.grad`` directly do not: ``torch.nn.utils.clip_grad_norm_`` misses it, and
             ``GradScaler`` (whose inf/NaN check would miss it) is refused at ``step()`` with an
             ``OffloadError``. Needs overlap on. Default: ``False``.

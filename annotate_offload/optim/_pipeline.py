@@ -109,6 +109,13 @@ class PipelineMixin:
                 s.scratch.copy_(g, non_blocking=True)
                 side.synchronize(side.record(stream))
                 side.synchronize(s.d2h_ev)
+                # clip coefficients pending for what the buffer holds apply to it alone, before the
+                # new micro-batch is added (clipping each micro-batch: c*g0 + g1, not c*(g0 + g1);
+                # fresh-user report, eighth session)
+                for coef, ev in s.scales:
+                    side.synchronize(ev)
+                    _host_scale(buf, s.local.dtype, coef)
+                s.scales = []
                 if buf.dtype == g.dtype:
                     buf.add_(s.scratch)
                 else:
@@ -359,11 +366,15 @@ class PipelineMixin:
                 d.p_ver = d.param._version
 
     def _end_step(self) -> None:
-        keep = self._offload_grads and not self._delayed
+        # Note [Offloaded gradients are consumed by step()]: with offload_gradients, p.grad is None
+        # after backward, so model.zero_grad() (HF Trainer's call) or p.grad = None cannot reach
+        # the host copy; had it stayed valid, the next backward added onto the last step's
+        # gradient (fresh-user report, eighth session). So step() consumes it, as if zero_grad()
+        # followed: the next backward starts from zero. Only a loop that never zeroes gradients
+        # between steps differs from torch, and the docstring says so.
         for s in self._host_slots:
-            s.reset_step(keep)
-            if not keep:
-                s.d2h_ev = None
+            s.reset_step()
+            s.d2h_ev = None
         for c in self._chunks:
             c.landed = 0
         self._begun = False

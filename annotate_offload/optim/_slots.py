@@ -74,14 +74,13 @@ class HostSlot:
         self.valid = False
         self.grad_ref = None
 
-    def reset_step(self, keep_grad: bool) -> None:
+    def reset_step(self) -> None:
         self.use = False
         self.submitted = False
         self.ready_ev = None
         self.scales = []
-        if not keep_grad:
-            self.valid = False
-            self.grad_ref = None
+        self.valid = False
+        self.grad_ref = None
 
     def __repr__(self) -> str:
         return f"HostSlot(group={self.group}, index={self.index}, shape={tuple(self.local.shape)}, chunk={self.chunk})"

@@ -243,3 +243,43 @@ def test_complex_parameters_step_like_plain_adamw(f, overlap):
             o.step()
             o.zero_grad()
     assert_same(m, r)
+
+
+@pytest.mark.parametrize("hooks", [True, False], ids=["hook-per-gradient", "batched-tiny"])
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_offloaded_gradients_are_consumed_by_step_so_model_zero_grad_suffices(f, hooks, monkeypatch):
+    # Note [Offloaded gradients are consumed by step()]: HF Trainer zeroes with model.zero_grad(),
+    # which cannot reach the host copy (p.grad is None); the next step added onto the last one's
+    if hooks:
+        monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, offload_gradients=True, lr=1e-2)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    for x in _xs(4):
+        for model, o in ((m, opt), (r, ref)):
+            loss_of(model, x).backward()
+            o.step()
+            model.zero_grad()
+    assert_same(m, r)
+
+
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_clipping_each_micro_batch_with_offloaded_gradients(f, monkeypatch):
+    # a pending clip coefficient applies to the micro-batches clipped, not to the next one added
+    # (c*g0 + g1, not c*(g0 + g1)); the norms returned match torch's too
+    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, offload_gradients=True, lr=1e-2)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    for x in _xs(3):
+        for k in range(3):
+            loss_of(m, x * (k + 1)).backward()
+            loss_of(r, x * (k + 1)).backward()
+            n_opt = opt.clip_grad_norm_(0.05)
+            n_ref = torch.nn.utils.clip_grad_norm_([q for g in r.groups() for q in g["params"]], 0.05)  # opt's order
+            assert torch.equal(n_opt, n_ref)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert_same(m, r)
