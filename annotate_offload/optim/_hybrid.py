@@ -692,8 +692,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         """Load a state dict from any ``HybridDeviceOptimizer`` (any fraction) or a torch Adam(W).
 
         State tensors are placed where this optimizer steps each parameter, in the inner dtype
-        (fp32 masters and moments are never down-cast to the model dtype); ``master_param`` is
-        copied into the existing (pinned) masters; hyper-parameters come from the state dict,
+        (fp32 masters and moments are never down-cast to the model dtype). A ``master_param``
+        wider than its parameter (fp32 for a bf16 model) is copied into the existing (pinned)
+        master, and the next ``step()`` writes it into the model, as Megatron's masters do: load
+        the model and the optimizer from the same checkpoint. A master of the parameter's own dtype
+        is taken from the model instead, so loading an optimizer state alone never changes the
+        weights, as with torch's optimizers. Hyper-parameters come from the state dict,
         structural options (fraction, modes) and implementation switches (``fused``, ``foreach``,
         ``capturable``, ``differentiable``: chosen at construction) stay this optimizer's.
 

@@ -107,9 +107,16 @@ def _load_one(opt: "HybridDeviceOptimizer", p: torch.Tensor, saved: dict[str, An
     fused = wants_device_step(slot.sub_group)
     new: dict[str, Any] = {}
     with torch.no_grad():
+        # Note [Loading masters]: a master of the model's own dtype is the weight itself, and the
+        # model is its authority: it is re-seeded from the model below, so loading an optimizer
+        # checkpoint alone leaves the weights as they are, as torch's optimizers do (it used to put
+        # the checkpoint's weights back into the model at the next step, for host-stepped
+        # parameters only; fresh-user report, eighth session). A wider master (fp32 for a bf16
+        # model) holds bits the model does not, so it is loaded.
+        wider = master is not None and master.dtype != slot.local.dtype
         for k, v in saved.items():
             if k == "master_param":
-                if master is not None:
+                if wider:
                     master.copy_(v)
             elif k == "step" and torch.is_tensor(v):
                 new[k] = _step_value(v.clone(), inner, fused)
@@ -118,8 +125,8 @@ def _load_one(opt: "HybridDeviceOptimizer", p: torch.Tensor, saved: dict[str, An
                 new[k] = v.to(device=inner.device, dtype=dt, copy=True)
             else:
                 new[k] = copy.deepcopy(v)
-        if master is not None and "master_param" not in saved:
-            master.copy_(slot.local)  # no master saved (e.g. a plain AdamW checkpoint): seed from the model
+        if master is not None and not (wider and "master_param" in saved):
+            master.copy_(slot.local)  # no master saved (e.g. a plain AdamW checkpoint) or the same dtype: the model's
         if master is not None and new:
             new["master_param"] = master
     slot.p_ver = p._version

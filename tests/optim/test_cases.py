@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -88,6 +89,26 @@ def test_o05_checkpoint_round_trip_weights_only(f_save, f_load):
     for p, q in zip(m2.parameters(), r.parameters()):
         assert torch.equal(opt2.state[p]["step"], ref.state[q]["step"])
         assert torch.equal(opt2.state[p]["master_param"], ref.state[q]["master_param"])
+
+
+@pytest.mark.parametrize("f", [0.0, 0.5, 1.0])
+def test_loading_an_optimizer_state_alone_leaves_the_weights(f):
+    # Note [Loading masters]: a same-dtype master is the weight; the model stays the authority
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, lr=1e-2)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    xs = _xs(8)
+    train(m, opt, xs[:3])
+    train(r, ref, xs[:3])
+    sd, sd_ref = copy.deepcopy(opt.state_dict()), copy.deepcopy(ref.state_dict())
+    train(m, opt, xs[3:6])
+    train(r, ref, xs[3:6])
+    opt.load_state_dict(sd)
+    ref.load_state_dict(sd_ref)
+    assert_same(m, r)
+    train(m, opt, xs[6:])
+    train(r, ref, xs[6:])
+    assert_same(m, r)
 
 
 def test_o05_param_groups_hold_only_plain_values():
