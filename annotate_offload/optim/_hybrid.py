@@ -651,7 +651,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         weights the masters hold: the pending host update goes into the model now rather than at the
         next ``step()``. A run that saves a checkpoint therefore differs from one that does not, in the
         one step of staleness the mode has (fresh-user report, seventh session: 3 steps, save, 3 more
-        steps vs 6 uninterrupted steps); resuming from it matches the run that saved it.
+        steps vs 6 uninterrupted steps); resuming from it matches the run that saved it, also when the
+        model's own state dict was saved before this call (it then lacks the pending update, which
+        :meth:`load_state_dict` writes back from the masters), provided the model is loaded first.
 
         Raises:
             OffloadError: the host step is sharded across DDP ranks (each rank holds the host state of
@@ -697,7 +699,10 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         master, and the next ``step()`` writes it into the model, as Megatron's masters do: load
         the model and the optimizer from the same checkpoint. A master of the parameter's own dtype
         is taken from the model instead, so loading an optimizer state alone never changes the
-        weights, as with torch's optimizers. Hyper-parameters come from the state dict,
+        weights, as with torch's optimizers. With ``delayed_param_update`` every host master is
+        loaded and written into the model before this returns (the masters run one update ahead,
+        and a model file saved before ``state_dict()`` lacks that update): load the model first,
+        then the optimizer. Hyper-parameters come from the state dict,
         structural options (fraction, modes) and implementation switches (``fused``, ``foreach``,
         ``capturable``, ``differentiable``: chosen at construction) stay this optimizer's.
 
@@ -706,6 +711,14 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         """
         self.flush()
         _state.load(self, state_dict, (*_STRUCTURAL_KEYS, *_IMPL_KEYS))
+        if self._delayed:  # Note [Loading masters] in _state.py: the loaded masters become the weights
+            with torch.no_grad():
+                for c in self._chunks:
+                    c.pending = [s for s in c.slots if self._steps_here(s.chunk)]
+                    for s in c.pending:
+                        if s.staging is not None:
+                            s.staging.copy_(s.master)
+            self.flush()
 
     def close(self) -> None:
         """Finish pending work, remove the backward hooks and stop the worker thread (idempotent).

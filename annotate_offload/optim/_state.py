@@ -112,8 +112,11 @@ def _load_one(opt: "HybridDeviceOptimizer", p: torch.Tensor, saved: dict[str, An
         # checkpoint alone leaves the weights as they are, as torch's optimizers do (it used to put
         # the checkpoint's weights back into the model at the next step, for host-stepped
         # parameters only; fresh-user report, eighth session). A wider master (fp32 for a bf16
-        # model) holds bits the model does not, so it is loaded.
-        wider = master is not None and master.dtype != slot.local.dtype
+        # model) holds bits the model does not, so it is loaded; so is every host master in
+        # delayed mode, where the masters run one update ahead of the model by design (a model
+        # file written before state_dict()'s flush lacks that update; load_state_dict then
+        # writes the loaded masters into the model).
+        wider = master is not None and (master.dtype != slot.local.dtype or (opt._delayed and isinstance(slot, HostSlot)))
         for k, v in saved.items():
             if k == "master_param":
                 if wider:

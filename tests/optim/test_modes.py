@@ -137,6 +137,33 @@ def test_delayed_param_update_is_one_step_stale(f, slow, monkeypatch):
         assert any(by_worker) and not all(by_worker)
 
 
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_delayed_mode_resumes_from_a_model_file_saved_before_the_optimizer(f):
+    # HF Trainer's order: the model's state dict (one update behind the masters), then the
+    # optimizer's (whose flush applies the update to the live model only); Note [Loading masters]
+    import io
+
+    m, _ = pair()
+    kw = dict(offload_fraction=f, lr=1e-2, delayed_param_update=True)
+    opt = HybridDeviceOptimizer(m.groups(), **kw)
+    xs = _xs(6)
+    train(m, opt, xs[:3])
+    model_file, opt_file = io.BytesIO(), io.BytesIO()
+    torch.save(m.state_dict(), model_file)
+    torch.save(opt.state_dict(), opt_file)
+    train(m, opt, xs[3:])
+    opt.flush()
+    model_file.seek(0)
+    opt_file.seek(0)
+    m2 = Tiny()
+    m2.load_state_dict(torch.load(model_file, weights_only=True))
+    opt2 = HybridDeviceOptimizer(m2.groups(), **kw)
+    opt2.load_state_dict(torch.load(opt_file, weights_only=True))
+    train(m2, opt2, xs[3:])
+    opt2.flush()
+    assert_same(m2, m)
+
+
 def test_delayed_mode_keeps_weights_loaded_between_steps():
     """O03 in delayed mode: weights loaded while an update is pending are not overwritten by it."""
     m, _ = pair()
