@@ -587,7 +587,20 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             side.wait_event(cur, side.record(self._h2d))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients of every parameter, including the host-held ones of ``offload_gradients``."""
+        """Clear gradients of every parameter, including the host-held ones of ``offload_gradients``.
+
+        Raises:
+            OffloadError: with ``step_in_backward=True``, after a backward whose host chunks were
+                already stepped and no ``step()`` since (a skipped step): backward has applied it to
+                the host half, and dropping the gradients now would leave the GPU half unstepped.
+        """
+        if self._in_backward and any(s.submitted for s in self._host_slots):
+            raise OffloadError(
+                "HybridDeviceOptimizer.zero_grad: step_in_backward=True already stepped host chunks in the last "
+                "backward, and step() has not run since. A step cannot be skipped in this mode (for example on a "
+                "non-finite loss): backward applied it to the host half. Call step() to finish it, or use "
+                "step_in_backward=False in a loop that skips steps."
+            )
         super().zero_grad(set_to_none=set_to_none)
         for s in self._host_slots:
             if s.valid and self._offload_grads and not set_to_none and local_grad(s.param) is None:

@@ -168,8 +168,10 @@ class PipelineMixin:
                 if s.submitted:
                     raise OffloadError(
                         "HybridDeviceOptimizer: step_in_backward=True saw a second gradient for a host-stepped "
-                        f"parameter {tuple(s.local.shape)} after its chunk was already stepped (gradient accumulation, or "
-                        "a parameter used twice such as tied embeddings). Use step_in_backward=False for this model."
+                        f"parameter {tuple(s.local.shape)} after its chunk was already stepped (gradient accumulation, "
+                        "a parameter used twice such as tied embeddings, or a backward without step() since the last "
+                        "one: a step cannot be skipped in this mode, backward has already applied it to the host "
+                        "half). Use step_in_backward=False for this training loop."
                     )
                 self._begin()
             side = self._side
@@ -200,8 +202,10 @@ class PipelineMixin:
                 if g is not None and not s.copied(g):
                     raise OffloadError(
                         "HybridDeviceOptimizer: a gradient was modified (clipping, unscaling, accumulation) after "
-                        "step_in_backward=True had already stepped its parameter in backward. step_in_backward does not "
-                        "support cross-parameter gradient transforms; use the default mode for this training loop."
+                        "step_in_backward=True had already stepped its parameter in backward. The host chunks stepped in "
+                        "backward used the gradients as they were and are not undone (their update reaches the model "
+                        "with the next flush() or step()): restore from a checkpoint. step_in_backward does not support "
+                        "cross-parameter gradient transforms; use the default mode for this training loop."
                     )
                 continue
             g = local_grad(s.param)

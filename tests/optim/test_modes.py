@@ -42,6 +42,26 @@ def test_step_in_backward_steps_during_backward():
     opt.step()
 
 
+def test_step_in_backward_refuses_to_skip_a_step_it_has_applied():
+    # a skipped step (zero_grad after backward, no step) used to leave the host half updated and
+    # the GPU half not, then fail the next backward with a misleading "second gradient" error
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, step_in_backward=True, lr=1e-2)
+    ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
+    xs = _xs(3)
+    loss_of(m, xs[0]).backward()
+    with pytest.raises(OffloadError, match=r"cannot be skipped.*Call step\(\)"):
+        opt.zero_grad()
+    opt.step()  # finishing the step is the way out
+    opt.zero_grad()
+    loss_of(r, xs[0]).backward()
+    ref.step()
+    ref.zero_grad()
+    train(m, opt, xs[1:])
+    train(r, ref, xs[1:])
+    assert_same(m, r)
+
+
 @pytest.mark.parametrize("mode", ["exact", "step_in_backward"])
 def test_h2d_waits_per_parameter_only_for_chunks_stepped_in_backward(mode, monkeypatch):
     # Note [H2D ordering]: from step() on, one wait at step() entry orders every H2D after the
