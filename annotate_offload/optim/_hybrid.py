@@ -44,6 +44,10 @@ def _refuse_complex_fused(groups: list[dict[str, Any]]) -> None:
                 )
 
 
+# torch optimizers whose step accepts sparse gradients (their docs; the others raise at step())
+_SPARSE_CAPABLE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam)
+
+
 class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     """Adam(W)/SGD with a fraction of the parameters stepped on the host, pipelined with the GPU.
 
@@ -522,8 +526,27 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             ph.t_return = time.perf_counter()
             self._end_step()
 
+    def _check_device_half(self) -> None:
+        """Refuse, before any host chunk is submitted, what the device optimizer would refuse after
+        the host half had stepped: a sparse gradient for a class without sparse support (torch's
+        own error came from ``_gpu_step`` with the host chunks already stepped; fresh-user report,
+        eighth session)."""
+        if issubclass(self._gpu_cls, _SPARSE_CAPABLE):
+            return
+        for d in self._dev_slots:
+            g = local_grad(d.param)
+            if g is not None and g.layout is not torch.strided:
+                raise TypeError(
+                    f"HybridDeviceOptimizer: parameter {d.index} of param group {d.group} (shape {tuple(d.local.shape)}), "
+                    f"stepped on the device, has a sparse gradient (layout={g.layout}), which "
+                    f"{self._gpu_cls.__name__} does not support; nothing was stepped. Use a dense embedding "
+                    "(nn.Embedding(..., sparse=False), the default), or step this parameter with torch.optim.SparseAdam "
+                    "outside this optimizer (leave it out of its params)."
+                )
+
     def _overlapped_step(self, cur: Any) -> None:
         """``step()`` with overlap on; returns once the compute stream waits for this rank's H2D."""
+        self._check_device_half()
         side, ph = self._side, self._ph
         start = side.record(cur, self._timing)
         ph.entry_ev = start

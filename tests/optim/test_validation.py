@@ -306,6 +306,37 @@ def test_sparse_gradient_is_a_type_error(rows, mode, raised_in):
     opt.close()
 
 
+@pytest.mark.parametrize("gpu_cls, refused", [(torch.optim.AdamW, True), (torch.optim.SGD, False)])
+def test_sparse_gradient_of_the_device_half_is_refused_before_the_host_steps(gpu_cls, refused):
+    """Fresh-user report (eighth session) item 6: the host chunks were submitted before the device
+    optimizer raised torch's own error, so the host half was stepped and the device half not."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+            self.emb = torch.nn.Embedding(100, 64, sparse=True)
+
+        def forward(self, i):
+            return self.lin(self.emb(i)).square().mean()
+
+    m = M()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.3, lr=1e-2, cpu_optimizer_cls=gpu_cls)
+    sides = [p.side for p in opt.placements]
+    assert sides[0] == "cpu" and sides[2] == "gpu"  # lin.weight on the host, the embedding on the device
+    before = [p.detach().clone() for p in m.parameters()]
+    m(torch.randint(0, 100, (8,))).backward()
+    if refused:
+        with pytest.raises(TypeError, match=r"parameter 2 of param group 0 \(shape \(100, 64\)\), stepped on the device, "
+                                             r"has a sparse gradient.*AdamW does not support; nothing was stepped"):
+            opt.step()
+        opt.flush()
+        assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    else:
+        opt.step()  # SGD steps sparse gradients
+        assert not torch.equal(m.emb.weight, before[2])
+    opt.close()
+
+
 @pytest.mark.parametrize("key, value", [("amsgrad", "yes"), ("maximize", 1), ("nesterov", None), ("fused", "true"),
                                         ("foreach", 0)])
 def test_flags_must_be_bools(key, value):
