@@ -25,7 +25,7 @@ from ._pipeline import PipelineMixin, _GradHook, claim
 from ._slots import DevSlot, HostSlot
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
 from ._threads import CpuWorker, thread_budget
-from ._validate import check_group_keys, check_kwargs, check_values
+from ._validate import check_group_keys, check_kwargs, check_values, check_with_torch
 
 __all__ = ["HybridDeviceOptimizer"]
 
@@ -367,6 +367,22 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                              {k: self.defaults[k] for k in _STRUCTURAL_KEYS})
             check_values(param_group, where)
         super().add_param_group(param_group)
+        if isinstance(param_group, dict):
+            group = self.param_groups[-1]
+            try:
+                seen: dict[int, int] = {}
+                for j, p in enumerate(group["params"]):
+                    if id(p) in seen:  # torch only warns; the host split stepped such a parameter twice
+                        raise ValueError(
+                            f"HybridDeviceOptimizer: param group {len(self.param_groups) - 1} lists the same parameter "
+                            f"twice (positions {seen[id(p)]} and {j}, shape {tuple(p.shape)}); torch.optim warns that this "
+                            "will be an error. List each parameter once."
+                        )
+                    seen[id(p)] = j
+                check_with_torch(group, (self._cpu_cls, self._gpu_cls), where)
+            except ValueError:
+                self.param_groups.pop()  # nothing half-applied
+                raise
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -525,6 +541,16 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         finally:
             ph.t_return = time.perf_counter()
             self._end_step()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle, torch.save(opt) and copy.deepcopy used to succeed, and the copy failed at its first
+        # step() with an AttributeError (fresh-user report, eighth session)
+        raise OffloadError(
+            "HybridDeviceOptimizer cannot be pickled or copied (torch.save(opt), copy.deepcopy(opt)): it owns a host "
+            "worker thread, pinned host buffers and backward hooks on the model's parameters, none of which outlive "
+            "the process. Save opt.state_dict() instead and load it into a new HybridDeviceOptimizer built over the "
+            "model (load_state_dict)."
+        )
 
     def _check_device_half(self) -> None:
         """Refuse, before any host chunk is submitted, what the device optimizer would refuse after

@@ -363,3 +363,48 @@ def test_a_learning_rate_passed_as_the_fraction_warns():
         warnings.simplefilter("error")
         HybridDeviceOptimizer(m.parameters(), 3e-4, lr=1e-3).close()  # explicit: meant
         HybridDeviceOptimizer(m.parameters(), 0.5).close()
+
+
+@pytest.mark.parametrize("form", ["defaults", "group"])
+@pytest.mark.parametrize(
+    "cls, kw, match",
+    [
+        (torch.optim.SGD, {"nesterov": True}, "Nesterov momentum requires a momentum and zero dampening"),
+        (torch.optim.SGD, {"nesterov": True, "momentum": 0.9, "dampening": 0.1}, "Nesterov momentum requires"),
+        (torch.optim.RMSprop, {"alpha": -1.0}, "Invalid alpha value"),
+        (torch.optim.Adagrad, {"lr_decay": -1.0}, "Invalid lr_decay value"),
+    ],
+)
+def test_hyper_parameters_torch_refuses_are_refused_here(cls, kw, match, form):
+    """Fresh-user report (eighth session) item 7: values a torch class refuses in its constructor
+    reached the sub-optimizers through the groups unchecked (RMSprop alpha=-1: NaN weights)."""
+    m = Tiny()
+    full = rf"{cls.__name__} refuses the hyper-parameters in param group 0: {match}.*change that value"
+    with pytest.raises(ValueError, match=full):
+        if form == "defaults":
+            HybridDeviceOptimizer(m.parameters(), lr=1e-2, cpu_optimizer_cls=cls, **kw)
+        else:
+            HybridDeviceOptimizer([{"params": list(m.parameters()), **kw}], lr=1e-2, cpu_optimizer_cls=cls)
+
+
+def test_a_parameter_listed_twice_in_a_group_is_refused():
+    m = Tiny()
+    with pytest.warns(UserWarning, match="duplicate parameters"), \
+            pytest.raises(ValueError, match=r"param group 0 lists the same parameter twice \(positions 0 and 2"):
+        HybridDeviceOptimizer([m.l1.weight, m.l1.bias, m.l1.weight], lr=1e-2)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+def test_the_optimizer_refuses_to_be_pickled_or_copied(how):
+    """Fresh-user report (eighth session) item 7: the copy built, then failed at step() with an
+    AttributeError."""
+    import copy
+    import io
+    import pickle
+
+    opt = HybridDeviceOptimizer(Tiny().parameters(), lr=1e-2)
+    do = {"pickle": lambda: pickle.dumps(opt), "deepcopy": lambda: copy.deepcopy(opt),
+          "torch.save": lambda: torch.save(opt, io.BytesIO())}[how]
+    with pytest.raises(OffloadError, match=r"cannot be pickled or copied.*opt.state_dict\(\)"):
+        do()
+    opt.close()
