@@ -379,7 +379,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                             "will be an error. List each parameter once."
                         )
                     seen[id(p)] = j
-                check_with_torch(group, (self._cpu_cls, self._gpu_cls), where)
+                check_with_torch(group, (self._cpu_cls, self._gpu_cls), where,
+                                 [local_tensor(p).detach().requires_grad_() for p in group["params"]])
             except ValueError:
                 self.param_groups.pop()  # nothing half-applied
                 raise
@@ -552,27 +553,31 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             "model (load_state_dict)."
         )
 
-    def _check_device_half(self) -> None:
+    def _check_device_half(self) -> bool:
         """Refuse, before any host chunk is submitted, what the device optimizer would refuse after
         the host half had stepped: a sparse gradient for a class without sparse support (torch's
         own error came from ``_gpu_step`` with the host chunks already stepped; fresh-user report,
-        eighth session)."""
-        if issubclass(self._gpu_cls, _SPARSE_CAPABLE):
-            return
+        eighth session). Returns True when a class that takes sparse gradients (SGD, Adagrad)
+        gets one: its configuration may still refuse it (weight decay, ``fused=True``), so
+        ``step()`` then runs the device half first."""
         for d in self._dev_slots:
             g = local_grad(d.param)
-            if g is not None and g.layout is not torch.strided:
-                raise TypeError(
-                    f"HybridDeviceOptimizer: parameter {d.index} of param group {d.group} (shape {tuple(d.local.shape)}), "
-                    f"stepped on the device, has a sparse gradient (layout={g.layout}), which "
-                    f"{self._gpu_cls.__name__} does not support; nothing was stepped. Use a dense embedding "
-                    "(nn.Embedding(..., sparse=False), the default), or step this parameter with torch.optim.SparseAdam "
-                    "outside this optimizer (leave it out of its params)."
-                )
+            if g is None or g.layout is torch.strided:
+                continue
+            if issubclass(self._gpu_cls, _SPARSE_CAPABLE):
+                return True
+            raise TypeError(
+                f"HybridDeviceOptimizer: parameter {d.index} of param group {d.group} (shape {tuple(d.local.shape)}), "
+                f"stepped on the device, has a sparse gradient (layout={g.layout}), which "
+                f"{self._gpu_cls.__name__} does not support; nothing was stepped. Use a dense embedding "
+                "(nn.Embedding(..., sparse=False), the default), or step this parameter with torch.optim.SparseAdam "
+                "outside this optimizer (leave it out of its params)."
+            )
+        return False
 
     def _overlapped_step(self, cur: Any) -> None:
         """``step()`` with overlap on; returns once the compute stream waits for this rank's H2D."""
-        self._check_device_half()
+        device_first = self._check_device_half()
         side, ph = self._side, self._ph
         start = side.record(cur, self._timing)
         ph.entry_ev = start
@@ -581,11 +586,14 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         if self._delayed:
             self._apply_previous()
         self._begin()
+        if device_first:  # a sparse gradient its configuration refuses raises before any host work
+            self._gpu_step()
         self._collect(self._d2h)
         ph.d2h_ev = self._last_d2h_ev
         for ci in self._landing_order():
             self._submit(ci)
-        self._gpu_step()
+        if not device_first:
+            self._gpu_step()
         if self._delayed:
             self._buf ^= 1
         else:
@@ -651,13 +659,19 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 "step_in_backward=False in a loop that skips steps."
             )
         super().zero_grad(set_to_none=set_to_none)
+        for c in self._chunks:  # step_in_backward: gradients that landed in a skipped step are dropped
+            c.landed = 0
         for s in self._host_slots:
-            if s.valid and self._offload_grads and not set_to_none and local_grad(s.param) is None:
+            s.use = False
+            if (s.valid or s.consumed) and self._offload_grads and not set_to_none and local_grad(s.param) is None:
+                # torch keeps a zero p.grad here; the host buffer is that gradient (Note [Offloaded
+                # gradients are consumed by step()] in _pipeline.py)
                 self._side.synchronize(s.d2h_ev)
                 s.grad_bufs[self._buf].zero_()
                 s.grad_ref = None
+                s.valid, s.consumed = True, False
                 continue
-            s.valid = False
+            s.valid = s.consumed = False
             s.grad_ref = None
             s.scales = []
 

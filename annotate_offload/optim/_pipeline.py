@@ -374,8 +374,11 @@ class PipelineMixin:
         # after backward, so model.zero_grad() (HF Trainer's call) or p.grad = None cannot reach
         # the host copy; had it stayed valid, the next backward added onto the last step's
         # gradient (fresh-user report, eighth session). So step() consumes it, as if zero_grad()
-        # followed: the next backward starts from zero. Only a loop that never zeroes gradients
-        # between steps differs from torch, and the docstring says so.
+        # followed: the next backward starts from zero. zero_grad(set_to_none=False) turns a
+        # consumed buffer into a valid zero gradient, as torch keeps a zero p.grad that steps a
+        # parameter no backward reached (momentum, weight decay: an MoE expert not routed).
+        # Only a loop that never zeroes gradients between steps differs from torch, and the
+        # docstring says so.
         for s in self._host_slots:
             s.reset_step()
             s.d2h_ev = None

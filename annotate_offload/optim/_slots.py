@@ -32,7 +32,7 @@ class HostSlot:
     __slots__ = (
         "param", "group", "index", "local", "master", "grad_bufs", "staging", "scratch", "chunk",
         "grad_ref", "grad_ver", "grad_ptr", "valid", "use", "d2h_ev", "ready_ev", "scales", "p_ver", "submitted", "seq",
-        "sub_group",
+        "sub_group", "consumed",
     )
 
     def __init__(self, param: torch.Tensor, group: int, index: int, local: torch.Tensor) -> None:
@@ -49,6 +49,7 @@ class HostSlot:
         self.grad_ver = -1
         self.grad_ptr = 0
         self.valid = False  # the host buffer holds this step's gradient
+        self.consumed = False  # it holds the last step's, which step() consumed (offload_gradients)
         self.use = False  # step this parameter in the current step
         self.d2h_ev: Any = None
         self.ready_ev: Any = None
@@ -79,6 +80,7 @@ class HostSlot:
         self.submitted = False
         self.ready_ev = None
         self.scales = []
+        self.consumed = self.valid
         self.valid = False
         self.grad_ref = None
 

@@ -145,14 +145,17 @@ _BOOL_KEYS = ("amsgrad", "maximize", "nesterov", "decoupled_weight_decay", *_IMP
 _TORCH_GROUP_KEYS = ("params", "param_names")
 
 
-def check_with_torch(group: dict[str, Any], classes: Iterable[type], where: str) -> None:
+def check_with_torch(group: dict[str, Any], classes: Iterable[type], where: str,
+                     tensors: "list[torch.Tensor] | None" = None) -> None:
     """Let each torch class check the group's hyper-parameters the way its own constructor does.
 
     The sub-optimizers are built from per-group values that their constructors never see as
     defaults, so ranges only the class knows (SGD's nesterov needs momentum > 0 and dampening 0,
     RMSprop's alpha >= 0, Adagrad's lr_decay >= 0) went unchecked until NaN weights (fresh-user
-    report, eighth session). The class is built over one dummy tensor with the group's values for
-    the keywords it takes; implementation switches are checked elsewhere and left out.
+    report, eighth session). The class is built over ``tensors`` (the group's parameters, detached
+    local tensors: classes such as Muon check shapes) or, for an empty group, one dummy tensor,
+    with the group's values for the keywords it takes; implementation switches are checked
+    elsewhere and left out. Constructors allocate no state, so this costs ~1 ms per group.
 
     Raises:
         ValueError: the class refused a value; its message, with the group and the class named.
@@ -161,7 +164,7 @@ def check_with_torch(group: dict[str, Any], classes: Iterable[type], where: str)
         names, _ = _ctor_names(cls)
         hyper = {k: v for k, v in group.items() if k in names and k not in _IMPL_BOOL_KEYS}
         try:
-            cls([torch.zeros(1, requires_grad=True)], **hyper)
+            cls(tensors or [torch.zeros(1, requires_grad=True)], **hyper)
         except ValueError as e:
             raise ValueError(
                 f"HybridDeviceOptimizer: {cls.__name__} refuses the hyper-parameters{where}: {e}. torch.optim."

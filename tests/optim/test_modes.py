@@ -62,6 +62,26 @@ def test_step_in_backward_refuses_to_skip_a_step_it_has_applied():
     assert_same(m, r)
 
 
+def test_step_in_backward_skips_a_step_whose_chunks_had_not_all_landed():
+    # nothing was stepped yet, so zero_grad() can drop what landed; it used to keep the landed count,
+    # and the next backward stepped the chunk with the skipped step's gradient (review, eighth session)
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
+    opt = HybridDeviceOptimizer([a, b], offload_fraction=1.0, lr=1e-2, step_in_backward=True,
+                                cpu_optimizer_cls=torch.optim.SGD)
+    assert len(opt._chunks) == 1
+    x = torch.randn(64)
+    (a @ x).sum().backward()  # b unused: its chunk is not complete, nothing stepped
+    opt.zero_grad()  # a skipped step
+    ra, rb = (torch.nn.Parameter(t.detach().clone()) for t in (a, b))
+    ref = torch.optim.SGD([ra, rb], lr=1e-2)
+    for (p, q), opt_ in (((a, b), opt), ((ra, rb), ref)):
+        ((p @ (x * 3)).sum() + (q @ (x * 2)).sum()).backward()
+        opt_.step()
+    opt.flush()
+    assert torch.equal(a, ra) and torch.equal(b, rb)
+
+
 @pytest.mark.parametrize("mode", ["exact", "step_in_backward"])
 def test_h2d_waits_per_parameter_only_for_chunks_stepped_in_backward(mode, monkeypatch):
     # Note [H2D ordering]: from step() on, one wait at step() entry orders every H2D after the

@@ -283,3 +283,24 @@ def test_clipping_each_micro_batch_with_offloaded_gradients(f, monkeypatch):
         opt.zero_grad()
         ref.zero_grad()
     assert_same(m, r)
+
+
+def test_zero_grad_keeping_tensors_steps_a_parameter_no_backward_reached(monkeypatch):
+    # torch keeps a zero p.grad after zero_grad(set_to_none=False) and AdamW steps it (momentum,
+    # weight decay: an MoE expert not routed); the consumed host gradient must do the same
+    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)
+
+    def run(make):
+        torch.manual_seed(0)
+        a, b = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
+        opt, x = make([a, b]), torch.randn(64)
+        for step in range(3):
+            opt.zero_grad(set_to_none=False)
+            ((b @ x).sum() + ((a @ x).sum() if step == 0 else 0)).backward()
+            opt.step()
+        return a.detach(), b.detach()
+
+    ref = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))
+    for og in (True, False):
+        got = run(lambda ps: HybridDeviceOptimizer(ps, offload_fraction=1.0, lr=1e-2, offload_gradients=og))
+        assert all(torch.equal(g, r) for g, r in zip(got, ref)), og

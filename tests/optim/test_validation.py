@@ -306,8 +306,10 @@ def test_sparse_gradient_is_a_type_error(rows, mode, raised_in):
     opt.close()
 
 
-@pytest.mark.parametrize("gpu_cls, refused", [(torch.optim.AdamW, True), (torch.optim.SGD, False)])
-def test_sparse_gradient_of_the_device_half_is_refused_before_the_host_steps(gpu_cls, refused):
+@pytest.mark.parametrize("gpu_cls, kw, refused", [(torch.optim.AdamW, {}, "ours"), (torch.optim.SGD, {}, None),
+                                                   (torch.optim.SGD, {"weight_decay": 0.01}, "torch"),
+                                                   (torch.optim.Adagrad, {"weight_decay": 0.01}, "torch")])
+def test_sparse_gradient_of_the_device_half_is_refused_before_the_host_steps(gpu_cls, kw, refused):
     """Fresh-user report (eighth session) item 6: the host chunks were submitted before the device
     optimizer raised torch's own error, so the host half was stepped and the device half not."""
     class M(torch.nn.Module):
@@ -320,12 +322,17 @@ def test_sparse_gradient_of_the_device_half_is_refused_before_the_host_steps(gpu
             return self.lin(self.emb(i)).square().mean()
 
     m = M()
-    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.3, lr=1e-2, cpu_optimizer_cls=gpu_cls)
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.3, lr=1e-2, cpu_optimizer_cls=gpu_cls, **kw)
     sides = [p.side for p in opt.placements]
     assert sides[0] == "cpu" and sides[2] == "gpu"  # lin.weight on the host, the embedding on the device
     before = [p.detach().clone() for p in m.parameters()]
     m(torch.randint(0, 100, (8,))).backward()
-    if refused:
+    if refused == "torch":  # SGD/Adagrad take sparse gradients, but not with weight decay: the device half runs first
+        with pytest.raises(RuntimeError):
+            opt.step()
+        opt.flush()
+        assert torch.equal(m.lin.weight, before[0])  # the host half did not step (torch's class may have begun its own)
+    elif refused:
         with pytest.raises(TypeError, match=r"parameter 2 of param group 0 \(shape \(100, 64\)\), stepped on the device, "
                                              r"has a sparse gradient.*AdamW does not support; nothing was stepped"):
             opt.step()
@@ -407,4 +414,15 @@ def test_the_optimizer_refuses_to_be_pickled_or_copied(how):
           "torch.save": lambda: torch.save(opt, io.BytesIO())}[how]
     with pytest.raises(OffloadError, match=r"cannot be pickled or copied.*opt.state_dict\(\)"):
         do()
+    opt.close()
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is newer than this torch")
+def test_a_class_that_checks_parameter_shapes_still_builds():
+    """Review (eighth session): the constructor checks ran over a 1-element dummy, which Muon (2-D
+    parameters only) refused as a bad hyper-parameter."""
+    w = torch.nn.Parameter(torch.randn(16, 16))
+    opt = HybridDeviceOptimizer([w], offload_fraction=1.0, cpu_optimizer_cls=torch.optim.Muon, lr=0.02)
+    w.grad = torch.randn(16, 16)
+    opt.step()
     opt.close()
