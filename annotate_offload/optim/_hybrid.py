@@ -380,7 +380,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                         )
                     seen[id(p)] = j
                 check_with_torch(group, (self._cpu_cls, self._gpu_cls), where,
-                                 [local_tensor(p).detach().requires_grad_() for p in group["params"]])
+                                 [local_tensor(p).detach() for p in group["params"]])
             except ValueError:
                 self.param_groups.pop()  # nothing half-applied
                 raise
