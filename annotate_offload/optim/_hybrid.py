@@ -21,7 +21,7 @@ from ._build import _IMPL_KEYS, _STRUCTURAL_KEYS, BuildMixin, _check_cls, _flag,
 from ._clip import clip_hybrid
 from ._device import pick_side
 from ._phases import StepPhases
-from ._pipeline import PipelineMixin, _GradHook, claim
+from ._pipeline import PipelineMixin, _GradHook, _unseen_transform, _VersionHook, claim
 from ._slots import DevSlot, HostSlot
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
 from ._threads import CpuWorker, thread_budget
@@ -98,7 +98,10 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             consumes it, as if ``zero_grad()`` followed (so ``model.zero_grad()``, which cannot reach
             the host copy, is enough between steps); a loop that never zeroes gradients between steps,
             so that each backward adds onto the last step's gradient, is not supported. Tools that read
-            ``p.grad`` directly do not: ``torch.nn.utils.clip_grad_norm_`` misses it, and
+            ``p.grad`` directly do not: ``torch.nn.utils.clip_grad_norm_`` misses it (HF Trainer and
+            accelerate clip with it; ``step()`` warns once when device gradients were changed in
+            place while host-held ones were not: Note [Gradient transforms that miss host
+            gradients] in ``_pipeline.py``), and
             ``GradScaler`` (whose inf/NaN check would miss it) is refused at ``step()`` with an
             ``OffloadError``. Needs overlap on. Default: ``False``.
         step_in_backward (bool): start each chunk's host step as soon as its gradients land in
@@ -337,10 +340,18 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 UserWarning,
                 stacklevel=2,
             )
+        self._grad_vers: dict[int, tuple[torch.Tensor, int, int]] = {}  # Note [Gradient transforms that miss host gradients]
+        self._clipped = False  # this optimizer's clip_grad_norm_ ran in the step in progress
+        self._warned_unseen = False
         if self._overlap:
             for s in host:
                 if s.param.requires_grad and not self._batched(s):
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(_GradHook(self, s)))
+            if offload_gradients:
+                hooked = {id(s.param) for s in host if not self._batched(s)}
+                for p in (s.param for s in (*host, *self._dev_slots)):
+                    if p.requires_grad and id(p) not in hooked:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(_VersionHook(self)))
             self._worker: Optional[CpuWorker] = CpuWorker(self._threads, side.bind_thread)
             weakref.finalize(self, CpuWorker.close, self._worker)
         else:
@@ -578,6 +589,10 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     def _overlapped_step(self, cur: Any) -> None:
         """``step()`` with overlap on; returns once the compute stream waits for this rank's H2D."""
         device_first = self._check_device_half()
+        if self._offload_grads:
+            msg = _unseen_transform(self)
+            if msg is not None:
+                warnings.warn(msg, UserWarning, stacklevel=3)
         side, ph = self._side, self._ph
         start = side.record(cur, self._timing)
         ph.entry_ev = start
@@ -694,6 +709,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 "HybridDeviceOptimizer.clip_grad_norm_: not supported with step_in_backward=True, whose host chunks "
                 "are stepped before the global norm exists; use the default mode to clip."
             )
+        self._clipped = True
         return clip_hybrid(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def reload_model_params(self) -> None:

@@ -71,6 +71,58 @@ class _GradHook:
             opt._on_grad(self.slot)
 
 
+class _VersionHook:
+    """Post-accumulate-grad hook of a parameter whose gradient stays on the device under
+    ``offload_gradients``: records the gradient's version, so ``step()`` can tell that code after
+    backward changed device gradients in place (Note [Gradient transforms that miss host gradients])."""
+
+    __slots__ = ("opt",)
+
+    def __init__(self, opt: "HybridDeviceOptimizer") -> None:
+        self.opt = weakref.ref(opt)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        opt = self.opt()
+        g = local_grad(param)
+        if opt is not None and g is not None:
+            opt._grad_vers[id(param)] = (param, id(g), g._version)
+
+
+# Note [Gradient transforms that miss host gradients]: with offload_gradients, host-held gradients
+# have p.grad None on the device, so code that edits p.grad after backward cannot reach them.
+# torch.nn.utils.clip_grad_norm_ is such code, and HF Trainer (max_grad_norm, default 1.0, and its
+# grad_norm logging even at 0) and accelerate's clip_grad_norm_ call it: it clipped only the
+# gradients still on the device and returned their norm alone (fresh-user trial, eighth session:
+# logged grad_norm 0.03 against torch's 1.93, weights 1.6e-2 off after 6 steps). Parameters whose
+# gradients stay on the device get a hook that records their version; step() warns once when one
+# changed while host-held gradients exist and this optimizer's own clip_grad_norm_ was not called.
+# Such a hook only stores a tuple (no event, no stream switch, no copy: Note [Tiny gradients at
+# step()]'s costs); its cost on the GPU backward is not measured yet.
+def _unseen_transform(opt: "HybridDeviceOptimizer") -> "str | None":
+    """The warning for Note [Gradient transforms that miss host gradients], or ``None``."""
+    if opt._warned_unseen or opt._clipped or not opt._grad_vers:
+        return None
+    held = sum(1 for s in opt._host_slots if s.valid and local_grad(s.param) is None)
+    if not held:
+        return None
+    changed = 0
+    for param, gid, ver in opt._grad_vers.values():
+        g = local_grad(param)
+        if g is not None and (id(g) != gid or g._version != ver):
+            changed += 1
+    if not changed:
+        return None
+    opt._warned_unseen = True
+    return (
+        f"HybridDeviceOptimizer(offload_gradients=True): after backward, code changed {changed} gradients in place, "
+        f"but {held} host-held gradients were not changed: their p.grad is None on the device, so that code cannot "
+        "see them. torch.nn.utils.clip_grad_norm_ is such code (HF Trainer calls it for max_grad_norm and for its "
+        "grad_norm log, accelerate's clip_grad_norm_ too): it clipped only the device gradients and its norm left the "
+        "host ones out. Clip with opt.clip_grad_norm_(max_norm), or build the optimizer with offload_gradients=False "
+        "under HF Trainer/accelerate. Warned once."
+    )
+
+
 # Note [Tiny gradients at step()]: each gradient hook costs the backward thread two events, a
 # stream switch and a copy launch (~40-70 us on the H200 host). W3's GPT has 288 parameters, 144
 # of them under 4096 elements (LayerNorm weights and biases, small biases: 0.05% of the bytes);
@@ -169,7 +221,9 @@ class PipelineMixin:
                     raise OffloadError(
                         "HybridDeviceOptimizer: step_in_backward=True saw a second gradient for a host-stepped "
                         f"parameter {tuple(s.local.shape)} after its chunk was already stepped (gradient accumulation, "
-                        "a parameter used twice such as tied embeddings, or a backward without step() since the last "
+                        "e.g. HF Trainer's gradient_accumulation_steps > 1, whose next forward may already have read "
+                        "weights this step was writing; a parameter used twice such as tied embeddings; or a backward "
+                        "without step() since the last "
                         "one: a step cannot be skipped in this mode, backward has already applied it to the host "
                         "half). Use step_in_backward=False for this training loop."
                     )
@@ -205,7 +259,9 @@ class PipelineMixin:
                         "step_in_backward=True had already stepped its parameter in backward. The host chunks stepped in "
                         "backward used the gradients as they were and are not undone (their update reaches the model "
                         "with the next flush() or step()): restore from a checkpoint. step_in_backward does not support "
-                        "cross-parameter gradient transforms; use the default mode for this training loop."
+                        "cross-parameter gradient transforms, and HF Trainer and accelerate make one at every step "
+                        "(torch.nn.utils.clip_grad_norm_, which rescales every gradient in place, by 1.0 for the grad_norm "
+                        "log even at max_grad_norm=0); use the default mode for this training loop."
                     )
                 continue
             g = local_grad(s.param)
@@ -370,6 +426,8 @@ class PipelineMixin:
                 d.p_ver = d.param._version
 
     def _end_step(self) -> None:
+        self._grad_vers.clear()
+        self._clipped = False
         # Note [Offloaded gradients are consumed by step()]: with offload_gradients, p.grad is None
         # after backward, so model.zero_grad() (HF Trainer's call) or p.grad = None cannot reach
         # the host copy; had it stayed valid, the next backward added onto the last step's
