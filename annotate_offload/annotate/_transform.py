@@ -90,7 +90,9 @@ def offload_transform(
     Python flags are not: after changing such a flag call ``remove_offload`` and transform again,
     or pass ``path="hooks"``. ``torch.utils.checkpoint`` around a layer stays in the graph, so the
     checkpoint's saved inputs are offloaded; on the hook path a checkpoint around an offloaded
-    layer is refused (``OffloadError``), use ``recompute=True`` instead. Only the fx path marks
+    layer's call is refused (``OffloadError``), use ``recompute=True`` instead. Current
+    transformers' ``gradient_checkpointing_enable()`` checkpoints inside the layer's call, after
+    its hooks, and works on both paths: the checkpoint's saved inputs are offloaded. Only the fx path marks
     tensors the forward also returns with ``mark_not_offload``.
 
     The model object is changed in place, like torchao's ``quantize_``: same object, class,
