@@ -37,7 +37,9 @@ from annotate_offload.bench._peers import (
     load_torchao_cpu_offload_optimizer,
 )
 from annotate_offload.bench._timing import GiB, Bandwidth, StepTimes, copy_bandwidth, free_memory, time_steps
-from annotate_offload.bench._workloads import TINY_WORKLOADS, WORKLOADS, Workload, build
+from annotate_offload.bench._workloads import (
+    TINY_WORKLOADS, W1_FLOOR_RATIO, W1_TRL_SPEEDUP, W2_BASELINE_RATIO, WORKLOADS, Workload, build,
+)
 
 __all__ = ["MethodResult", "WorkloadReport", "run_workload", "device_name"]
 
@@ -141,8 +143,8 @@ class WorkloadReport:
         fastest = min(ours, key=lambda r: r.times.step)
         base = self.baseline
         try:
-            limit = 1.10 * self.floor_ms if self.workload.name == "W1" else (
-                1.02 * base.times.step if base is not None and base.times is not None else None)
+            limit = W1_FLOOR_RATIO * self.floor_ms if self.workload.name == "W1" else (
+                W2_BASELINE_RATIO * base.times.step if base is not None and base.times is not None else None)
         except Exception:  # noqa: BLE001 - no bandwidth measured (tiny runs): no limit
             limit = None
         within = [r for r in ours if limit is not None and r.times.step <= limit and r.times.peak_bytes is not None]
@@ -151,7 +153,8 @@ class WorkloadReport:
         lean = lambda r: (r.times.peak_bytes, r.times.step)  # noqa: E731
         trl = self.peer("OffloadActivations") if self.workload.name == "W1" else None
         if trl is not None and trl.times.peak_bytes is not None:
-            whole = [r for r in within if trl.times.step >= 1.4 * r.times.step and r.times.peak_bytes <= trl.times.peak_bytes]
+            whole = [r for r in within
+                     if trl.times.step >= W1_TRL_SPEEDUP * r.times.step and r.times.peak_bytes <= trl.times.peak_bytes]
             if whole:
                 return min(whole, key=lean)
         return min(within, key=lean)
