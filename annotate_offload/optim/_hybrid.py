@@ -344,11 +344,12 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._clipped = False  # this optimizer's clip_grad_norm_ ran in the step in progress
         self._warned_unseen = False
         if self._overlap:
+            hooked: set[int] = set()
             for s in host:
                 if s.param.requires_grad and not self._batched(s):
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(_GradHook(self, s)))
-            if offload_gradients:
-                hooked = {id(s.param) for s in host if not self._batched(s)}
+                    hooked.add(id(s.param))
+            if offload_gradients:  # the gradients left on the device (Note [Gradient transforms that miss host gradients])
                 for p in (s.param for s in (*host, *self._dev_slots)):
                     if p.requires_grad and id(p) not in hooked:
                         self._hooks.append(p.register_post_accumulate_grad_hook(_VersionHook(self)))
@@ -805,8 +806,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         _state.load(self, state_dict, (*_STRUCTURAL_KEYS, *_IMPL_KEYS))
         if self._delayed:  # Note [Loading masters] in _state.py: the loaded masters become the weights
             with torch.no_grad():
-                for c in self._chunks:
-                    c.pending = [s for s in c.slots if self._steps_here(s.chunk)]
+                for ci, c in enumerate(self._chunks):
+                    c.pending = list(c.slots) if self._steps_here(ci) else []
                     for s in c.pending:
                         if s.staging is not None:
                             s.staging.copy_(s.master)

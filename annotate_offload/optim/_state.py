@@ -116,10 +116,11 @@ def _load_one(opt: "HybridDeviceOptimizer", p: torch.Tensor, saved: dict[str, An
         # delayed mode, where the masters run one update ahead of the model by design (a model
         # file written before state_dict()'s flush lacks that update; load_state_dict then
         # writes the loaded masters into the model).
-        wider = master is not None and (master.dtype != slot.local.dtype or (opt._delayed and isinstance(slot, HostSlot)))
+        from_checkpoint = master is not None and (master.dtype != slot.local.dtype
+                                                  or (opt._delayed and isinstance(slot, HostSlot)))
         for k, v in saved.items():
             if k == "master_param":
-                if wider:
+                if from_checkpoint:
                     master.copy_(v)
             elif k == "step" and torch.is_tensor(v):
                 new[k] = _step_value(v.clone(), inner, fused)
@@ -128,7 +129,7 @@ def _load_one(opt: "HybridDeviceOptimizer", p: torch.Tensor, saved: dict[str, An
                 new[k] = v.to(device=inner.device, dtype=dt, copy=True)
             else:
                 new[k] = copy.deepcopy(v)
-        if master is not None and not (wider and "master_param" in saved):
+        if master is not None and not (from_checkpoint and "master_param" in saved):
             master.copy_(slot.local)  # no master saved (e.g. a plain AdamW checkpoint) or the same dtype: the model's
         if master is not None and new:
             new["master_param"] = master
