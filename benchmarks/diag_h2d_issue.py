@@ -109,7 +109,7 @@ def main() -> None:
                 torch._foreach_copy_([s.local for s in c.slots], [s.master for s in c.slots], non_blocking=True)
 
     masters = [s.master for s in slots]
-    tiny = [s for s in slots if s.local.numel() < 4096]  # the gradients step() copies in one batch
+    tiny = [s for s in slots if opt._batched(s)]  # the gradients step() copies in one batch (BATCHED_NUMEL)
     scratch = torch.empty(sum(s.local.numel() for s in tiny), dtype=torch.float32, pin_memory=True)
 
     def d2h_loop():
