@@ -487,7 +487,7 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
     torch.manual_seed(0)
     model = GPTStack(spec["config"], device=device)
     x = torch.randn(spec["batch"], spec["seq"], spec["config"].hidden, device=device)
-    threads = thread_budget(cpu_threads)
+    threads = thread_budget(cpu_threads, beside_training=False)  # T_cpu: the host's every core (Note [Thread budget])
     common: dict[str, Any] = {}
     if cpu_threads is not None:
         common["cpu_threads"] = cpu_threads

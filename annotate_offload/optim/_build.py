@@ -67,7 +67,7 @@ def _check_cls(cls: Any, name: str, *, host: bool) -> None:
         raise TypeError(
             f"HybridDeviceOptimizer: {name}={cls.__module__}.{cls.__name__} needs a closure in step(), but "
             "HybridDeviceOptimizer calls the closure once itself and steps its sub-optimizers without one (the host part "
-            "per chunk of parameters, in a worker thread). Use a closure-free class: torch.optim.AdamW (default), "
+            "per chunk of parameters). Use a closure-free class: torch.optim.AdamW (default), "
             "torch.optim.Adam or torch.optim.SGD."
         )
 

@@ -57,8 +57,11 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     ``cpu_optimizer_cls`` (torch's fused CPU AdamW by default); the rest are stepped on the GPU by
     ``gpu_optimizer_cls`` (fused AdamW by default), concurrently. With the default overlap, the
     gradient D2H of each host-stepped parameter starts in backward (post-accumulate-grad hook),
-    the host step runs per chunk (``chunk_bytes`` of masters) in a worker thread, and each chunk's
-    updated weights go back H2D in the model's dtype while later chunks are stepped. ``step()``
+    the host step runs per chunk (``chunk_bytes`` of masters), and each chunk's updated weights go
+    back H2D in the model's dtype while later chunks are stepped. The default (exact) mode steps
+    the host chunks on the calling thread, as the GPU has nothing to run meanwhile;
+    ``step_in_backward`` and ``delayed_param_update`` step them in a worker thread, beside the
+    forward/backward that the training thread launches. ``step()``
     returns once the compute stream waits on the last H2D, so the next forward reads new weights.
 
     Numerics are those of ``cpu_optimizer_cls``/``gpu_optimizer_cls`` on the same inputs: on a
@@ -117,8 +120,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         use_torch_optimizer_for_cpu_offload (bool): use the host (torch) class for the GPU part
             too, ignoring ``gpu_optimizer_cls`` (Megatron's meaning). Default: ``False``.
         cpu_threads (int | None): threads for the host step; default per Note [Thread budget]
-            (usable cores / ``LOCAL_WORLD_SIZE``, minus one when >= 4), independent of
-            ``OMP_NUM_THREADS``.
+            (usable cores / ``LOCAL_WORLD_SIZE``, minus one when >= 4 and a worker thread steps
+            beside the training thread: ``step_in_backward``, ``delayed_param_update``),
+            independent of ``OMP_NUM_THREADS``.
         chunk_bytes (int | None): host master bytes per pipelined chunk. Default (``None``): 64 MiB,
             or 256 MiB with ``delayed_param_update`` (its H2D is off the critical path, and fewer,
             larger chunks step faster: W3 on the H200, delayed mode 407 -> 344 ms per step,
@@ -271,7 +275,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         self._offload_grads = offload_gradients
         self._in_backward = step_in_backward
         self._delayed = delayed_param_update
-        self._threads = thread_budget(cpu_threads)
+        self._threads = thread_budget(cpu_threads, beside_training=step_in_backward or delayed_param_update)
         all_params = [p for g in self.param_groups for p in g["params"]]
         if impl.get("fused"):
             _refuse_complex_fused(self.param_groups)
@@ -353,10 +357,10 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 for p in (s.param for s in (*host, *self._dev_slots)):
                     if p.requires_grad and id(p) not in hooked:
                         self._hooks.append(p.register_post_accumulate_grad_hook(_VersionHook(self)))
-            self._worker: Optional[CpuWorker] = CpuWorker(self._threads, side.bind_thread)
+        self._worker: Optional[CpuWorker] = None
+        if self._overlap and (step_in_backward or delayed_param_update):
+            self._worker = CpuWorker(self._threads, side.bind_thread)
             weakref.finalize(self, CpuWorker.close, self._worker)
-        else:
-            self._worker = None
 
     # ------------------------------------------------------------------ construction helpers
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -559,9 +563,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         # pickle, torch.save(opt) and copy.deepcopy used to succeed, and the copy failed at its first
         # step() with an AttributeError (fresh-user report, eighth session)
         raise OffloadError(
-            "HybridDeviceOptimizer cannot be pickled or copied (torch.save(opt), copy.deepcopy(opt)): it owns a host "
-            "worker thread, pinned host buffers and backward hooks on the model's parameters, none of which outlive "
-            "the process. Save opt.state_dict() instead and load it into a new HybridDeviceOptimizer built over the "
+            "HybridDeviceOptimizer cannot be pickled or copied (torch.save(opt), copy.deepcopy(opt)): it owns pinned "
+            "host buffers, backward hooks on the model's parameters and, with step_in_backward or delayed_param_update, "
+            "a worker thread, none of which outlive the process. Save opt.state_dict() instead and load it into a new HybridDeviceOptimizer built over the "
             "model (load_state_dict)."
         )
 
@@ -606,14 +610,25 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             self._gpu_step()
         self._collect(self._d2h)
         ph.d2h_ev = self._last_d2h_ev
-        for ci in self._landing_order():
-            self._submit(ci)
-        if not device_first:
-            self._gpu_step()
+        # Note [Exact mode steps on the training thread]: in the default mode nothing overlaps the
+        # host step but the H2D copies (the GPU waits for the new weights), so a hand-off to a
+        # worker thread bought nothing and cost a second Python thread during step(): a GIL
+        # hand-off per chunk and a condition-variable wait. torchao's CPUOffloadOptimizer steps on
+        # the training thread too. W3 on the H200 (benchmarks/NOTES.md, G2, six rotated rounds):
+        # 407.1 ms median against 415.7 with the worker, faster in 4 of 6 pairs, D2H waits 2.2-2.7
+        # against 3.3-4.8 ms per step. The GPU half is queued first so it runs during the host step.
+        if self._worker is None:
+            if not device_first:
+                self._gpu_step()  # queued on the GPU first, so it runs while the host steps
+            self._run_chunks_here(self._landing_order(), self._buf, self._h2d)
+        else:
+            for ci in self._landing_order():
+                self._submit(ci)
+            if not device_first:
+                self._gpu_step()
         if self._delayed:
             self._buf ^= 1
-        else:
-            assert self._worker is not None
+        elif self._worker is not None:
             self._worker.drain()
         ph.h2d_ev = side.record(self._h2d, self._timing)
         side.wait_event(cur, ph.h2d_ev)

@@ -323,7 +323,8 @@ class PipelineMixin:
 
     def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool,
                    ph: StepPhases, amp: "_amp.AmpStep | None" = None, in_backward: bool = False) -> None:
-        """Host step of one chunk (worker thread, or the training thread on the serial path).
+        """Host step of one chunk (the training thread in the default mode and on the serial path; the
+        worker thread with ``step_in_backward`` or ``delayed_param_update``).
 
         ``in_backward``: submitted by a gradient hook (``step_in_backward``); its H2D then waits for
         the compute stream past each parameter's last use (Note [H2D ordering])."""
@@ -378,7 +379,7 @@ class PipelineMixin:
         return self._shard is None or self._shard.owns(ci)
 
     def _run_chunks_here(self, order: list[int], bi: int, stream: Any) -> None:
-        """Host step of the chunks ``order`` on this thread (the serial path), each chunk's H2D on
+        """Host step of the chunks ``order`` on this thread (the default mode, the serial path), each chunk's H2D on
         ``stream`` as soon as it is stepped."""
         with num_threads(self._threads):
             for ci in order:

@@ -9,7 +9,8 @@ Note [Host step lifecycle] (one host-stepped parameter, overlap on):
    ``torch.nn.utils.clip_grad_norm_``, a loss scaler's ``unscale_``), is copied again now, so the
    host always steps the gradient the GPU holds at ``step()`` time. ``clip_grad_norm_`` of the
    optimizer instead records the coefficient and multiplies the host copy (same fp32 product).
-3. the worker thread waits for each chunk's D2H events, runs the host optimizer on the chunk,
+3. the training thread (the default mode; a worker thread with ``step_in_backward`` or
+   ``delayed_param_update``) waits for each chunk's D2H events, runs the host optimizer on the chunk,
    writes bf16 staging if the model is bf16, and enqueues the H2D of the chunk on the H2D stream
    (which waited for the compute stream at ``step()``); the next chunk is stepped meanwhile.
 4. ``step()`` returns after the compute stream waits on the last H2D event, so the next forward

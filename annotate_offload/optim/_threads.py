@@ -6,14 +6,20 @@ process per node, which silently makes every rank's host step single-threaded
 (reference/optimizer_offload.md §4, §8). The budget therefore ignores ``OMP_NUM_THREADS``:
 
     budget = cpu_threads if given, else
-             max(1, usable_cpus // local_ranks - (1 if that is >= 4 else 0))
+             max(1, usable_cpus // local_ranks - (1 if that is >= 4 and beside_training else 0))
 
 ``usable_cpus`` is ``len(os.sched_getaffinity(0))`` (it honours ``taskset``/``numactl`` binding),
-``local_ranks`` is ``LOCAL_WORLD_SIZE`` (set by torchrun) or 1; one core is left to the Python
-thread that launches GPU work when there are at least 4. The budget is applied with
-``torch.set_num_threads`` *inside the worker thread* (OpenMP thread counts are per calling
-thread), so the training thread's own setting is untouched; the serial path applies it with
-:func:`num_threads` around the step and restores the previous value.
+``local_ranks`` is ``LOCAL_WORLD_SIZE`` (set by torchrun) or 1. When a worker thread steps the host
+beside the training thread (``step_in_backward``, ``delayed_param_update``), one core is left to
+the Python thread that launches GPU work meanwhile, when there are at least 4. The default mode
+steps on the training thread itself (Note [Exact mode steps on the training thread] in
+``_hybrid.py``), which launches nothing during the host step, so it takes every core: W3 on the
+H200 ran 407.1 vs 407.7 ms median with 16 and 15 threads (benchmarks/NOTES.md, G2).
+
+The worker applies its budget with ``torch.set_num_threads`` *inside its own thread* (OpenMP
+thread counts are per calling thread), so the training thread's own setting is untouched; the
+default mode and the serial path apply it with :func:`num_threads` around the host step and
+restore the previous value (no call at all when the training thread already uses that count).
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def thread_budget(cpu_threads: Optional[int] = None) -> int:
-    """Threads for the host optimizer step (Note [Thread budget])."""
+def thread_budget(cpu_threads: Optional[int] = None, *, beside_training: bool = True) -> int:
+    """Threads for the host optimizer step (Note [Thread budget]); ``beside_training``: a worker
+    thread steps while the training thread launches GPU work."""
     if cpu_threads is not None:
         return cpu_threads
     try:
@@ -45,7 +52,7 @@ def thread_budget(cpu_threads: Optional[int] = None) -> int:
     except ValueError:
         local = 1
     per_rank = max(1, usable_cpus() // local)
-    return per_rank - 1 if per_rank >= 4 else per_rank
+    return per_rank - 1 if per_rank >= 4 and beside_training else per_rank
 
 
 @contextlib.contextmanager

@@ -308,8 +308,8 @@ def test_host_chunks_are_stepped_in_gradient_landing_order(monkeypatch):
     ref = torch.optim.AdamW([r.l1.weight, r.l2.weight, r.l3.weight], lr=1e-2, fused=True)
     chunk_of = {id(s.param): s.chunk for s in opt._host_slots}
     order = []
-    real = opt._submit
-    monkeypatch.setattr(opt, "_submit", lambda ci: (order.append(ci), real(ci))[1])
+    real = opt._run_chunk  # what the training thread (default mode) and the worker both run
+    monkeypatch.setattr(opt, "_run_chunk", lambda ci, *a, **k: (order.append(ci), real(ci, *a, **k))[1])
     x = _xs(1)[0]
     for model, o in ((m, opt), (r, ref)):
         loss_of(model, x).backward()
@@ -409,6 +409,50 @@ def test_thread_budget_ignores_omp_and_splits_per_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert thread_budget() == 2
     assert thread_budget(5) == 5
+    # the default mode steps on the training thread, which launches nothing meanwhile: every core
+    assert thread_budget(beside_training=False) == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert thread_budget(beside_training=False) == 16
+    assert thread_budget(5, beside_training=False) == 5
+
+
+@pytest.mark.parametrize("mode", ["exact", "step_in_backward", "delayed"])
+def test_default_mode_steps_on_the_training_thread(mode, monkeypatch):
+    """Note [Exact mode steps on the training thread]: the default mode has no worker thread, runs
+    the host chunks where step() was called with the whole budget, queues the GPU half before them,
+    and gives the training thread its own thread count back; the overlapped modes keep the worker
+    and leave a core to the training thread."""
+    import threading
+
+    monkeypatch.setattr("annotate_offload.optim._threads.usable_cpus", lambda: 8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    flags = {"exact": {}, "step_in_backward": {"step_in_backward": True}, "delayed": {"delayed_param_update": True}}[mode]
+    m, _ = pair()
+    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, chunk_bytes=512, lr=1e-2, **flags)
+    assert (opt._worker is None) == (mode == "exact")
+    assert opt.thread_budget == (8 if mode == "exact" else 7)
+    seen = []
+    run, gpu = opt._run_chunk, opt._gpu_step
+    monkeypatch.setattr(opt, "_run_chunk", lambda *a, **k: (seen.append((threading.current_thread().name,
+                                                                          torch.get_num_threads())), run(*a, **k))[1])
+    monkeypatch.setattr(opt, "_gpu_step", lambda: (seen.append(("gpu", None)), gpu())[1])
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        loss_of(m, _xs(1)[0]).backward()
+        opt.step()
+        opt.flush()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+        opt.close()
+    chunks = [t for t in seen if t[0] != "gpu"]
+    assert len(chunks) == len(opt._chunks) > 1
+    if mode == "exact":
+        assert seen[0] == ("gpu", None)  # queued first, so the GPU steps its half during the host step
+        assert chunks == [(threading.current_thread().name, 8)] * len(chunks)
+    else:
+        assert chunks == [("hdo-cpu-step", 7)] * len(chunks)
 
 
 def test_worker_uses_its_own_thread_count():
