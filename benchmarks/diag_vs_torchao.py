@@ -172,9 +172,14 @@ class _Inline:
 
 
 def _inline(opt, threads: int) -> None:
-    """Exact mode with its host step on the training thread (see _Inline)."""
-    opt._worker.close()
-    opt._worker = _Inline(threads)
+    """Exact mode with its host step on the training thread (see _Inline). Since G2 this is the
+    shipped default mode (Note [Exact mode steps on the training thread]); the variant now only
+    sets the thread count."""
+    if opt._worker is not None:
+        opt._worker.close()
+        opt._worker = _Inline(threads)
+    else:
+        opt._threads = threads
 
 
 def _h2d_waits_per_parameter(opt) -> None:
