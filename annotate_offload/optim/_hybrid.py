@@ -346,6 +346,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
             )
         self._grad_vers: dict[int, tuple[torch.Tensor, int, int]] = {}  # Note [Gradient transforms that miss host gradients]
         self._clipped = False  # this optimizer's clip_grad_norm_ ran in the step in progress
+        self._ran: set[int] = set()  # host chunks stepped in the step in progress (a failed step keeps the rest)
         self._warned_unseen = False
         if self._overlap:
             hooked: set[int] = set()
@@ -435,7 +436,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         Host times count from the ``step()`` call: ``return_ms``, ``first_chunk_ms`` /
         ``last_chunk_ms`` (host step of the first chunk began after its D2H wait / last chunk
         finished and its H2D was issued; negative when ``step_in_backward`` ran it during backward),
-        ``host_busy_ms`` (optimizer compute summed over chunks), ``d2h_wait_ms`` (worker blocked on
+        ``host_busy_ms`` (optimizer compute summed over chunks), ``d2h_wait_ms`` (host step blocked on
         gradient copies), ``chunks``, ``host_gparams_s`` and the min/median/max per-chunk throughput
         in G params/s. ``d2h_done_ms``/``h2d_done_ms`` (last gradient D2H / last H2D finished,
         relative to the step entry on the compute stream) are NaN unless CUDA timing events were on
@@ -544,6 +545,7 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         ph.t_call = time.perf_counter()
         if self._worker is not None and not self._in_backward and not self._delayed:
             self._worker.drain()  # nothing should be in flight; re-raise a failure of the last step's host work
+        failed = True
         try:
             self._amp = _amp.begin(self)  # Note [GradScaler] in _amp.py; raises before anything is stepped
             cur = side.current_stream()
@@ -554,10 +556,11 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
                 self._overlapped_step(cur)
             if self._shard is not None:
                 self._shard.after_h2d()
+            failed = False
             return loss
         finally:
             ph.t_return = time.perf_counter()
-            self._end_step()
+            self._end_step(failed)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # pickle, torch.save(opt) and copy.deepcopy used to succeed, and the copy failed at its first
@@ -570,10 +573,11 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         )
 
     def _check_device_half(self) -> bool:
-        """Refuse, before any host chunk is submitted, what the device optimizer would refuse after
+        """Refuse, before any host chunk is stepped, what the device optimizer would refuse after
         the host half had stepped: a sparse gradient for a class without sparse support (torch's
         own error came from ``_gpu_step`` with the host chunks already stepped; fresh-user report,
-        eighth session). Returns True when a class that takes sparse gradients (SGD, Adagrad)
+        eighth session; the default mode now steps the device half first, the other modes still
+        after their host chunks were submitted). Returns True when a class that takes sparse gradients (SGD, Adagrad)
         gets one: its configuration may still refuse it (weight decay, ``fused=True``), so
         ``step()`` then runs the device half first."""
         for d in self._dev_slots:

@@ -3,9 +3,10 @@
 Note [Step phases]: where the time of one ``step()`` goes, so a GPU run can tell a slow host
 kernel from a copy that is not hidden. Host stamps are ``time.perf_counter`` seconds taken by the
 thread that did the work; device stamps are CUDA events, timed only when ``timing`` is on (timing
-events cost a little more to record, so they are off unless the benchmark asks). The worker
-thread writes the host fields of the record captured when the chunk was submitted (in delayed
-mode that is the previous step's record); the training thread reads them after a drain.
+events cost a little more to record, so they are off unless the benchmark asks). The thread
+that steps a chunk (the training thread in the default mode, the worker in the others) writes the
+host fields of the record captured when the chunk was submitted (in delayed mode that is the
+previous step's record); the training thread reads them after a drain.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class StepPhases:
         self.t_first_chunk: Optional[float] = None  # host step of the first chunk began (after its D2H wait)
         self.t_last_chunk: Optional[float] = None  # host step (and H2D issue) of the last chunk ended
         self.busy_s = 0.0  # host optimizer compute, summed over chunks
-        self.wait_s = 0.0  # worker blocked on D2H events, summed
+        self.wait_s = 0.0  # host step blocked on D2H events, summed
         self.chunks = 0
         self.numel = 0
         self.chunk_rates: list[float] = []  # params/s of each chunk's host step

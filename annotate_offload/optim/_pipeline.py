@@ -360,6 +360,7 @@ class PipelineMixin:
                 if s.staging is not None:
                     s.staging.copy_(s.master)
             t1 = time.perf_counter()
+            self._ran.add(ci)
             self._host_s += t1 - t0
             if copy_back:
                 self._h2d_chunk(c, stepped, stream, in_backward=in_backward)
@@ -426,7 +427,7 @@ class PipelineMixin:
                     d.local.copy_(d.inner)
                 d.p_ver = d.param._version
 
-    def _end_step(self) -> None:
+    def _end_step(self, failed: bool = False) -> None:
         self._grad_vers.clear()
         self._clipped = False
         # Note [Offloaded gradients are consumed by step()]: with offload_gradients, p.grad is None
@@ -438,9 +439,15 @@ class PipelineMixin:
         # parameter no backward reached (momentum, weight decay: an MoE expert not routed).
         # Only a loop that never zeroes gradients between steps differs from torch, and the
         # docstring says so.
+        # A step() that raised (the device half's optimizer, a host chunk's) keeps the gradients of
+        # the chunks it did not step, so a retried step() steps them once (review of the session-9
+        # change: the device half now runs first, and its error used to consume the host gradients
+        # of offload_gradients, which p.grad no longer holds). Delayed mode steps after step().
+        keep = failed and not self._delayed
         for s in self._host_slots:
-            s.reset_step()
+            s.reset_step(keep=keep and s.chunk not in self._ran)
             s.d2h_ev = None
+        self._ran.clear()
         for c in self._chunks:
             c.landed = 0
         self._begun = False

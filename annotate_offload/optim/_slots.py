@@ -76,10 +76,14 @@ class HostSlot:
         self.valid = False
         self.grad_ref = None
 
-    def reset_step(self) -> None:
+    def reset_step(self, keep: bool = False) -> None:
+        """End of ``step()``. ``keep``: the step raised before this slot's chunk was stepped, so
+        its gradient and pending clip coefficients stay for a retried ``step()``."""
         self.use = False
         self.submitted = False
         self.ready_ev = None
+        if keep:
+            return
         self.scales = []
         self.consumed = self.valid
         self.valid = False

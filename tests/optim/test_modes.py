@@ -648,3 +648,38 @@ def test_no_ownership_warning_after_close_or_release(recwarn):
     del second  # unreferenced: gone at once (no reference cycle keeps it alive)
     HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0).close()
     assert not [w for w in recwarn if "still alive" in str(w.message)]
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_step_retried_after_a_device_half_error_steps_the_host_half_once(offload_gradients):
+    """The default mode steps the device half first; when its optimizer raises, no host chunk has
+    stepped, and a retried step() must step them once with the held gradients (with
+    offload_gradients, p.grad no longer holds them: they used to be consumed by the failed step)."""
+    fail = {"on": False}
+
+    class Flaky(torch.optim.AdamW):
+        def step(self, closure=None):
+            if fail["on"]:
+                fail["on"] = False
+                raise RuntimeError("device half failed")
+            return super().step(closure)
+
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, chunk_bytes=512, lr=1e-2, fused=True,
+                                gpu_optimizer_cls=Flaky, offload_gradients=offload_gradients)
+    ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
+    x = _xs(1)[0]
+    for model in (m, r):
+        loss_of(model, x).backward()
+    fail["on"] = True
+    with pytest.raises(RuntimeError, match="device half failed"):
+        opt.step()
+    opt.step()
+    ref.step()
+    assert_same(m, r)
+    opt.zero_grad()
+    ref.zero_grad()
+    train(m, opt, _xs(2))  # and training goes on in step
+    train(r, ref, _xs(2))
+    assert_same(m, r)
+    opt.close()
