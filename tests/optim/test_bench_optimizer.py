@@ -116,3 +116,23 @@ def test_around_probes_skip_when_host_memory_is_short(monkeypatch):
     monkeypatch.setattr(os, "sysconf", lambda name: 1 if name == "SC_AVPHYS_PAGES" else 4096)
     assert bench._AroundProbes.fit(10**9, 1, 1, lines.append) is None
     assert "T_cpu around each row skipped" in lines[0] and "the rows use the reference T_cpu" in lines[0]
+
+
+def test_peer_rows_are_judged_against_the_exact_floor_timed_around_them():
+    # Note [Peers against the same floor]: G7 of session 9 (torchao 351.3 ms in the run's last minutes)
+    ref = {"name": "reference", "t_fwd_ms": 22.4, "t_bwd_ms": 53.2, "t_gpu_step_ms": 85.6, "t_cpu_ms": 303.9, "numel": 10,
+           "threads": 16, "t_adamw_gpu_ms": 10.0, "cpu_gparams_s": 3.98}
+    peer = {"name": "torchao CPUOffloadOptimizer (offload_gradients)", "peer": True, "step_ms": 351.3,
+            "peak_bytes": 13 << 30}
+    exact_rule = bench._W3_FLOORS["W3 exact (offload_gradients)"][1]
+    bench._judge(peer, ref, exact_rule, None, (260.0, 300.0, 280.0), (270.0, 310.0, 290.0), copies=2)
+    assert peer["t_cpu_around_ms"] == (260.0, 270.0) and peer["target"] is None
+    assert math.isclose(peer["bound_ms"], 22.4 + 53.2 + 265.0)
+    assert math.isclose(peer["floor_copies_ms"], 22.4 + 53.2 + 285.0)
+    lone = {"name": "Megatron", "peer": True, "step_ms": 450.0, "peak_bytes": 13 << 30}
+    bench._judge(lone, ref, exact_rule, None, None, None, copies=2)  # no probes: the reference's T_cpu
+    assert math.isclose(lone["bound_ms"], 22.4 + 53.2 + 303.9) and "t_cpu_around_ms" not in lone
+    table = bench.format_table([ref, peer, lone])
+    assert "| torchao CPUOffloadOptimizer (offload_gradients) | 1.03x | 351.3 | 340.6 | 260.0 / 270.0 | 0.97x of 360.6 | 13.00 |" in table
+    assert "| Megatron | 1.19x | 450.0 | 379.5 | - | - | 13.00 |" in table
+    assert "Peers: the exact mode's floor" in table
