@@ -150,38 +150,6 @@ def _drop_version_hooks(opt) -> None:
     print(f"(novh: removed {dropped} version hooks)")
 
 
-class _Inline:
-    """Stands in for the optimizer's CpuWorker: runs each submitted chunk at once on the training
-    thread with ``threads`` intra-op threads, as torchao steps every parameter on the training
-    thread (no hand-off to a worker, no GIL shared between two Python threads during step())."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads, self.busy = threads, False
-
-    def submit(self, fn) -> None:
-        from annotate_offload.optim._threads import num_threads
-
-        with num_threads(self.threads):
-            fn()
-
-    def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _inline(opt, threads: int) -> None:
-    """Exact mode with its host step on the training thread (see _Inline). Since G2 this is the
-    shipped default mode (Note [Exact mode steps on the training thread]); the variant now only
-    sets the thread count."""
-    if opt._worker is not None:
-        opt._worker.close()
-        opt._worker = _Inline(threads)
-    else:
-        opt._threads = threads
-
-
 def _h2d_waits_per_parameter(opt) -> None:
     """The H2D issue as it was before Note [H2D ordering]: every chunk's H2D waits on each
     parameter's gradient-ready event, also from step() on (F2: 12-17 ms of H2D issue per exact step)."""
@@ -259,7 +227,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk16,chunk32,chunk16_all,chunk256,both,hookall,fewer,h2d_batched,inline,inline_fewer,novh,h2d_waits,og_late_free,og_keep,og_wait_free,noog,sib,sib_fewer,sib_all,delayed,delayed_fewer,delayed_all,torchao (default: all)")
+    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk16,chunk32,chunk16_all,chunk256,both,hookall,fewer,h2d_batched,novh,h2d_waits,og_late_free,og_keep,og_wait_free,noog,sib,sib_fewer,sib_all,delayed,delayed_fewer,delayed_all,torchao (default: all)")
     ap.add_argument("--rotate", action="store_true", help="rotate the optimizers' order each round (an order effect "
                     "shows as a variant that is fast only in one position)")
     ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
@@ -294,8 +262,6 @@ def main() -> None:
                          ours()),
         "h2d_batched": ("annotate_offload exact, one H2D per chunk through a GPU staging buffer + on-device scatter",
                         ours()),
-        "inline": (f"annotate_offload exact, host step on the training thread, {cores} threads (as torchao)", ours()),
-        "inline_fewer": (f"annotate_offload exact, host step on the training thread, {cores - 1} threads", ours()),
         "novh": ("annotate_offload exact, without the version hooks of the gradients left on the GPU", ours()),
         "h2d_waits": ("annotate_offload exact, per-parameter waits before each H2D (before Note [H2D ordering])", ours()),
         "og_keep": ("annotate_offload exact, gradients offloaded but freed on the GPU after step() returned",
@@ -350,8 +316,6 @@ def main() -> None:
                 _free_grads_at_step(opt)
             if "one H2D per chunk through a GPU staging buffer" in name:
                 _h2d_batched(opt)
-            if "host step on the training thread" in name:
-                _inline(opt, int(name.rsplit(", ", 1)[1].split()[0]))
             if "without the version hooks" in name:
                 _drop_version_hooks(opt)
             if "per-parameter waits before each H2D" in name:
