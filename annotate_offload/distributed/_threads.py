@@ -18,10 +18,11 @@ each rank's host optimizer step single-threaded; the budget here ignores ``OMP_N
 
 One core of a share of four or more is left to the Python thread that launches GPU work (the
 optimizer's own rule for ``step_in_backward`` and ``delayed_param_update``, Note [Thread budget]
-in ``optim/_threads.py``; its default mode steps on the training thread and takes the whole share,
-``len(budget.cpus)``, which measured the same on W3: 407.1 vs 407.7 ms with 16 and 15 threads). With one
-node this is ``usable cpus // local ranks`` (the remainder goes to the lowest ranks). The CPU list
-is returned so a launcher can bind the rank (:func:`bind_to_budget`); nothing is bound unless asked.
+in ``optim/_threads.py``; its default mode steps on the training thread and takes the whole
+share, ``len(budget.cpus)``, which measured the same on W3: 407.1 vs 407.7 ms with 16 and 15
+threads). With one node this is ``usable cpus // local ranks`` (the remainder goes to the lowest
+ranks). The CPU list is returned so a launcher can bind the rank (:func:`bind_to_budget`); nothing
+is bound unless asked.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
     back H2D in the model's dtype while later chunks are stepped. The default (exact) mode steps
     the host chunks on the calling thread, as the GPU has nothing to run meanwhile;
     ``step_in_backward`` and ``delayed_param_update`` step them in a worker thread, beside the
-    forward/backward that the training thread launches. ``step()``
-    returns once the compute stream waits on the last H2D, so the next forward reads new weights.
+    forward/backward that the training thread launches. ``step()`` returns once the compute
+    stream waits on the last H2D, so the next forward reads new weights.
 
     Numerics are those of ``cpu_optimizer_cls``/``gpu_optimizer_cls`` on the same inputs: on a
     CPU-only machine both halves run torch's fused CPU kernel and results are bit-identical to
@@ -568,8 +568,8 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         raise OffloadError(
             "HybridDeviceOptimizer cannot be pickled or copied (torch.save(opt), copy.deepcopy(opt)): it owns pinned "
             "host buffers, backward hooks on the model's parameters and, with step_in_backward or delayed_param_update, "
-            "a worker thread, none of which outlive the process. Save opt.state_dict() instead and load it into a new HybridDeviceOptimizer built over the "
-            "model (load_state_dict)."
+            "a worker thread, none of which outlive the process. Save opt.state_dict() instead and load it into a new "
+            "HybridDeviceOptimizer built over the model (load_state_dict)."
         )
 
     def _check_device_half(self) -> bool:
@@ -577,9 +577,9 @@ class HybridDeviceOptimizer(BuildMixin, PipelineMixin, torch.optim.Optimizer):
         the host half had stepped: a sparse gradient for a class without sparse support (torch's
         own error came from ``_gpu_step`` with the host chunks already stepped; fresh-user report,
         eighth session; the default mode now steps the device half first, the other modes still
-        after their host chunks were submitted). Returns True when a class that takes sparse gradients (SGD, Adagrad)
-        gets one: its configuration may still refuse it (weight decay, ``fused=True``), so
-        ``step()`` then runs the device half first."""
+        after their host chunks were submitted). Returns True when a class that takes sparse
+        gradients (SGD, Adagrad) gets one: its configuration may still refuse it (weight decay,
+        ``fused=True``), so ``step()`` then runs the device half first."""
         for d in self._dev_slots:
             g = local_grad(d.param)
             if g is None or g.layout is torch.strided:

@@ -380,8 +380,8 @@ class PipelineMixin:
         return self._shard is None or self._shard.owns(ci)
 
     def _run_chunks_here(self, order: list[int], bi: int, stream: Any) -> None:
-        """Host step of the chunks ``order`` on this thread (the default mode, the serial path), each chunk's H2D on
-        ``stream`` as soon as it is stepped."""
+        """Host step of the chunks ``order`` on this thread (the default mode, the serial path),
+        each chunk's H2D on ``stream`` as soon as it is stepped."""
         with num_threads(self._threads):
             for ci in order:
                 self._run_chunk(ci, self._plan(ci), bi, stream, True, self._ph, self._amp)
