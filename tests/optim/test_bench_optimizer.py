@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from annotate_offload.bench import optimizer as bench
 
 
@@ -136,3 +138,30 @@ def test_peer_rows_are_judged_against_the_exact_floor_timed_around_them():
     assert "| torchao CPUOffloadOptimizer (offload_gradients) | 1.03x | 351.3 | 340.6 | 260.0 / 270.0 | 0.97x of 360.6 | 13.00 |" in table
     assert "| Megatron | 1.19x | 450.0 | 379.5 | - | - | 13.00 |" in table
     assert "Peers: the exact mode's floor" in table
+
+
+def test_rounds_repeat_the_judged_rows_in_rotated_order_and_report_medians():
+    # Note [Rounds]: tiny model on the CPU backend (no peers there)
+    rows = bench.run(tiny=True, fractions=(), steps=1, warmup=0, log=lambda s: None, rounds=3)
+    names = [r["name"] for r in rows[1:]]
+    ex, sib, dl, off = ("W3 exact (offload_gradients)", "W3 step_in_backward", "W3 delayed_param_update",
+                        "W3 overlap off")
+    assert names == [f"{n}, round 1" for n in (ex, sib, dl, off)] + [f"{n}, round 2" for n in (sib, dl, ex)] + [
+        f"{n}, round 3" for n in (dl, ex, sib)]
+    assert all(r["mode"] + f", round {r['round']}" == r["name"] for r in rows[1:])
+    table = bench.format_table(rows)
+    assert "| run | step / floor, median (target) | per round |" in table
+    summary = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| W3 ") and "round" not in line}
+    assert set(summary) == {ex, sib, dl}  # overlap off ran once and has no target
+    r = [x for x in rows if x.get("mode") == dl]
+    ratios = sorted(x["step_ms"] / x["bound_ms"] for x in r)
+    assert f"| {dl} | {ratios[1]:.2f}x (" in summary[dl] and "1.05x)" in summary[dl]
+    assert bench._rounds_summary(bench.run(tiny=True, fractions=(), steps=1, warmup=0, log=lambda s: None)) == []
+
+
+@pytest.mark.parametrize("bad, exc", [(0, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_rounds_must_be_a_positive_int(bad, exc):
+    with pytest.raises(exc, match=r"rounds"):
+        bench.run(tiny=True, fractions=(), rounds=bad, log=lambda s: None)
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--rounds", "0"])
