@@ -3,7 +3,7 @@
 # closing notes cite. Single-GPU parts run on GPU 0 bound to 16 host cores (the one-GPU machine's
 # size, so the CPU AdamW thread budget matches it). Peers come from the wheels in .whl (carry it).
 # Usage: [SECTIONS="tests w1 w3 ..."] bash benchmarks/gpu_closing_run.sh   (logs under $OUT, default ./out)
-# Sections, run in the order given (default: tests w1 dist ddp fsdp w3 lora llama; also: diag cpu torchao)
+# Sections, run in the order given (default: tests w1 dist ddp fsdp w3 lora llama; also: w2 diag cpu torchao)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 O=${OUT:-out}
@@ -27,6 +27,10 @@ w1) step "W1"
   $one timeout "${T_W1:-80}" python3 -m annotate_offload.bench activations --workloads W1 --steps 5 --warmup 2 \
     --no-png >"$O/w1.log" 2>&1
   grep -E "^\| (base|annot|save|check|Offload|TRL|TE)|PASS|FAIL|floor =" "$O/w1.log" ;;
+w2) step "W2"
+  $one timeout "${T_W2:-110}" python3 -m annotate_offload.bench activations --workloads W2 --steps 5 --warmup 2 \
+    --no-png >"$O/w2.log" 2>&1
+  grep -E "^\| (base|annot|save|check|Offload|TRL|TE)|PASS|FAIL|floor =" "$O/w2.log" ;;
 dist) step "distributed GPU tests (two GPUs)"
   timeout "${T_DIST_TESTS:-60}" python3 -m pytest -q -m cuda tests/distributed -p no:cacheprovider >"$O/dist_tests.log" 2>&1
   grep -E "passed|failed|^FAILED" "$O/dist_tests.log" | tail -5 ;;

@@ -483,15 +483,19 @@ def _peer_row(name, make, model, x, device, steps, warmup, *, around: Optional["
 
 
 def _mode_row(name: str, kw: dict[str, Any], model, x, device, steps: int, warmup: int, common: dict[str, Any],
-              ref: dict[str, Any], around: Optional["_AroundProbes"]) -> dict[str, Any]:
-    """One W3 mode row at f=1, judged against its issue-7 floor (Note [T_cpu around each row])."""
-    _, rule, target = _W3_FLOORS.get(name, (None, None, None))
+              ref: dict[str, Any], around: Optional["_AroundProbes"], fraction: float = 1.0) -> dict[str, Any]:
+    """One W3 mode row, judged against its issue-7 floor at f=1 (Note [T_cpu around each row]); at
+    another ``fraction`` it is named ``"<mode>, f=<fraction>"`` and only its peak is judged (against
+    the fraction table's f=0 row: issue 7's "peak memory falls linearly with f in every mode")."""
+    _, rule, target = _W3_FLOORS.get(name, (None, None, None)) if fraction == 1.0 else (None, None, None)
+    if fraction != 1.0:
+        name = f"{name}, f={fraction:g}"
     og = kw.get("overlap_cpu_optimizer_d2h_h2d", True)
     before = around.measure() if around and rule else None
     # the delayed mode's pipeline is two steps deep: with fewer warm-up steps its first
     # timed step still waits for a whole host update (D8 of session 6: 637 vs ~340 ms)
     w = max(warmup, 2) if kw.get("delayed_param_update") else warmup
-    row = _measure(name, model, x, device, steps, w, offload_fraction=1.0, offload_gradients=og, **kw, **common)
+    row = _measure(name, model, x, device, steps, w, offload_fraction=fraction, offload_gradients=og, **kw, **common)
     if rule is not None:
         # the copies each mode's host step must overlap to hide them: the overlapped modes both
         # directions, the exact mode the weights' H2D (its D2H ran in backward)
@@ -503,7 +507,7 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
         modes: bool = True, steps: Optional[int] = None, warmup: Optional[int] = None,
         log: Optional[Callable[[str], None]] = None, cpu_threads: Optional[int] = None,
         chunk_bytes: Optional[int] = None, diagnostics: bool = True, adjacent: Optional[bool] = None,
-        rounds: int = 1) -> list[dict[str, Any]]:
+        rounds: int = 1, mode_fractions: Sequence[float] = (1.0,)) -> list[dict[str, Any]]:
     """Measure the table; returns one dict per row (times in ms, memory in bytes, throughput in G params/s).
 
     Args:
@@ -523,19 +527,27 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
             times, each round in an order rotated by one row, and summarise each row's ratios by their
             median (Note [Rounds]). Rows of a multi-round run carry ``mode`` (the row's name without
             the round) and ``round`` (1-based). Default: 1.
+        mode_fractions (sequence of float): offload fractions at which each W3 mode runs (first
+            round only). Times are judged at f = 1 only; rows at other fractions are named
+            ``"<mode>, f=<f>"`` and give the peak against the expected one (from the ``fraction 0.0``
+            row, when ``fractions`` has 0). Default: ``(1.0,)``.
 
     Every optimizer row also carries ``after_bwd_bytes`` (GPU memory allocated right after
     backward, device idle) and ``phases`` (``HybridDeviceOptimizer.last_step_phases`` of one
     extra step synchronized before ``step()``).
 
     Raises:
-        ValueError: a fraction outside ``[0, 1]`` (from the optimizer), or ``rounds`` < 1.
+        ValueError: a fraction (``fractions``, ``mode_fractions``) outside ``[0, 1]``, or ``rounds`` < 1.
         TypeError: ``rounds`` not an int.
     """
     if isinstance(rounds, bool) or not isinstance(rounds, int):
         raise TypeError(f"run(rounds=...) must be an int >= 1, got {type(rounds).__name__} ({rounds!r})")
     if rounds < 1:
         raise ValueError(f"run(rounds=...) must be >= 1, got {rounds}; 1 runs each row once")
+    for arg, values in (("fractions", fractions), ("mode_fractions", mode_fractions)):
+        bad = [f for f in values if not 0.0 <= f <= 1.0]
+        if bad:  # refused before minutes of reference timing, not by the optimizer afterwards
+            raise ValueError(f"run({arg}=...) must lie in [0, 1], got {bad[0]!r}; 1.0 offloads every parameter")
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = _TINY if tiny else _FULL
@@ -567,11 +579,11 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
         around = None
         if adjacent if adjacent is not None else diagnostics and not tiny:
             around = _AroundProbes.fit(ref["numel"], threads, max(1, min(3, steps)), say)
-        jobs = [("mode", name, kw) for name, kw in cases]
+        jobs = [("mode", name, (kw, f)) for f in mode_fractions for name, kw in cases]
         jobs += [("peer", name, make) for name, make in (_peer_specs() if device.type == "cuda" else [])]
         # Note [Rounds]: later rounds repeat only the judged rows (the three modes with a target and
         # torchao, the peer that runs at their speed), each round starting one row later
-        judged = [j for j in jobs if j[1] in _W3_FLOORS or j[1].startswith("torchao")]
+        judged = [j for j in jobs if (j[1] in _W3_FLOORS and j[2][1] == 1.0) or j[1].startswith("torchao")]
         try:
             for k in range(rounds):
                 order = jobs if k == 0 else judged[k % len(judged):] + judged[:k % len(judged)]
@@ -580,7 +592,7 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
                     if kind == "peer":
                         row = _peer_row(name, what, model, x, device, steps, warmup, around=around, ref=ref)
                     else:
-                        row = _mode_row(name, what, model, x, device, steps, warmup, common, ref, around)
+                        row = _mode_row(name, what[0], model, x, device, steps, warmup, common, ref, around, what[1])
                     if rounds > 1:
                         row.update(mode=row["name"], round=k + 1, name=f"{row['name']}, round {k + 1}")
                     rows.append(row)
@@ -882,6 +894,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cpu-threads", type=int, default=None, help="host thread budget of the optimizer (default: its rule)")
     ap.add_argument("--chunk-mib", type=int, default=None, help="host chunk size in MiB (default: the optimizer's 64)")
     ap.add_argument("--no-diagnostics", action="store_true", help="skip the host AdamW variants (pinned, per chunk, DMA)")
+    ap.add_argument("--mode-fractions", default="1",
+                    help="comma-separated offload fractions at which each W3 mode runs (times judged at 1 only)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the judged W3 rows this many times in rotated order; verdict = median (default 1)")
     args = ap.parse_args(argv)
@@ -889,6 +903,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fractions = [float(v) for v in args.fractions.split(",") if v.strip()]
     except ValueError:
         ap.error(f"--fractions must be comma-separated numbers, got {args.fractions!r}")
+    try:
+        mode_fractions = [float(v) for v in args.mode_fractions.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--mode-fractions must be comma-separated numbers, got {args.mode_fractions!r}")
     for name in ("cpu_threads", "chunk_mib", "rounds"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -896,7 +914,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = run(tiny=args.tiny, device=torch.device(args.device) if args.device else None, fractions=fractions,
                modes=not args.no_modes, steps=args.steps, warmup=args.warmup, cpu_threads=args.cpu_threads,
                chunk_bytes=args.chunk_mib << 20 if args.chunk_mib else None, diagnostics=not args.no_diagnostics,
-               rounds=args.rounds)
+               rounds=args.rounds, mode_fractions=mode_fractions)
     cmd = "python -m annotate_offload.bench.optimizer " + " ".join(argv if argv is not None else sys.argv[1:])
     print(format_table(rows, cmd.strip()))
     return 0

@@ -165,3 +165,16 @@ def test_rounds_must_be_a_positive_int(bad, exc):
         bench.run(tiny=True, fractions=(), rounds=bad, log=lambda s: None)
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--rounds", "0"])
+
+
+def test_modes_at_other_fractions_are_named_by_fraction_and_not_timed_against_a_floor():
+    rows = bench.run(tiny=True, fractions=(0.0,), steps=1, warmup=0, log=lambda s: None, mode_fractions=(0.5, 1.0))
+    named = {r["name"]: r for r in rows}
+    for mode in ("W3 exact (offload_gradients)", "W3 step_in_backward", "W3 delayed_param_update", "W3 overlap off"):
+        half = named[f"{mode}, f=0.5"]
+        assert half["fraction"] == 0.5 and 0 < half["offloaded_numel"] < named[mode]["offloaded_numel"]
+        assert half["bound_ms"] is None and "target" not in half
+    assert named["W3 step_in_backward"]["target"] == 1.10
+    assert "| W3 delayed_param_update, f=0.5 | - |" in bench.format_table(rows)
+    with pytest.raises(ValueError, match=r"mode_fractions=.*1.5"):
+        bench.run(tiny=True, mode_fractions=(1.5,), log=lambda s: None)
