@@ -226,7 +226,7 @@ def make_offload_activations(model, n: int, **_) -> Runner:
     return Runner(forward, detail=f"{peer.info.name} {version}, use_streams={streams}")
 
 
-def saved_activation_bytes(model, x: torch.Tensor, n: int) -> int:
+def saved_activation_bytes(model, x: torch.Tensor, n: int, *, split: bool = False):
     """Bytes autograd saves in layers ``0..n-1`` (each storage once, parameters excluded).
 
     An independent count of what an offloader has to move, measured with a
@@ -237,9 +237,11 @@ def saved_activation_bytes(model, x: torch.Tensor, n: int) -> int:
         model: the GPT stack (``model.layers``).
         x (Tensor): its input ``(B, S, H)``.
         n (int): leading layers to count.
+        split (bool): also return the bytes of the saved storage that is ``x``'s own: the caller
+            holds it, so offloading it frees no GPU memory.
 
     Returns:
-        int: bytes.
+        int: bytes; with ``split``, ``(bytes, bytes of x's storage among them)``.
     """
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -256,4 +258,5 @@ def saved_activation_bytes(model, x: torch.Tensor, n: int) -> int:
         for layer in model.layers[:n]:
             out = layer(out)  # keeps every saved tensor alive, so no pointer is reused
     del out
-    return sum(seen.values())
+    total = sum(seen.values())
+    return (total, seen.get(x.untyped_storage().data_ptr(), 0)) if split else total

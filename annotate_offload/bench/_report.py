@@ -33,6 +33,14 @@ def _ratio(a, b):
     return a / b
 
 
+# Note [W2's memory limit]: issue 7 asks W2 to save at least 0.9 x 2/8 of the baseline's activation
+# memory (peak minus start), assuming the two offloaded layers hold 2/8 of it. On the H200 that is
+# 0.9 x 2/8 x 8.89 = 2.00 GiB, but the two layers save 2.00 GiB in all (saved-tensor hook count):
+# the baseline's peak also holds ~0.9 GiB of backward transients that no saved-tensor offload
+# removes. Of those 2.00 GiB, 64 MiB is the workload's input, which the caller holds through the
+# step, so offloading it frees nothing. The reachable limit is the hook count minus that input;
+# the bench applies the issue's own 0.9 to it and prints it as the limit line after a failed
+# literal line (benchmarks/NOTES.md, "W2's memory target is at the physical limit").
 def targets(report) -> list:
     """Issue-7 targets for the report's workload as ``(text, passed)``; ``passed`` is ``None``
     when it cannot be judged (``--tiny``, or a row missing)."""
@@ -69,6 +77,19 @@ def targets(report) -> list:
                     saved >= need,
                 )
             )
+            limit = report.saved_bytes - report.held_bytes
+            if saved < need and 0 < limit < need:
+                # Note [W2's memory limit]: the target assumes the offloaded layers hold their share
+                # (2/8) of the baseline's activation memory; the hook count says what they hold
+                out.append(
+                    (
+                        f"limit instead: the {w.offload} offloaded layers save {_gib(report.saved_bytes)} "
+                        f"(saved-tensor hook count), {_gib(report.held_bytes)} of it the input the caller holds, "
+                        f"so no activation offload frees more than {_gib(limit)}; "
+                        f"saved >= 0.9 x that: {_gib(saved)} = {saved / limit:.2f}x of it",
+                        saved >= 0.9 * limit,
+                    )
+                )
     return out
 
 

@@ -80,6 +80,8 @@ class WorkloadReport:
         tiny (bool): ``--tiny`` (no timing claims).
         bandwidth (Bandwidth): copy bandwidth measured in this run.
         saved_bytes (int): saved-tensor bytes of the offloaded layers (hook count).
+        held_bytes (int): the part of ``saved_bytes`` that is the workload's input, which the caller
+            holds through the step: no activation offload frees it.
         floor_bytes (int): bytes used in the floor; ``floor_bytes_source`` says whose.
         results (list[MethodResult]): baseline first.
         peers (list[str]): import status of every peer (W3 peers included).
@@ -98,6 +100,7 @@ class WorkloadReport:
     results: list
     peers: list
     profile_files: list = field(default_factory=list)
+    held_bytes: int = 0
 
     @property
     def baseline(self) -> MethodResult:
@@ -305,7 +308,7 @@ def run_workload(
     model, x, grad = build(workload, device)
     ref_out = _one_step_grads(model, _methods.make_baseline(model, 0).forward, x, grad, device)
     ref = (ref_out, [p.grad.clone() for p in model.parameters()])
-    saved_bytes = _methods.saved_activation_bytes(model, x, workload.offload)
+    saved_bytes, held_bytes = _methods.saved_activation_bytes(model, x, workload.offload, split=True)
     results = []
     for name, kind, make in _method_list(workload.offload, release_lags, prefetch_layers):
         if make is _TRANSFORM:
@@ -327,6 +330,7 @@ def run_workload(
         tiny=tiny,
         bandwidth=bandwidth,
         saved_bytes=saved_bytes,
+        held_bytes=held_bytes,
         floor_bytes=ours_bytes if ours_bytes else saved_bytes,
         floor_bytes_source="annotate_offload OffloadStats.bytes_offloaded" if ours_bytes else "saved-tensor hook count",
         results=results,

@@ -55,6 +55,8 @@ def test_saved_bytes_count_is_plausible(tiny_w1):
     layer_input = w.batch * w.seq * w.hidden * 4  # fp32 on CPU
     # every offloaded layer saves at least its LayerNorm input and the 4x-wide MLP activation
     assert tiny_w1.saved_bytes >= w.offload * 5 * layer_input
+    # the first layer's LayerNorm saves the workload's own input, which the caller holds
+    assert tiny_w1.held_bytes == layer_input
 
 
 @pytest.mark.skipif(not _HAS_RUNTIME, reason="annotate_offload runtime not landed yet")
@@ -117,11 +119,27 @@ def test_targets_w1_pass_and_fail():
 
 def test_targets_w2_memory_rule():
     ours = MethodResult("annotate_offload x", "ours", times=StepTimes([1], [1], [101.0], 77))
-    rep = _fake_report("W2", 100.0, 30.0, 70.0, [ours], 10)
+    rep = _fake_report("W2", 100.0, 30.0, 70.0, [ours], 25)
     # need 0.9 * 2/8 * 100 = 22.5 bytes saved; 23 saved; 1.01x <= 1.02
     assert [ok for _, ok in targets(rep)] == [True, True]
     ours.times = StepTimes([1], [1], [103.0], 78)
-    assert [ok for _, ok in targets(rep)] == [False, False]
+    assert [ok for _, ok in targets(rep)] == [False, False]  # the layers hold 25 >= 22.5: no limit line
+
+
+def test_targets_w2_memory_limit_line_when_the_layers_hold_less_than_the_target():
+    # Note [W2's memory limit], H4 of session 10: baseline 8.89 GiB, the two layers save 2.00 GiB of
+    # which 64 MiB is the caller's input; the TE row saved 1.88 GiB
+    G = 1 << 30
+    ours = MethodResult("annotate_offload x", "ours", times=StepTimes([1], [1], [101.0], int(7.01 * G)))
+    rep = _fake_report("W2", 100.0, 30.0, 70.0, [ours], 2 * G)
+    rep.results[0].times = StepTimes([30.0], [70.0], [100.0], int(8.89 * G))
+    rep.held_bytes = 64 << 20
+    (t, ok_t), (m, ok_m), (lim, ok_lim) = targets(rep)
+    assert ok_t and not ok_m and ok_lim
+    assert "save 2.00 GiB" in lim and "64.0 MiB of it the input the caller holds" in lim and "1.94 GiB" in lim
+    assert "0.97x of it" in lim
+    ours.times = StepTimes([1], [1], [101.0], int(7.30 * G))  # 1.59 GiB saved = 0.82 of the limit
+    assert targets(rep)[2][1] is False
 
 
 def test_tiny_targets_are_not_judged():
