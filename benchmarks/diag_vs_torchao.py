@@ -227,7 +227,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk16,chunk32,chunk16_all,chunk256,both,hookall,fewer,h2d_batched,novh,h2d_waits,og_late_free,og_keep,og_wait_free,noog,sib,sib_fewer,sib_all,delayed,delayed_fewer,delayed_all,torchao (default: all)")
+    ap.add_argument("--only", help="comma-separated: defaults,threads,chunk16,chunk32,chunk16_all,chunk256,both,hookall,fewer,h2d_batched,novh,h2d_waits,og_late_free,og_keep,og_wait_free,noog,sib,sib_fewer,sib_all,sib128,sib256,delayed,delayed_fewer,delayed_all,torchao (default: all)")
     ap.add_argument("--rotate", action="store_true", help="rotate the optimizers' order each round (an order effect "
                     "shows as a variant that is fast only in one position)")
     ap.add_argument("--profile", metavar="DIR", help="after round 0's timed steps, trace one more step of each "
@@ -272,6 +272,9 @@ def main() -> None:
         "sib": ("annotate_offload step_in_backward", ours(step_in_backward=True)),
         "sib_fewer": (f"annotate_offload step_in_backward, cpu_threads={fewer}", ours(step_in_backward=True, cpu_threads=fewer)),
         "sib_all": (f"annotate_offload step_in_backward, cpu_threads={cores}", ours(step_in_backward=True, cpu_threads=cores)),
+        "sib128": ("annotate_offload step_in_backward, chunk_bytes=128 MiB", ours(step_in_backward=True, chunk_bytes=128 << 20)),
+        "sib256": ("annotate_offload step_in_backward, chunk_bytes=256 MiB (delayed mode's default)",
+                   ours(step_in_backward=True, chunk_bytes=256 << 20)),
         "delayed": ("annotate_offload delayed_param_update", ours(delayed_param_update=True)),
         "delayed_all": (f"annotate_offload delayed_param_update, cpu_threads={cores}",
                         ours(delayed_param_update=True, cpu_threads=cores)),
