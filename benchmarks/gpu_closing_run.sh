@@ -49,7 +49,8 @@ cpu) step "CPU placement: SMT siblings, cross-process slowdown (GPU-free)"
 w3) step "W3"
   $one timeout "${T_W3:-150}" python3 -m annotate_offload.bench.optimizer --steps ${W3_STEPS:-5} --warmup 2 \
     ${W3_ARGS:---no-diagnostics} >"$O/w3.log" 2>&1
-  grep -E "^\||Reference|phases|Error" "$O/w3.log" | tail -40 ;;
+  # with --rounds the per-round rows stay in the log; the rounds table has their medians
+  grep -E "^\||Reference|Rounds|Error" "$O/w3.log" | grep -vE ", round [0-9]+ \|" | tail -40 ;;
 diag) step "delayed-mode timeline"
   $one timeout "${T_DIAG:-90}" python3 benchmarks/diag_delayed.py --steps 4 >"$O/diag_delayed.log" 2>&1
   tail -40 "$O/diag_delayed.log" ;;

@@ -84,8 +84,9 @@ def targets(report) -> list:
                 out.append(
                     (
                         f"limit instead: the {w.offload} offloaded layers save {_gib(report.saved_bytes)} "
-                        f"(saved-tensor hook count), {_gib(report.held_bytes)} of it the input the caller holds, "
-                        f"so no activation offload frees more than {_gib(limit)}; "
+                        f"(saved-tensor hook count)"
+                        + (f", {_gib(report.held_bytes)} of it the input the caller holds," if report.held_bytes else ",")
+                        + f" so no activation offload frees more than {_gib(limit)}; "
                         f"saved >= 0.9 x that: {_gib(saved)} = {saved / limit:.2f}x of it",
                         saved >= 0.9 * limit,
                     )

@@ -27,8 +27,9 @@ The activation bytes (forward peak minus weights) give W3's memory bound. ``--ti
 model on the CPU backend in seconds (CI: it cannot rot; its numbers carry no claim).
 
 Run: ``python -m annotate_offload.bench.optimizer [--tiny] [--steps N] [--fractions 0,0.5,1]
-[--cpu-threads N] [--chunk-mib M] [--no-modes] [--no-diagnostics] [--rounds R]``. With ``--rounds R``
-the judged W3 rows run R times in rotated order and a last table gives each row's median ratio.
+[--cpu-threads N] [--chunk-mib M] [--no-modes] [--no-diagnostics] [--rounds R] [--mode-fractions 0.5,1]``.
+With ``--rounds R`` the judged W3 rows run R times in rotated order and a last table gives each
+row's median ratio; ``--mode-fractions`` runs each mode at more offload fractions (peaks only).
 """
 
 from __future__ import annotations
@@ -525,8 +526,9 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
             each row]). Default: with ``diagnostics`` on the full model.
         rounds (int): run the judged W3 rows (the three modes with a target, and torchao) this many
             times, each round in an order rotated by one row, and summarise each row's ratios by their
-            median (Note [Rounds]). Rows of a multi-round run carry ``mode`` (the row's name without
-            the round) and ``round`` (1-based). Default: 1.
+            median (Note [Rounds]). The W3 mode and peer rows of a multi-round run carry ``mode``
+            (the row's name without the round), ``round`` (1-based) and ``judged``. Needs 1.0 in
+            ``mode_fractions``. Default: 1.
         mode_fractions (sequence of float): offload fractions at which each W3 mode runs (first
             round only). Times are judged at f = 1 only; rows at other fractions are named
             ``"<mode>, f=<f>"`` and give the peak against the expected one (from the ``fraction 0.0``
@@ -537,7 +539,8 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
     extra step synchronized before ``step()``).
 
     Raises:
-        ValueError: a fraction (``fractions``, ``mode_fractions``) outside ``[0, 1]``, or ``rounds`` < 1.
+        ValueError: a fraction (``fractions``, ``mode_fractions``) outside ``[0, 1]``, ``rounds`` < 1,
+            an empty ``mode_fractions`` with ``modes``, or ``rounds`` > 1 without 1.0 in it.
         TypeError: ``rounds`` not an int.
     """
     if isinstance(rounds, bool) or not isinstance(rounds, int):
@@ -548,6 +551,13 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
         bad = [f for f in values if not 0.0 <= f <= 1.0]
         if bad:  # refused before minutes of reference timing, not by the optimizer afterwards
             raise ValueError(f"run({arg}=...) must lie in [0, 1], got {bad[0]!r}; 1.0 offloads every parameter")
+    mode_fractions = list(dict.fromkeys(float(f) for f in mode_fractions))  # (1, 1.0) is one fraction
+    if modes and not mode_fractions:
+        raise ValueError("run(mode_fractions=...) is empty with modes=True; give at least one fraction "
+                         "(1.0 is the one W3 judges), or pass modes=False (--no-modes) to skip the modes")
+    if modes and rounds > 1 and 1.0 not in mode_fractions:
+        raise ValueError(f"run(rounds={rounds}) repeats the W3 rows judged at f=1, but mode_fractions="
+                         f"{mode_fractions} has no 1.0; add 1.0 or use rounds=1")
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = _TINY if tiny else _FULL
@@ -593,8 +603,10 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
                         row = _peer_row(name, what, model, x, device, steps, warmup, around=around, ref=ref)
                     else:
                         row = _mode_row(name, what[0], model, x, device, steps, warmup, common, ref, around, what[1])
-                    if rounds > 1:
-                        row.update(mode=row["name"], round=k + 1, name=f"{row['name']}, round {k + 1}")
+                    if rounds > 1:  # ``mode``: the job's name (a peer's row name may say it failed)
+                        base = name if kind == "peer" else row["name"]
+                        row.update(mode=base, round=k + 1, name=f"{row['name']}, round {k + 1}",
+                                   judged=(kind, name, what) in judged)
                     rows.append(row)
         finally:
             if around is not None:
@@ -660,19 +672,23 @@ class _AroundProbes:
 def _rounds_summary(rows: list[dict[str, Any]]) -> list[str]:
     """The table of per-round ratios and their medians (Note [Rounds]); ``[]`` for a one-round run."""
     groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r.get("round") and r.get("bound_ms"):
+    rounds = max((r.get("round", 0) for r in rows), default=0)
+    for r in rows:  # rows of the judged jobs that produced a time worth judging
+        if r.get("judged") and r.get("bound_ms") and not r.get("skip") and r.get("stepped", True):
             groups.setdefault(r["mode"], []).append(r)
-    if not any(len(g) > 1 for g in groups.values()):
+    if rounds < 2 or not groups:
         return []
+    around = all(r.get("t_cpu_around_ms") for g in groups.values() for r in g)
     lines = [
         "",
-        f"Rounds (Note [Rounds]): each judged row run {max(len(g) for g in groups.values())} times in rotated order, "
-        "each time against T_cpu timed around it; the verdict is the median.",
+        f"Rounds (Note [Rounds]): the judged rows ran in {rounds} rounds in rotated order, each time against "
+        + ("T_cpu timed around it" if around else "the reference's T_cpu (no probes around the rows: the medians do "
+           "not correct for the host's drift)")
+        + "; the verdict is the median over the rounds that produced a time.",
         "",
-        "| run | step / floor, median (target) | per round | step / floor with copies, median (target) | per round | "
-        "step ms, median | per round |",
-        "|---|---|---|---|---|---|---|",
+        "| run | rounds | step / floor, median (target) | per round | step / floor with copies, median (target) | "
+        "per round | step ms, median | per round |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mode, g in groups.items():
         ratios = [r["step_ms"] / r["bound_ms"] for r in g]
@@ -685,7 +701,7 @@ def _rounds_summary(rows: list[dict[str, Any]]) -> list[str]:
             c = statistics.median(copies)
             cmed = f"{c:.2f}x" + (f" ({'within' if c <= target else 'above'} {target:.2f}x)" if target else "")
         steps = [r["step_ms"] for r in g]
-        lines.append(f"| {mode} | {verdict} | {' / '.join(f'{v:.2f}' for v in ratios)} | {cmed} | "
+        lines.append(f"| {mode} | {len(g)} | {verdict} | {' / '.join(f'{v:.2f}' for v in ratios)} | {cmed} | "
                      f"{' / '.join(f'{v:.2f}' for v in copies) or '-'} | {statistics.median(steps):.1f} | "
                      f"{' / '.join(f'{v:.1f}' for v in steps)} |")
     return lines
@@ -757,6 +773,8 @@ def _floors_with_copies(ref: dict[str, Any], rows: list[dict[str, Any]]) -> list
     gradients. On the H200 host that copy traffic alone slowed the host step from 299.0 to
     345.2 ms (benchmarks/NOTES.md, run B4), so ``1.05 x T_cpu`` alone is not reachable there.
     """
+    if any(r.get("round") for r in rows):
+        return []  # several rounds: the rounds table judges each mode against its floors with copies
     named = {r.get("name"): r for r in rows}
     t_dma = ref.get("t_cpu_stepdma_ms")
     out = []
@@ -890,7 +908,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="annotate-offload bench optimizer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU backend (CI)")
     ap.add_argument("--fractions", default="0,0.25,0.5,1", help="comma-separated offload fractions")
-    ap.add_argument("--no-modes", action="store_true", help="skip W3's modes at f=1")
+    ap.add_argument("--no-modes", action="store_true", help="skip W3's mode rows (every --mode-fractions) and the peers")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
@@ -910,6 +928,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mode_fractions = [float(v) for v in args.mode_fractions.split(",") if v.strip()]
     except ValueError:
         ap.error(f"--mode-fractions must be comma-separated numbers, got {args.mode_fractions!r}")
+    for flag, values in (("--fractions", fractions), ("--mode-fractions", mode_fractions)):
+        if any(not 0.0 <= f <= 1.0 for f in values):
+            ap.error(f"{flag} values must lie in [0, 1], got {values}")
+    if not args.no_modes and not mode_fractions:
+        ap.error("--mode-fractions is empty; give at least one fraction (1 is the one W3 judges) or pass --no-modes")
+    if not args.no_modes and args.rounds > 1 and 1.0 not in mode_fractions:
+        ap.error(f"--rounds {args.rounds} repeats the W3 rows judged at f=1; add 1 to --mode-fractions or use --rounds 1")
     for name in ("cpu_threads", "chunk_mib", "rounds"):
         v = getattr(args, name)
         if v is not None and v < 1:

@@ -150,13 +150,47 @@ def test_rounds_repeat_the_judged_rows_in_rotated_order_and_report_medians():
         f"{n}, round 3" for n in (dl, ex, sib)]
     assert all(r["mode"] + f", round {r['round']}" == r["name"] for r in rows[1:])
     table = bench.format_table(rows)
-    assert "| run | step / floor, median (target) | per round |" in table
+    assert "| run | rounds | step / floor, median (target) | per round |" in table
+    assert "against the reference's T_cpu (no probes around the rows" in table  # adjacent is off on tiny
     summary = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| W3 ") and "round" not in line}
     assert set(summary) == {ex, sib, dl}  # overlap off ran once and has no target
     r = [x for x in rows if x.get("mode") == dl]
     ratios = sorted(x["step_ms"] / x["bound_ms"] for x in r)
-    assert f"| {dl} | {ratios[1]:.2f}x (" in summary[dl] and "1.05x)" in summary[dl]
+    assert f"| {dl} | 3 | {ratios[1]:.2f}x (" in summary[dl] and "1.05x)" in summary[dl]
     assert bench._rounds_summary(bench.run(tiny=True, fractions=(), steps=1, warmup=0, log=lambda s: None)) == []
+    assert bench._floors_with_copies(rows[0], rows) == []  # the rounds table judges the copies floors
+
+
+def test_rounds_table_counts_only_rounds_that_stepped_and_only_judged_jobs():
+    # a peer round that did not step (or failed) must not enter its median; round-1-only peers
+    # (Megatron) are not summarised as one-sample "medians"
+    def row(mode, k, step, **kw):
+        return dict(dict(name=f"{mode}, round {k}", mode=mode, round=k, judged=True, step_ms=step, bound_ms=100.0,
+                         t_cpu_around_ms=(1.0, 1.0)), **kw)
+
+    ta = "torchao CPUOffloadOptimizer (offload_gradients)"
+    rows = [{"name": "reference"}, row(ta, 1, 110.0, peer=True, stepped=True), row(ta, 2, 90.0, peer=True, stepped=False),
+            row(ta, 3, 130.0, peer=True, stepped=True), row(ta, 4, 1.0, skip=True),
+            row("Megatron HybridDeviceOptimizer f=1 (fused CPU AdamW)", 1, 120.0, peer=True, judged=False)]
+    lines = bench._rounds_summary(rows)
+    body = [line for line in lines if line.startswith("| torchao") or line.startswith("| Megatron")]
+    assert len(body) == 1 and body[0].startswith(f"| {ta} | 2 | 1.20x | 1.10 / 1.30 |")
+    assert "each time against T_cpu timed around it" in "".join(lines)
+
+
+def test_rounds_refuse_a_run_without_the_judged_fraction_before_timing_anything():
+    seen = []
+    with pytest.raises(ValueError, match=r"no 1.0"):
+        bench.run(tiny=True, fractions=(), mode_fractions=(0.5,), rounds=2, log=seen.append)
+    with pytest.raises(ValueError, match=r"mode_fractions=.*empty"):
+        bench.run(tiny=True, fractions=(), mode_fractions=(), log=seen.append)
+    assert seen == []  # refused before the reference
+    for argv in (["--tiny", "--mode-fractions=", "--rounds", "2"], ["--tiny", "--mode-fractions", "0.5", "--rounds", "2"],
+                 ["--tiny", "--fractions", "2"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+    rows = bench.run(tiny=True, fractions=(), steps=1, warmup=0, mode_fractions=(1, 1.0), log=lambda s: None)
+    assert [r["name"] for r in rows[1:]].count("W3 exact (offload_gradients)") == 1  # (1, 1.0) is one fraction
 
 
 @pytest.mark.parametrize("bad, exc", [(0, ValueError), (1.5, TypeError), (True, TypeError)])
