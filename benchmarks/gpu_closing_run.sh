@@ -28,8 +28,9 @@ w1) step "W1"
     --no-png >"$O/w1.log" 2>&1
   grep -E "^\| (base|annot|save|check|Offload|TRL|TE)|PASS|FAIL|floor =" "$O/w1.log" ;;
 w2) step "W2"
-  $one timeout "${T_W2:-110}" python3 -m annotate_offload.bench activations --workloads W2 --steps 5 --warmup 2 \
-    --no-png >"$O/w2.log" 2>&1
+  # the bench's own 10 steps after 3 warm-ups: a 2% target needs them (H3 of session 10: 1.032x with 5 after 2,
+  # 1.009x and 1.019x with the defaults in H4/H5)
+  $one timeout "${T_W2:-110}" python3 -m annotate_offload.bench activations --workloads W2 --no-png >"$O/w2.log" 2>&1
   grep -E "^\| (base|annot|save|check|Offload|TRL|TE)|PASS|FAIL|floor =" "$O/w2.log" ;;
 dist) step "distributed GPU tests (two GPUs)"
   timeout "${T_DIST_TESTS:-60}" python3 -m pytest -q -m cuda tests/distributed -p no:cacheprovider >"$O/dist_tests.log" 2>&1
