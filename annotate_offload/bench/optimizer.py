@@ -804,7 +804,9 @@ def format_table(rows: list[dict[str, Any]], command: str = "") -> str:
     ref = next(r for r in rows if r["name"] == "reference")
     base = next((r for r in rows if r["name"] == "fraction 0.0"), None)
     act = ref.get("activation_bytes", 0)
-    lines = [
+    smoke = ["**CPU backend: a smoke run; its times and within/above verdicts carry no claim.**", ""] if (
+        ref.get("device") == "cpu") else []
+    lines = smoke + [
         f"Optimizer offload on {ref.get('device', '?')}, torch {torch.__version__}, {ref['numel'] / 1e9:.3f} G params, "
         f"{ref['threads']} host threads" + (f"; `{command}`" if command else ""),
         "",

@@ -27,6 +27,7 @@ def test_tiny_bench_rows_and_table():
     table = bench.format_table(rows, "cmd")
     assert "| W3 step_in_backward |" in table and "`cmd`" in table
     assert "| run | return | last D2H done |" in table  # the phases table
+    assert table.startswith("**CPU backend: a smoke run")
 
 
 def test_expected_peak_with_offloaded_gradients_never_below_forward_floor():
