@@ -504,6 +504,27 @@ def _mode_row(name: str, kw: dict[str, Any], model, x, device, steps: int, warmu
     return row
 
 
+def _checked_args(fractions: Sequence[float], mode_fractions: Sequence[float], modes: bool, rounds: int) -> list[float]:
+    """:func:`run`'s argument checks, before any timing (``main`` turns their errors into usage
+    errors); returns ``mode_fractions`` without repeats."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int):
+        raise TypeError(f"run(rounds=...) must be an int >= 1, got {type(rounds).__name__} ({rounds!r})")
+    if rounds < 1:
+        raise ValueError(f"run(rounds=...) must be >= 1, got {rounds}; 1 runs each row once")
+    for arg, values in (("fractions", fractions), ("mode_fractions", mode_fractions)):
+        bad = [f for f in values if not 0.0 <= f <= 1.0]
+        if bad:  # refused before minutes of reference timing, not by the optimizer afterwards
+            raise ValueError(f"run({arg}=...) must lie in [0, 1], got {bad[0]!r}; 1.0 offloads every parameter")
+    mode_fractions = list(dict.fromkeys(float(f) for f in mode_fractions))  # (1, 1.0) is one fraction
+    if modes and not mode_fractions:
+        raise ValueError("run(mode_fractions=...) is empty with modes=True; give at least one fraction "
+                         "(1.0 is the one W3 judges), or pass modes=False (--no-modes) to skip the modes")
+    if modes and rounds > 1 and 1.0 not in mode_fractions:
+        raise ValueError(f"run(rounds={rounds}) repeats the W3 rows judged at f=1, but mode_fractions="
+                         f"{mode_fractions} has no 1.0; add 1.0 or use rounds=1")
+    return mode_fractions
+
+
 def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions: Sequence[float] = (0.0, 0.25, 0.5, 1.0),
         modes: bool = True, steps: Optional[int] = None, warmup: Optional[int] = None,
         log: Optional[Callable[[str], None]] = None, cpu_threads: Optional[int] = None,
@@ -543,21 +564,7 @@ def run(*, tiny: bool = False, device: Optional[torch.device] = None, fractions:
             an empty ``mode_fractions`` with ``modes``, or ``rounds`` > 1 without 1.0 in it.
         TypeError: ``rounds`` not an int.
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, int):
-        raise TypeError(f"run(rounds=...) must be an int >= 1, got {type(rounds).__name__} ({rounds!r})")
-    if rounds < 1:
-        raise ValueError(f"run(rounds=...) must be >= 1, got {rounds}; 1 runs each row once")
-    for arg, values in (("fractions", fractions), ("mode_fractions", mode_fractions)):
-        bad = [f for f in values if not 0.0 <= f <= 1.0]
-        if bad:  # refused before minutes of reference timing, not by the optimizer afterwards
-            raise ValueError(f"run({arg}=...) must lie in [0, 1], got {bad[0]!r}; 1.0 offloads every parameter")
-    mode_fractions = list(dict.fromkeys(float(f) for f in mode_fractions))  # (1, 1.0) is one fraction
-    if modes and not mode_fractions:
-        raise ValueError("run(mode_fractions=...) is empty with modes=True; give at least one fraction "
-                         "(1.0 is the one W3 judges), or pass modes=False (--no-modes) to skip the modes")
-    if modes and rounds > 1 and 1.0 not in mode_fractions:
-        raise ValueError(f"run(rounds={rounds}) repeats the W3 rows judged at f=1, but mode_fractions="
-                         f"{mode_fractions} has no 1.0; add 1.0 or use rounds=1")
+    mode_fractions = _checked_args(fractions, mode_fractions, modes, rounds)
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = _TINY if tiny else _FULL
@@ -693,13 +700,10 @@ def _rounds_summary(rows: list[dict[str, Any]]) -> list[str]:
     for mode, g in groups.items():
         ratios = [r["step_ms"] / r["bound_ms"] for r in g]
         target = g[0].get("target")
-        med = statistics.median(ratios)
-        verdict = f"{med:.2f}x" + (f" ({'within' if med <= target else 'above'} {target:.2f}x)" if target else "")
+        verdict = _verdict(statistics.median(ratios), target)
         copies = [r["step_ms"] / r["floor_copies_ms"] for r in g if r.get("floor_copies_ms")]
-        cmed = "-"
-        if copies:  # the same target against the floor whose host term ran beside the mode's own copies
-            c = statistics.median(copies)
-            cmed = f"{c:.2f}x" + (f" ({'within' if c <= target else 'above'} {target:.2f}x)" if target else "")
+        # the same target against the floor whose host term ran beside the mode's own copies
+        cmed = _verdict(statistics.median(copies), target) if copies else "-"
         steps = [r["step_ms"] for r in g]
         lines.append(f"| {mode} | {len(g)} | {verdict} | {' / '.join(f'{v:.2f}' for v in ratios)} | {cmed} | "
                      f"{' / '.join(f'{v:.2f}' for v in copies) or '-'} | {statistics.median(steps):.1f} | "
@@ -791,12 +795,14 @@ def _floors_with_copies(ref: dict[str, Any], rows: list[dict[str, Any]]) -> list
     return out
 
 
+def _verdict(ratio: float, target: Optional[float]) -> str:
+    """``"1.04x (within 1.10x)"``, or ``"1.04x"`` without a target."""
+    return f"{ratio:.2f}x" + (f" ({'within' if ratio <= target else 'above'} {target:.2f}x)" if target else "")
+
+
 def _judged(step_ms: float, floor: Optional[float], target: Optional[float]) -> str:
     """``"1.04x (within 1.10x)"``: a row's step time over its floor, against its target ratio."""
-    if not floor:
-        return "-"
-    ratio = step_ms / floor
-    return f"{ratio:.2f}x" + (f" ({'within' if ratio <= target else 'above'} {target:.2f}x)" if target else "")
+    return _verdict(step_ms / floor, target) if floor else "-"
 
 
 def format_table(rows: list[dict[str, Any]], command: str = "") -> str:
@@ -930,14 +936,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mode_fractions = [float(v) for v in args.mode_fractions.split(",") if v.strip()]
     except ValueError:
         ap.error(f"--mode-fractions must be comma-separated numbers, got {args.mode_fractions!r}")
-    for flag, values in (("--fractions", fractions), ("--mode-fractions", mode_fractions)):
-        if any(not 0.0 <= f <= 1.0 for f in values):
-            ap.error(f"{flag} values must lie in [0, 1], got {values}")
-    if not args.no_modes and not mode_fractions:
-        ap.error("--mode-fractions is empty; give at least one fraction (1 is the one W3 judges) or pass --no-modes")
-    if not args.no_modes and args.rounds > 1 and 1.0 not in mode_fractions:
-        ap.error(f"--rounds {args.rounds} repeats the W3 rows judged at f=1; add 1 to --mode-fractions or use --rounds 1")
-    for name in ("cpu_threads", "chunk_mib", "rounds"):
+    try:
+        _checked_args(fractions, mode_fractions, not args.no_modes, args.rounds)
+    except (TypeError, ValueError) as exc:
+        ap.error(f"{exc} (--fractions, --mode-fractions, --rounds, --no-modes)")
+    for name in ("cpu_threads", "chunk_mib"):
         v = getattr(args, name)
         if v is not None and v < 1:
             ap.error(f"--{name.replace('_', '-')} must be a positive int, got {v}")
