@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -87,17 +89,21 @@ def test_h2d_waits_per_parameter_only_for_chunks_stepped_in_backward(mode, monke
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, chunk_bytes=512, lr=1e-2,
                                 step_in_backward=mode == "step_in_backward")
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
-    waits, h2d, inside = [], opt._h2d_chunk, []
+    # ``inside`` is per thread: in step_in_backward the worker issues a chunk's H2D while the
+    # training thread's gradient hooks make their own waits, which are not the H2D's
+    waits, h2d, inside = [], opt._h2d_chunk, set()
 
     def spy_h2d(c, slots, stream, **kw):
-        inside.append(kw.get("in_backward", False))
+        me = threading.get_ident()
+        inside.add(me)
         try:
             h2d(c, slots, stream, **kw)
         finally:
-            inside.pop()
+            inside.discard(me)
 
     wait = type(opt._side).wait_event  # a __slots__ class: patched on the class, restored after the test
-    monkeypatch.setattr(type(opt._side), "wait_event", lambda self, st, ev: (waits.append(bool(inside)), wait(self, st, ev))[1])
+    monkeypatch.setattr(type(opt._side), "wait_event",
+                        lambda self, st, ev: (waits.append(threading.get_ident() in inside), wait(self, st, ev))[1])
     monkeypatch.setattr(opt, "_h2d_chunk", spy_h2d)
     xs = _xs(3)
     train(m, opt, xs)
