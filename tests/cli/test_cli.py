@@ -1,4 +1,4 @@
-"""``annotate-offload train | plan | bench``: parity table, exit status, bad input (exit 2, nothing written)."""
+"""``annotate-offload train | plan``: parity table, exit status, bad input (exit 2, nothing written)."""
 
 from __future__ import annotations
 
@@ -112,15 +112,6 @@ def test_plan_prints_plan_and_predicted_memory(capsys):
     assert "| optimizer state (fp32 Adam moments) |" in out
 
 
-def test_bench_delegates(monkeypatch):
-    import annotate_offload.bench as bench
-
-    seen = []
-    monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
-    assert main(["bench", "--quick", "x"]) == 0
-    assert seen == [["--quick", "x"]]
-
-
 # ------------------------------------------------------------------------- bad input: exit 2
 
 
@@ -203,31 +194,6 @@ def test_plan_of_llama_1b_counts_bf16_autocast_activations(capsys):
     row = next(line for line in out.splitlines() if line.strip().startswith("0    layers.0"))
     assert row.rstrip().endswith("2.07 GiB"), row
     assert "emulate bf16 autocast" in out
-
-
-def test_bench_without_a_gpu_is_one_line_exit_2(capsys, monkeypatch):
-    # bug 5: was a traceback with exit 1
-    import annotate_offload.bench as bench
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(bench, "_run_optimizer", lambda *a, **k: pytest.fail("optimizer suite started"))
-    for argv in (["bench"], ["bench", "activations"]):
-        code = main(argv)
-        out, err = capsys.readouterr()
-        assert code == 2 and out == "", argv
-        assert err.count("\n") == 1 and err.startswith("annotate-offload: error: bench: no CUDA device here")
-        assert "pass --tiny" in err and "--device cpu" in err
-    # --tiny given with --device cuda: the device is what cannot be had (fresh-user report, seventh session)
-    code = main(["bench", "all", "--device", "cuda", "--tiny"])
-    out, err = capsys.readouterr()
-    assert code == 2 and out == "" and err.count("\n") == 1
-    assert err.startswith("annotate-offload: error: bench: --device cuda but no CUDA device here; drop --device")
-
-
-def test_bench_bad_argument_is_one_line_exit_2(capsys):
-    code = main(["bench", "activations", "--tiny", "--release-lag", "a"])
-    _, err = capsys.readouterr()
-    assert code == 2 and err.count("\n") == 1 and "--release-lag '" in err and "not an integer" in err
 
 
 def test_llama_1b_needs_a_gpu(capsys):

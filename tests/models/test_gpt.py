@@ -1,4 +1,4 @@
-"""annotate_offload.models.gpt: the issue-7 GPT stack (tiny shapes, CPU)."""
+"""annotate_offload.models.gpt: the GPT stack of the benchmark workloads (tiny shapes, CPU)."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ class _LayerLeafTracer(fx.Tracer):
         return isinstance(m, GPTBlock) or super().is_leaf_module(m, qualname)
 
 
-def test_block_structure_matches_issue():
+def test_block_structure():
     cfg = GPTConfig(hidden=32, heads=4, layers=2)
     block = GPTStack(cfg).layers[0]
     assert block.qkv.in_features == 32 and block.qkv.out_features == 96  # fused QKV

@@ -1,7 +1,7 @@
 """GPU: the W3 peer optimizers really step the model, as torch AdamW on the GPU does.
 
 Megatron-Core's ``HybridDeviceOptimizer`` and torchao's ``CPUOffloadOptimizer`` come from the
-wheels in ``.whl/`` (benchmarks/NOTES.md). With ``PYTHONPATH=/tmp/site`` after
+wheels in ``.whl/`` (benchmarks/README.md). With ``PYTHONPATH=/tmp/site`` after
 ``pip install --target /tmp/site .whl/*.whl`` they import directly; otherwise the module fixture
 installs the two wheels the same way (``--no-index --no-deps``) into a temporary folder and puts
 it on ``sys.path``. A test is skipped when its peer still does not import.
@@ -21,11 +21,11 @@ import sys
 import pytest
 import torch
 
-from annotate_offload.bench import _peers
+import _peers
 
 pytestmark = pytest.mark.cuda
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 LR, STEPS, ATOL = 1e-3, 3, 1e-5
 
 
@@ -126,7 +126,7 @@ def test_torchao_steps_like_gpu_adamw_and_its_hooks_end_with_it():
 
 
 def test_megatron_after_torchao_on_the_same_model_still_steps():
-    # The W3 benchmark's order (Note [Peer hooks outlive the peer] in _peers.py): torchao with
+    # benchmarks/optimizer.py's order (Note [Peer hooks outlive the peer] in _peers.py): torchao with
     # offload_gradients, dropped without close(), then Megatron on the same parameters.
     _megatron()
     _torchao()
