@@ -28,6 +28,7 @@ def _losses(out: str, column: int) -> list[float]:
     return [float(r[column]) for r in rows]
 
 
+@pytest.mark.slow
 def test_llama_tiny_three_steps_both_offloads_with_baseline_and_plot(capsys, tmp_path):
     png = tmp_path / "run.png"
     code, out, err = _train(capsys, "train.train_iters=3", "--plot", str(png))
@@ -47,6 +48,7 @@ def test_llama_tiny_three_steps_both_offloads_with_baseline_and_plot(capsys, tmp
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
 
 
+@pytest.mark.slow
 def test_activation_offload_only_losses_are_identical(capsys):
     code, out, err = _train(capsys, *SMALL, "train.train_iters=2", "optimizer.optimizer_cpu_offload=False")
     assert code == 0, out + err
@@ -55,11 +57,13 @@ def test_activation_offload_only_losses_are_identical(capsys):
     assert "optimizer: on device" in out
 
 
+@pytest.mark.slow
 def test_no_compare_baseline(capsys):
     code, out, _ = _train(capsys, *SMALL, "train.train_iters=1", "--no-compare-baseline")
     assert code == 0 and "PASS (no baseline" in out and "loss (baseline)" not in out
 
 
+@pytest.mark.slow
 def test_baseline_out_of_memory_is_reported_not_raised(capsys, monkeypatch):
     real = _recipes._optimizer
 
@@ -75,6 +79,7 @@ def test_baseline_out_of_memory_is_reported_not_raised(capsys, monkeypatch):
     assert "PASS (baseline: out of memory" in out
 
 
+@pytest.mark.slow
 def test_parity_failure_exits_1(capsys, monkeypatch):
     real = _recipes._optimizer
 
@@ -89,6 +94,7 @@ def test_parity_failure_exits_1(capsys, monkeypatch):
     assert "FAIL: losses differ" in out and "parity check failed" in err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (the hf extra)")
 def test_hf_llama_recipe_losses_are_identical(capsys):
     code, out, err = _train(capsys, "--recipe", "hf-llama", *SMALL, "train.train_iters=2",
@@ -97,6 +103,7 @@ def test_hf_llama_recipe_losses_are_identical(capsys):
     assert "OffloadPlan(" in out and "PASS: identical losses" in out
 
 
+@pytest.mark.slow
 def test_plan_prints_plan_and_predicted_memory(capsys):
     code = main(["plan", *SMALL])
     out, err = capsys.readouterr()
@@ -163,6 +170,7 @@ def test_plot_check_leaves_an_existing_file_alone_and_creates_none(tmp_path):
     assert png.read_bytes() == b"keep" and not new.exists()
 
 
+@pytest.mark.slow
 def test_plan_of_a_gpu_recipe_runs_without_a_gpu(capsys):
     # plan trains nothing, so llama-1b is planned from uninitialised CPU weights (shape of 1B, 2 layers here)
     if torch.cuda.is_available():
@@ -176,6 +184,7 @@ def test_plan_of_a_gpu_recipe_runs_without_a_gpu(capsys):
     assert "| parameters |" in out
 
 
+@pytest.mark.slow
 def test_plan_of_llama_1b_counts_bf16_autocast_activations(capsys):
     """The recipe trains under bf16 autocast; the plan's meta estimate emulates it (Note [Autocast on
     meta]) and gives the 2.07 GiB per layer the runtime moves on a GPU (3.26 GiB in fp32)."""
@@ -195,6 +204,7 @@ def test_llama_1b_needs_a_gpu(capsys):
     assert code == 2 and "recipe 'llama-1b' needs a CUDA GPU" in err
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "annotate_offload", "train", "--recipe", "nope"],
                           capture_output=True, text=True, cwd=tmp_path,
@@ -204,6 +214,7 @@ def test_python_dash_m_entry_point(tmp_path):
     assert proc.stderr.strip() == "annotate-offload: error: unknown recipe 'nope'; valid: llama-tiny, llama-1b, hf-llama."
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_llama_tiny_on_cuda_parity(capsys):
     code, out, err = _train(capsys, "--device", "cuda", "train.train_iters=3")
@@ -213,6 +224,7 @@ def test_llama_tiny_on_cuda_parity(capsys):
     assert code == 0 and "PASS: identical losses" in out, out + err
 
 
+@pytest.mark.slow
 def test_plan_of_a_one_layer_model(capsys):
     """Following the error's advice for model.num_layers=1 (cpu_offloading_num_layers=0) works: layer
     discovery needs no repeated blocks, the built-in blocks are declared with @offload_layer."""
