@@ -13,7 +13,6 @@ import pytest
 import distributed as bench
 
 SCRIPT = os.path.join(os.path.dirname(bench.__file__), "distributed.py")
-pytestmark = pytest.mark.slow
 
 
 def _torchrun(*argv: str, cwd) -> str:
@@ -27,12 +26,14 @@ def _torchrun(*argv: str, cwd) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_tiny_single_process(capsys):
     assert bench.main(["--tiny"]) == 0
     out = capsys.readouterr().out
     assert "| 1 GPU | 1 |" in out and "1 process" in out
 
 
+@pytest.mark.slow
 def test_two_processes_fsdp_units_of_two_blocks_with_traces(tmp_path):
     out = _torchrun("--parallel", "fsdp", "--fsdp-unit-layers", "2", "--profile", str(tmp_path / "traces"), cwd=tmp_path)
     assert "| 2 GPUs FSDP2 | 2 |" in out and "| 1 GPU, FSDP2 at world size 1 | 1 |" in out
@@ -41,6 +42,7 @@ def test_two_processes_fsdp_units_of_two_blocks_with_traces(tmp_path):
     assert sorted(os.listdir(tmp_path / "traces")) == ["fsdp_rank0.json", "fsdp_rank1.json"]
 
 
+@pytest.mark.slow
 def test_two_processes_ddp_host_step_sharded(tmp_path):
     out = _torchrun("--parallel", "ddp", cwd=tmp_path)
     assert "| 2 GPUs DDP (host step sharded) | 2 |" in out and "| 1 GPU, DDP at world size 1 | 1 |" in out
