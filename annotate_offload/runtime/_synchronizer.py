@@ -244,8 +244,8 @@ class OffloadSynchronizer:
             return "too_small"
         if _is_fake(t):
             return "fake"
-        if _is_param_alias(t) or (t.is_leaf and t.requires_grad):
-            return "parameter"  # weights and other leaves the user holds: copying frees nothing
+        if _is_param_alias(t):
+            return "parameter"  # a weight, its views and casts: copying frees nothing
         base = t._base
         if _marked(t) or (base is not None and _marked(base)):
             return "marked"  # a view of a marked tensor (Linear on 3-D input saves a view)
