@@ -48,7 +48,7 @@ class OffloadPlan:
     """What ``offload_transform`` did: per layer the choice and its bytes.
 
     Attributes:
-        layers (tuple[LayerPlan, ...]): every declared layer, in execution order.
+        layers (tuple[LayerPlan, ...]): every declared layer, in registration (and run) order.
         layer_source (str): how the layers were found (marks, ``layer_types=``, discovery).
         bytes_source (str): where ``bytes_per_step`` comes from: ``"measured"`` (runtime stats of
             the first training forward, which replace any estimate), ``"estimate"`` (meta-device

@@ -45,6 +45,25 @@ def test_loss_and_grads_bit_identical(make, n):
         assert stats.bytes_reloaded == stats.bytes_offloaded
 
 
+@pytest.mark.parametrize("n", [1, L - 1])
+def test_builtin_llama_bit_identical(n):
+    from annotate_offload.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=L, num_attention_heads=4,
+                         num_key_value_heads=2, max_seq_len=64)
+    model = Llama(config, seed=0)
+    ref = copy.deepcopy(model)
+    _transformed(model, n)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    for m in (model, ref):
+        m(ids).float().square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+    assert set(sync_of(model).stats.bytes_offloaded_per_layer) == set(range(n))
+
+
 def test_autocast_bf16_bit_identical():
     model = gpt(L)
     ref = copy.deepcopy(model)
