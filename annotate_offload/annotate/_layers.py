@@ -13,9 +13,11 @@ Nothing above the layers is traced or replaced: the root forward, its arguments,
 ``training`` flag and Python flags are the user's. The index ``i`` is the layer's position among
 the declared layers, fixed per wrapper, so eval forwards, skipped layers and repeated forwards
 cannot desynchronise it. Outside a training forward (autograd off, or inside backward where a
-checkpoint recomputes the layer) the wrapper only calls the forward. The runtime binds its device
-from the tensors of each step (Note [Device binding] in ``runtime/_synchronizer.py``), so the
-transform and ``.to(device)`` may come in either order.
+checkpoint recomputes the layer), and inside the layer's own open scope (a user forward set later
+that calls the earlier wrapper), the wrapper only calls the forward. Under ``torch.compile`` the
+wrapper runs eagerly: the graph breaks at each layer call. The runtime binds its device from the
+tensors of each step (Note [Device binding] in ``runtime/_synchronizer.py``), so the transform
+and ``.to(device)`` may come in either order.
 
 The wrappers hold weak references to their layer and to the transform's state, which the model
 owns: a transformed model has no reference cycle and is freed when its last reference goes, like
