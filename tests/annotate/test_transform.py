@@ -136,6 +136,8 @@ def test_in_place_contract_and_remove():
     assert model.forward.__func__ is cls.forward
     with pytest.raises(OffloadError, match="was not transformed"):
         remove_offload(model)
+    with pytest.raises(TypeError, match="remove_offload: model must be the nn.Module"):
+        remove_offload("hello")
     _transformed(model, 2)  # transformable again
     remove_offload(model)
     assert not any(m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__ for m in model.modules())
