@@ -169,6 +169,10 @@ class ModelConfig:
         release_lag (int | None): runtime release schedule, ``None`` = TE's bound. Default: ``None``.
         prefetch_layers (int | None): reload look-ahead in layers (``>= 1``), ``None`` = TE's
             distance. Default: ``None``.
+        recompute (bool): ``offload_transform`` runs every declared layer under
+            ``torch.utils.checkpoint`` (non-reentrant) inside its offload scope, so offloaded layers
+            move only the checkpoint's saved inputs. Unlike ``recompute_granularity`` (Megatron's
+            own recompute) it combines with ``cpu_offloading``. Default: ``False``.
         seq_length (int): tokens per sample (used by the CLI recipes). Default: ``128``.
         bf16 (bool): run forward/backward under ``torch.autocast(bfloat16)`` (CLI). Default: ``False``.
 
@@ -192,6 +196,7 @@ class ModelConfig:
     min_offload_numel: int = 256 * 1024
     release_lag: Optional[int] = None
     prefetch_layers: Optional[int] = None
+    recompute: bool = False
     seq_length: int = 128
     bf16: bool = False
 

@@ -135,8 +135,8 @@ def keep_saves() -> Any:
 def _marking_sync() -> Any:
     """The open synchronizer adapter saves should go to, or ``None``: none open, or inside a
     non-reentrant checkpoint (Note [A checkpoint around the layer] in runtime/_context.py: the
-    checkpoint keeps only its inputs, and a scope here would break its recompute; fresh-user report,
-    seventh session: LoRA under recompute=True failed with "CheckpointError: ... different metadata")."""
+    checkpoint keeps only its inputs, and a scope here would replace its hooks, so its recompute
+    would fail with "CheckpointError: ... different metadata")."""
     if inside_checkpoint():
         return None
     return _active_synchronizer()

@@ -109,7 +109,7 @@ def mark_activation_offload(*tensors: torch.Tensor) -> None:
 def mark_ready(t: torch.Tensor) -> None:
     """Record that ``t`` is final now (ready event on the current stream, with its version) without
     copying it: if autograd saves it later in this scope, its D2H waits for this event instead of
-    the stream position at save time (Note [Layer input at entry] in ``annotate/_boundary.py``)."""
+    the stream position at save time (Note [Layer input at entry] in ``annotate/_layers.py``)."""
     if t.device.type == "cuda":
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(t.device))

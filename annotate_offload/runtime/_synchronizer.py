@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import threading
 import warnings
 import weakref
@@ -137,7 +138,8 @@ class OffloadSynchronizer:
         policy (str): ``"opt_out"`` or ``"opt_in"``; ``None`` uses ``NVTE_CPU_OFFLOAD_V1``.
         min_offload_numel (int): tensors with fewer logical elements stay on the device.
             Default: 262144 (256K, TransformerEngine's threshold).
-        device: ``"cuda"``, ``"cpu"`` (the CPU backend) or ``None`` for automatic.
+        device: ``"cuda"``, ``"cpu"`` (the CPU backend), or ``None``: bound per step from the
+            first tensor an offloaded layer saves (Note [Device binding]). Default: ``None``.
 
     Raises:
         TypeError, ValueError: for arguments of the wrong type or out of range.
@@ -164,9 +166,13 @@ class OffloadSynchronizer:
             if min_offload_numel is None
             else _check_int("min_offload_numel", min_offload_numel, 0)
         )
-        backend = get_backend(device)
-        self.backend: Any = backend if offload_stream is None else _StreamOverride(backend, offload_stream)
-        self.pool = get_pool(backend.device_type)
+        # Note [Device binding]: without a device (and no ANNOTATE_OFFLOAD_DEVICE), the backend is
+        # bound per step from the first tensor an offloaded layer saves, not here: a model that is
+        # transformed and then moved (.to("cuda"), Trainer, accelerate) offloads on the device it
+        # trains on. Until then the CPU backend stands in (no stream, no CUDA initialisation).
+        self._offload_stream = offload_stream
+        self._lazy_device = device is None and not os.environ.get("ANNOTATE_OFFLOAD_DEVICE")
+        self._bind(get_backend("cpu" if self._lazy_device else device))
         self._frozen_shapes: set[tuple] = set()
         self.__dict__.update(self._fresh_state())
         self._warned_count = False  # a forward whose context count did not match num_layers
@@ -184,6 +190,7 @@ class OffloadSynchronizer:
         return {
             "stats": OffloadStats(),
             "_step": None,  # Optional[_Step]
+            "_bound_step": None,  # the step the backend was bound for (Note [Device binding])
             "_steps": 0,
             "_scope": None,
             "_scope_index": -1,
@@ -194,6 +201,20 @@ class OffloadSynchronizer:
             "current_layer_id": 0,
         }
 
+    def _bind(self, backend: _Backend) -> None:
+        self.backend: Any = backend if self._offload_stream is None else _StreamOverride(backend, self._offload_stream)
+        self.pool = get_pool(backend.device_type)
+
+    def _bind_to(self, t: torch.Tensor) -> None:
+        """Bind this step to ``t``'s device (Note [Device binding]); states of the step get the backend."""
+        self._bound_step = self._step
+        if t.device.type not in ("cpu", "cuda"):
+            return  # meta and other devices: kept on the device (reason not_on_device)
+        self._bind(get_backend(t.device))
+        for state in self._step.layers.values():
+            if not state.entries:
+                state.backend, state.pool = self.backend, self.pool
+
     def __deepcopy__(self, memo: dict) -> "OffloadSynchronizer":
         new = type(self).__new__(type(self))
         memo[id(self)] = new
@@ -201,7 +222,7 @@ class OffloadSynchronizer:
         for key, value in self.__dict__.items():
             if key in fresh:
                 continue
-            new.__dict__[key] = value if key in ("backend", "pool") else copy.deepcopy(value, memo)
+            new.__dict__[key] = value if key in ("backend", "pool", "_offload_stream") else copy.deepcopy(value, memo)
         new.__dict__.update(fresh)
         return new
 
@@ -244,8 +265,8 @@ class OffloadSynchronizer:
             return "too_small"
         if _is_fake(t):
             return "fake"
-        if _is_param_alias(t) or (t.is_leaf and t.requires_grad):
-            return "parameter"  # weights and other leaves the user holds: copying frees nothing
+        if _is_param_alias(t):
+            return "parameter"  # a weight, its views and casts: copying frees nothing
         base = t._base
         if _marked(t) or (base is not None and _marked(base)):
             return "marked"  # a view of a marked tensor (Linear on 3-D input saves a view)
@@ -270,6 +291,8 @@ class OffloadSynchronizer:
             self.stats._keep("layer_not_offloaded", tensor.numel() * tensor.element_size())
             kept = self._cur_kept
             return _Kept(tensor) if kept is None else _KeptCounted(tensor, kept)
+        if self._lazy_device and self._bound_step is not self._step:
+            self._bind_to(tensor)
         reason = self._keep_reason(tensor)
         if reason is not None:
             self.stats._keep(reason, tensor.numel() * tensor.element_size())
@@ -300,6 +323,8 @@ class OffloadSynchronizer:
     def _start_offload_now(self, t: torch.Tensor) -> None:
         """``start_offload`` inside an open scope: enqueue the copy before autograd saves ``t``."""
         state = self._cur
+        if state is not None and self._lazy_device and self._bound_step is not self._step:
+            self._bind_to(t)
         if state is None or not state.eager_d2h or self._keep_reason(t) is not None:
             return
         from ._tensor_group import _unit_range

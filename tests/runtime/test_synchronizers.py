@@ -40,13 +40,13 @@ def test_release_and_prefetch_happen_at_the_scheduled_layers():
     L = 4
     s = DefaultOffloadSynchronizer(L, 3, device="cpu", min_offload_numel=0, release_lag=1,
                                    prefetch_layers=1)
-    w = torch.randn(64, 64, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(64, 64))
     h = torch.randn(8, 64)
     resident = []
     for i in range(L):
         h = _layer(s, i, h, w)
         resident.append(s.stats.resident_bytes)
-    unit = 8 * 64 * 4  # per layer: its input and its tanh output (w is a leaf, never offloaded)
+    unit = 8 * 64 * 4  # per layer: its input and its tanh output (w is a parameter, never offloaded)
     # layer 0 is released at the entry of 2 (lag 1) or earlier once its copy is done (CPU: at once)
     assert max(resident) <= 2 * 2 * unit
     reloaded = []
@@ -84,7 +84,7 @@ def test_entering_a_layer_twice_without_commit_raises():
 
 def test_explicit_indices_resynchronise_after_skipped_layers_and_eval():
     s = DefaultOffloadSynchronizer(4, 3, device="cpu", min_offload_numel=0, prefetch_layers=1)
-    w = torch.randn(32, 32, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(32, 32))
     for _ in range(3):
         with torch.no_grad():
             _layer(s, 0, torch.randn(4, 32), w)  # eval pass: nothing happens
@@ -255,8 +255,8 @@ def test_kept_last_layer_paces_the_first_reload(monkeypatch, k):
     from annotate_offload.runtime import _layer_state
 
     L = 4
-    w1 = torch.randn(64, 64, requires_grad=True)
-    w2 = torch.randn(64, 64, requires_grad=True)
+    w1 = torch.nn.Parameter(torch.randn(64, 64))
+    w2 = torch.nn.Parameter(torch.randn(64, 64))
     x0 = torch.randn(8, 64, requires_grad=True)
 
     def run(sync):
