@@ -36,8 +36,20 @@ def _model_section(config: Any) -> Any:
     )
 
 
-def resolve(num_layers: Any, config: Any) -> Settings | None:
-    """``num_layers`` and the config's fields, checked; ``None`` means the config turns offloading off."""
+# The config fields ``offload_transform`` also takes as keywords, and the Settings field each sets.
+FIELDS = {"release_lag": "release_lag", "prefetch_layers": "prefetch_layers",
+          "min_offload_numel": "min_offload_numel", "recompute": "recompute", "offload_policy": "policy"}
+
+
+def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None) -> Settings | None:
+    """``num_layers``, the config's fields and keyword ``fields`` over them, checked; ``None`` means
+    the config turns offloading off."""
+    unknown = sorted(set(fields or ()) - set(FIELDS))
+    if unknown:
+        raise TypeError(
+            f"offload_transform: unexpected keyword {unknown[0]!r}; the config fields it also takes as "
+            f"keywords are {', '.join(FIELDS)} (other settings go in config=ModelConfig(...))."
+        )
     s = Settings(num_layers=num_layers)
     if config is not None:
         validate = getattr(config, "validate", None)
@@ -83,6 +95,8 @@ def resolve(num_layers: Any, config: Any) -> Settings | None:
         p = getattr(cfg, "offload_policy", None)
         s.policy = getattr(p, "value", p)
         s.config_layers = getattr(cfg, "num_layers", None)
+    for name, value in (fields or {}).items():
+        setattr(s, FIELDS[name], getattr(value, "value", value))
     if s.num_layers is None:
         raise ValueError(
             "offload_transform: num_layers is required (None given and no config with "

@@ -30,6 +30,7 @@ def offload_transform(
     config: Any = None,
     layer_types: type | Sequence[type] | None = None,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    **config_fields: Any,
 ) -> nn.Module:
     """Offload the saved activations of a model's first ``num_layers`` layers to host memory, in place.
 
@@ -78,6 +79,9 @@ def offload_transform(
             256K elements, no recompute. Default: ``None``.
         layer_types (type | tuple[type, ...] | None): classes whose outermost instances are the layers.
         filter_fn (Callable[[nn.Module, str], bool] | None): ``filter_fn(module, fqn)`` picks the layers.
+        **config_fields: the config fields ``release_lag``, ``prefetch_layers``, ``min_offload_numel``,
+            ``recompute`` and ``offload_policy`` as keywords, over ``config``'s values:
+            ``offload_transform(m, 2, min_offload_numel=256)``. Any other keyword is a ``TypeError``.
 
     Returns:
         nn.Module: ``model`` itself.
@@ -118,7 +122,7 @@ def offload_transform(
         )
     if example_inputs is not None:
         split_inputs(example_inputs, "offload_transform")  # a TypeError now, not a note in the plan
-    settings = resolve(num_layers, config)
+    settings = resolve(num_layers, config, config_fields)
     if settings is None:
         return model
     refs, how = find_layers(model, layer_types=layer_types, filter_fn=filter_fn)

@@ -220,13 +220,17 @@ def test_last_but_one_warns_like_te_and_points_to_prefetch():
 
 
 def test_options_live_in_the_config_and_bad_values_name_the_field():
-    """The schedule, policy, threshold and recompute are config fields: the old keywords are refused
-    by Python, and a bad value is refused (by ModelConfig, or here for a duck-typed config) before
-    the model changes, naming the field, the value and the fix."""
+    """The schedule, policy, threshold and recompute are config fields, also accepted as keywords
+    over the config; any other keyword is refused naming the ones accepted, and a bad value is
+    refused (by ModelConfig, or here for a duck-typed config or a keyword) before the model
+    changes, naming the field, the value and the fix."""
     model = Stack(L)
-    for old in ("prefetch_layers", "release_lag", "policy", "min_offload_numel", "recompute", "path"):
-        with pytest.raises(TypeError, match=rf"unexpected keyword argument '{old}'"):
+    for old in ("policy", "path", "cpu_offloading_num_layers"):
+        with pytest.raises(TypeError, match=rf"unexpected keyword '{old}'.*release_lag, prefetch_layers"):
             offload_transform(model, 1, **{old: 1})
+    with pytest.raises(ValueError, match=r"config.prefetch_layers must be None or an int >= 1, got 0"):
+        offload_transform(model, 1, prefetch_layers=0)
+    assert not hasattr(model, "offload_plan")
     with pytest.raises(ValueError, match=r"model\.prefetch_layers=0.*Fix"):
         ModelConfig(cpu_offloading=True, prefetch_layers=0)
     with pytest.raises(TypeError, match=r"model\.recompute must be bool, got 'yes'"):
@@ -501,3 +505,16 @@ def test_example_inputs_that_cannot_run_the_forward_warn():
     with pytest.warns(UserWarning, match=r"example_inputs= could not run the forward: meta estimate failed"):
         offload_transform(model, num_layers=1, example_inputs=(torch.randn(3, 7),))
     assert any("meta estimate failed" in n for n in model.offload_plan.notes)
+
+
+def test_config_fields_as_keywords_override_the_config():
+    """``offload_transform(m, 1, min_offload_numel=0)`` is ``config=ModelConfig(cpu_offloading=True,
+    min_offload_numel=0)``: a keyword wins over the config's value, and the plan offloads under it."""
+    torch.manual_seed(0)
+    x = X()
+    for kwargs in ({"min_offload_numel": 0},
+                   {"config": ModelConfig(cpu_offloading=True, min_offload_numel=1 << 30), "min_offload_numel": 0}):
+        model = Stack(L)
+        offload_transform(model, 1, **kwargs)
+        model(x).sum().backward()
+        assert model.offload_plan.stats.bytes_offloaded > 0, kwargs
