@@ -21,11 +21,11 @@ transform and ``.to(device)`` may come in either order.
 Note [Traced layers]. Under ``torch.compile`` Dynamo traces the wrapper (no graph break): it runs
 the forward inside ``torch.fx.traceback.annotate`` with the tag ``(key, i)`` (``key``: the model's
 runtime, Note [Compiled offload ops] in ``compile/_ops.py``) and puts a ``layer`` marker op at the
-entry of layer ``i`` (and after the last layer). AOTAutograd carries the tag onto every forward and
+entry of layer ``i`` (and after the last layer) with the key and a checksum of the plan. AOTAutograd carries the tag onto every forward and
 backward node of the layer, and the fx pass in ``compile/_pass.py`` offloads the saved activations
 of the partitioned graph through the same runtime. No scope opens in traced code, so the adapter
-marks' hooks stand aside there. Dynamo guards on ``key``, the layer index and the grad mode, so a
-model transformed, removed or copied later gets its own graph.
+marks' hooks stand aside there. Dynamo guards on ``key``, the plan, the layer index and the grad
+mode, so a model transformed, removed or copied later gets its own graph.
 
 The wrappers hold weak references to their layer and to the transform's state, which the model
 owns: a transformed model has no reference cycle and is freed when its last reference goes, like
@@ -181,7 +181,7 @@ class OffloadState:
         self.marks: Any = None  # peft OffloadMarks on the model
         self.own_marks = False  # installed by offload_transform (removed with it)
         self.generation = generation()
-        self.key = register_runtime(sync)  # Note [Traced layers]
+        self.key, self.plan_id = register_runtime(sync)  # Note [Traced layers]
         self._fresh()
 
     def _fresh(self) -> None:
@@ -246,12 +246,12 @@ class OffloadState:
             fn = _checkpointed(fn)
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        key, layer = self.key, torch.ops.annotate_offload.layer
+        key, plan, layer = self.key, self.plan_id, torch.ops.annotate_offload.layer
         with torch.fx.traceback.annotate({TAG: (key, index)}):
-            layer(key, index)
+            layer(key, index, plan)
             out = fn(*args, **kwargs)
         if index == len(self.layers) - 1:
-            layer(key, index + 1)
+            layer(key, index + 1, plan)
         return out
 
     def _enter(self, index: int, args: tuple, kwargs: dict) -> None:
@@ -355,7 +355,7 @@ class OffloadState:
         new.fqns, new.recompute, new.offloaded = self.fqns, self.recompute, self.offloaded
         new.layers = copy.deepcopy(self.layers, memo)
         new.sync, new.plan = copy.deepcopy(self.sync, memo), copy.deepcopy(self.plan, memo)
-        new.key = register_runtime(new.sync)
+        new.key, new.plan_id = register_runtime(new.sync)
         new.marks, new.own_marks = copy.deepcopy(self.marks, memo), self.own_marks
         new.generation = self.generation
         new._fresh()

@@ -21,13 +21,15 @@ Data dependencies are the only ordering a compiler keeps, so every op has them.
 
 ``key`` names the runtime of one transformed model: a process-wide counter, so the same script gets
 the same keys and a graph that a compile cache stored refers to the same model in a later run. It
-is a constant of the ``layer`` markers, which makes it part of the traced program's cache key.
+and a checksum of the plan are constants of the ``layer`` markers, which makes them part of the
+traced program's cache key.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
+import zlib
 from typing import Any
 
 import torch
@@ -43,11 +45,14 @@ _KEYS = itertools.count()
 _RECORD = "_annotate_offload_record"
 
 
-def register(sync: Any) -> int:
-    """A new key for ``sync`` (the runtime of one transformed model); the registry holds it weakly."""
+def register(sync: Any) -> tuple[int, int]:
+    """A new key for ``sync`` (the runtime of one transformed model; the registry holds it weakly),
+    and a checksum of its plan, which the markers carry so that a cached graph of another plan is
+    not reused."""
     key = next(_KEYS)
     _RUNTIMES[key] = sync
-    return key
+    plan = (sorted(sync.offloaded_layers), sync.num_layers, sync.min_offload_numel, sync.policy, sync.release_lag)
+    return key, zlib.crc32(repr(plan).encode())
 
 
 def runtime(key: int) -> Any:
@@ -77,13 +82,13 @@ def _empty_fake(*args: Any) -> torch.Tensor:
 
 
 @torch.library.custom_op("annotate_offload::layer", mutates_args=())
-def layer(key: int, index: int) -> None:
+def layer(key: int, index: int, plan: int) -> None:
     """Marks the entry of layer ``index`` (``num_layers``: the end of the last layer); the pass reads
     and removes it, and it does nothing where it stays."""
 
 
 @layer.register_fake
-def _layer_fake(key: int, index: int) -> None:
+def _layer_fake(key: int, index: int, plan: int) -> None:
     from ._pass import install
 
     install()  # a graph with layers of this package is being traced: the pass must see its partition

@@ -177,9 +177,7 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) 
     """Offload the saved activations of offloaded layers in one partitioned graph pair, in place
     (Note [Compiled offload pass]); a no-op for graphs without this package's ``layer`` op."""
     fg, bg = fw.graph, bw.graph
-    entries = {}
-    for node in fg.find_nodes(op="call_function", target=_OPS.layer.default):
-        entries[node.args] = node
+    entries = {node.args[:2]: node for node in fg.find_nodes(op="call_function", target=_OPS.layer.default)}
     runtimes = {key: _ops.runtime(key) for key, _ in entries}
     runtimes = {key: sync for key, sync in runtimes.items() if sync is not None}
     if not runtimes:
