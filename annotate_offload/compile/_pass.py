@@ -37,6 +37,7 @@ does (Note [Storage units]), so they equal the runtime's ``bytes_offloaded`` per
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -124,10 +125,18 @@ def install() -> None:
     """Run :func:`offload_saved` at every partition from now on (idempotent; Note [Compiled offload pass])."""
     if _installed[0]:
         return
+    _installed[0] = True
     import torch._functorch.config as functorch_config
-    from torch._functorch._activation_offloading import activation_offloading as torch_offloading
 
-    torch_pass = torch_offloading.enable_activation_offloading
+    try:
+        from torch._functorch._activation_offloading import activation_offloading as torch_offloading
+
+        torch_pass = torch_offloading.enable_activation_offloading
+    except (ImportError, AttributeError) as e:  # a torch whose partitioner has no offloading hook
+        warnings.warn(f"annotate_offload: torch {torch.__version__} has no activation-offloading hook in "
+                      f"AOTAutograd's partitioner ({e}); compiled models of transformed layers train exactly but "
+                      "offload nothing. Use torch 2.11 or later.", UserWarning, stacklevel=2)
+        return
 
     def partitioned(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, static_inputs: Any) -> None:
         offload_saved(fw, bw, num_fwd_outputs)
@@ -135,7 +144,6 @@ def install() -> None:
 
     torch_offloading.enable_activation_offloading = partitioned
     functorch_config.enable_activation_offloading = True
-    _installed[0] = True
 
 
 # ---------------------------------------------------------------------------------------- graph facts
@@ -228,6 +236,10 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) 
     report = [SavedActivation(n.name, owners[n][1] if owners[n] else None, tuple(_val(n).shape), _val(n).dtype,
                               _val(n).numel() * _val(n).element_size(), kept(n)) for n in saved]
     moved = [(n, owners[n]) for n, r in zip(saved, report) if r.kept is None]
+    if any(r.kept == "dynamic_shape" for r in report):
+        warnings.warn("annotate_offload: a compiled graph of offloaded layers has dynamic shapes; its activations "
+                      "with symbolic sizes stay on the device. Compile with torch.compile(model, dynamic=False) "
+                      "(one graph per shape) to offload them.", UserWarning, stacklevel=2)
     if moved:
         _forward(fg, moved, entries, runtimes, saved, num_fwd_outputs)
         _backward(bg, moved, runtimes, backward_inputs)
