@@ -76,9 +76,13 @@ def _view_meta(t: torch.Tensor, lo: int) -> _ViewMeta:
 
 
 def _rebuild(flat: torch.Tensor, meta: _ViewMeta) -> torch.Tensor:
-    """Rebuild a saved tensor from its unit's flat ``uint8`` bytes (no copy)."""
-    typed = flat.view(meta.dtype) if meta.dtype != torch.uint8 else flat
-    return typed.as_strided(meta.shape, meta.stride, meta.offset)
+    """Rebuild a saved tensor from its unit's flat ``uint8`` bytes, wherever they sit (no copy).
+
+    ``as_strided`` takes an absolute storage offset: the unit starts at byte ``lo`` of the
+    original storage when it is served before release, at byte 0 of a reload.
+    """
+    typed = flat.view(meta.dtype)
+    return typed.as_strided(meta.shape, meta.stride, typed.storage_offset() + meta.offset)
 
 
 @dataclasses.dataclass
