@@ -105,19 +105,6 @@ def _ctx(layers=3, n=1, **kw):
     return ao.get_cpu_offload_context(True, n, layers, device="cpu", min_offload_numel=0, **kw)
 
 
-def test_reentering_without_sync_raises_and_leaves_no_state():
-    blocks = make_stack(3)
-    ctx, sync = _ctx()
-    x = torch.randn(2, 8, 64, requires_grad=True)
-    with ctx:
-        y = blocks[0](x)
-    with pytest.raises(OffloadError, match="re-entered without calling the synchronization"):
-        with ctx:
-            blocks[1](y)
-    assert not ao.is_cpu_offload_enabled()
-    assert ctx.inside_context is False
-
-
 def test_sync_inside_context_or_without_grad_tensor_raises():
     ctx, sync = _ctx()
     x = torch.randn(2, 8, 64, requires_grad=True)
