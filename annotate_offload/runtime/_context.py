@@ -11,9 +11,9 @@ Port TE code by changing one import::
 
 Behaviour follows TransformerEngine's ``cpu_offload.get_cpu_offload_context``: same signature and
 positional order, same returns, same validation. Differences, all additive: the D2H copies start at
-save time, the schedule accepts ``release_lag`` / ``prefetch_layers``, the selection policy and
-device backend are keyword options, and with grad disabled (``no_grad``, ``inference_mode``: eval
-passes) the context passes straight through.
+save time, the schedule's look-ahead is one keyword (``prefetch_layers``), the selection policy and
+size threshold are keywords, and with grad disabled (``no_grad``, ``inference_mode``: eval passes)
+the context passes straight through.
 
 Note [Nesting]. Several offload contexts may live in one process (a policy and a reference
 model): each has its own synchronizer and counters; they share the side streams and the host
@@ -177,7 +177,6 @@ def get_cpu_offload_context(
     retain_pinned_cpu_buffers: bool = False,
     offload_stream: Optional[Any] = None,
     *,
-    release_lag: Optional[int] = None,
     prefetch_layers: Optional[int] = None,
     policy: Optional[str] = None,
     min_offload_numel: Optional[int] = None,
@@ -199,8 +198,10 @@ def get_cpu_offload_context(
             / ``start_reload_layer``.
         retain_pinned_cpu_buffers (bool): see :class:`OffloadSynchronizer`.
         offload_stream: a CUDA stream for the copies; manual mode only (as in TE).
-        release_lag (int), prefetch_layers (int): schedule knobs beyond TE, see
-            :class:`DefaultOffloadSynchronizer`. ``None`` reproduces TE's schedule.
+        prefetch_layers (int): the schedule's look-ahead ``k >= 1``, in layers, both ways: layer
+            ``i``'s device bytes are released by the entry of layer ``i + 1 + k`` and reloaded when
+            backward reaches layer ``i + k`` (``release_lag`` and ``prefetch_layers`` of
+            :class:`DefaultOffloadSynchronizer`). ``None`` reproduces TE's schedule. Default: ``None``.
         policy (str): ``"opt_out"`` (default) or ``"opt_in"``; ``None`` follows
             ``NVTE_CPU_OFFLOAD_V1``.
         min_offload_numel (int): size threshold in logical elements. Default: 262144.
@@ -216,7 +217,7 @@ def get_cpu_offload_context(
 
     Warns:
         UserWarning: ``num_layers == model_layers - 1`` (TE's schedule cannot overlap copies with
-            compute then; pass ``prefetch_layers=1`` and ``release_lag=1`` to overlap anyway).
+            compute then; pass ``prefetch_layers=1`` to overlap anyway).
         DeprecationWarning: ``offload_weights=True``.
     """
     if not enabled:
@@ -276,7 +277,7 @@ def get_cpu_offload_context(
             warnings.warn(
                 f"Offloading num_layers={num_layers} of model_layers={model_layers}: with "
                 "TransformerEngine's schedule no overlap of copies and compute is possible; "
-                "pass prefetch_layers=1 and release_lag=1 to overlap anyway.",
+                "pass prefetch_layers=1 to overlap anyway.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -285,7 +286,7 @@ def get_cpu_offload_context(
             num_layers,
             retain_pinned_cpu_buffers,
             None,
-            release_lag=release_lag,
+            release_lag=prefetch_layers,
             prefetch_layers=prefetch_layers,
             **common,
         )

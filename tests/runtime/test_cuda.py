@@ -238,7 +238,7 @@ def test_memory_back_to_start_after_backward_and_accounting_on_a_transformer():
         out.float().sum().backward()
         del out
         gc.collect()
-        ctx, sync = ao.get_cpu_offload_context(True, 3, 4, prefetch_layers=1, release_lag=1)
+        ctx, sync = ao.get_cpu_offload_context(True, 3, 4, prefetch_layers=1)
         run_offloaded(blocks, x, ctx, sync).float().sum().backward()  # warm-up (pinned pool)
         gc.collect()
         for _ in range(2):
@@ -258,7 +258,7 @@ def test_memory_back_to_start_after_backward_and_accounting_on_a_transformer():
 def test_bit_identical_over_50_iterations_with_perturbed_timing(perturb):
     blocks = make_stack(4, hidden=512, heads=8, device="cuda", dtype=torch.bfloat16)
     ref = clone(blocks)
-    ctx, sync = ao.get_cpu_offload_context(True, 3, 4, prefetch_layers=1, release_lag=1)
+    ctx, sync = ao.get_cpu_offload_context(True, 3, 4, prefetch_layers=1)
     backend = ctx.offload_synchronizer.backend
     stream = {"d2h": backend.d2h_stream, "h2d": backend.h2d_stream}.get(perturb)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -347,7 +347,7 @@ def _forward_on_a_user_stream() -> None:
     x = torch.randn(4, 256, 512, device="cuda")
     user = torch.cuda.Stream()
     ctx, sync_fn = ao.get_cpu_offload_context(
-        enabled=True, num_layers=2, model_layers=3, release_lag=0, prefetch_layers=1, min_offload_numel=0
+        enabled=True, num_layers=2, model_layers=3, prefetch_layers=1, min_offload_numel=0
     )
     with _sdpa_exact():
         user.wait_stream(torch.cuda.current_stream())
@@ -387,7 +387,7 @@ def test_offload_on_a_device_that_is_not_current_keeps_the_current_device():
     ref_blocks = clone(blocks)
     x = torch.randn(2, 128, 256, device="cuda:1")
     ctx, sync_fn = ao.get_cpu_offload_context(
-        enabled=True, num_layers=2, model_layers=3, release_lag=0, prefetch_layers=1,
+        enabled=True, num_layers=2, model_layers=3, prefetch_layers=1,
         min_offload_numel=0, device="cuda:1",
     )
     torch.cuda.set_device(0)
