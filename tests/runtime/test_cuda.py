@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 import annotate_offload as ao
-from annotate_offload.runtime import DefaultOffloadSynchronizer, PinnedBufferPool
+from annotate_offload.runtime import DefaultOffloadSynchronizer
+from annotate_offload.runtime._pinned_pool import PinnedBufferPool
 
 from ._models import assert_bit_identical, clone, grads, make_stack, run_offloaded, run_plain
 

@@ -6,7 +6,8 @@ import warnings
 
 import torch
 
-from annotate_offload.runtime import DefaultOffloadSynchronizer, PinnedBufferPool
+from annotate_offload.runtime import DefaultOffloadSynchronizer
+from annotate_offload.runtime._pinned_pool import PinnedBufferPool
 
 
 def test_exact_sizes_and_reuse():
