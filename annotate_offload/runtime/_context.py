@@ -50,8 +50,9 @@ def inside_checkpoint() -> bool:
     (its forward or its recompute in backward).
 
     Note [A checkpoint around the layer]: such a checkpoint keeps only its inputs and recomputes the
-    rest; layer wrappers and adapter marks that would open a saved-tensor scope inside it stand
-    aside there.
+    rest in backward. A layer scope opened inside it stays correct (Note [Scopes inside a
+    checkpoint]) but would offload what the checkpoint means to recompute, so layer wrappers and
+    adapter marks use this to stand aside there.
     """
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is None:
@@ -122,14 +123,15 @@ class _CpuOffloadContext(contextlib.ContextDecorator):
     def synchronization_function(self, tensor: torch.Tensor) -> torch.Tensor:
         """The layer-boundary commit: call on each layer's output, outside the context.
 
-        Returns ``tensor`` itself. With grad disabled it returns its input and does nothing.
+        Returns ``tensor`` itself. With grad disabled, and in a checkpoint's recompute, it returns
+        its input and does nothing.
 
         Raises:
             OffloadError: if called inside the context, or before any layer was entered.
             TypeError: if ``tensor`` is not a tensor.
             ValueError: if ``tensor`` does not require grad (its backward could not be tracked).
         """
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _in_backward():
             return tensor
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(

@@ -31,10 +31,10 @@ recompute saves inside the scope belong to a graph that is never run.
 
 Note [Errors leave nothing behind]. A layer scope is one ``saved_tensors_hooks`` entry plus the
 step's state. An exception inside a scope (the context's ``__exit__``), a refused entry, or an
-error while the runtime enters a layer closes the hooks and drops the step (its host copies stay
-valid for a graph that is still alive). Nothing requires the synchronization function to have run:
-a forward abandoned between a layer and its ``sync_fn`` is simply a step whose layer boundary was
-never marked.
+error while the runtime enters a layer closes the hooks and drops the step (host copies stay valid
+for a graph that is still alive, so dropping a step never changes a result). An exception the
+runtime does not see, between a layer and its ``sync_fn``, leaves a layer without its commit: the
+context's next entry takes that forward as abandoned, drops its step and counts from layer 0.
 """
 
 from __future__ import annotations

@@ -127,6 +127,25 @@ def test_offload_scope_inside_a_checkpoint_gives_the_reference_gradient(api):
     assert _no_saved_tensor_hooks()
 
 
+@pytest.mark.filterwarnings("ignore:.*backward began after the offload context")  # layer 0 runs under no_grad
+def test_layer_and_sync_fn_inside_a_reentrant_checkpoint_replay_without_offloading():
+    layers = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(2)])
+    ref = clone(layers)
+    ctx, sync = _ctx()
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def layer(i, h):
+        with ctx:
+            h = layers[i](h)
+        return sync(h)  # in the recompute too: a no-op there
+
+    layer(1, checkpoint(lambda t: layer(0, t), x, use_reentrant=True)).sum().backward()
+    xr = x.detach().clone().requires_grad_(True)
+    ref[1](ref[0](xr)).sum().backward()
+    assert_bit_identical(grads(layers) + [x.grad], grads(ref) + [xr.grad])
+    assert _no_saved_tensor_hooks()
+
+
 # -- one backward per output in one step (manual mode) -----------------------------------------
 def test_manual_mode_backward_per_output_keeps_reloads_of_layers_not_yet_run():
     layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
