@@ -297,6 +297,41 @@ def test_a09_in_place_after_offload_raises_100_times():
             loss.backward()
 
 
+def test_in_place_change_of_a_saved_output_raises_100_of_100_with_a_slow_d2h():
+    """Note [Version check]: ``sigmoid`` saves its output, which the layer then scales in place.
+    The D2H of that output is held back on the copy stream, so it reads the bytes after the
+    in-place write; the saved tensor itself is gone by backward. Autograd raises without offload;
+    with offload the runtime must raise every time, never return a gradient."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4096, 4096, device="cuda")
+    x = torch.randn(2048, 4096, device="cuda")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y = torch.sigmoid(lin(x))
+        y.mul_(2)
+        y.sum().backward()
+    ctx, sync = ao.get_cpu_offload_context(True, 1, 2, prefetch_layers=1)
+    d2h = ctx.offload_synchronizer.backend.d2h_stream
+    raised = 0
+    for _ in range(100):
+        with torch.cuda.stream(d2h):
+            torch.cuda._sleep(20_000_000)  # the copy starts after the in-place write below
+        with ctx:
+            y = torch.sigmoid(lin(x))
+            y.mul_(2)
+        y = sync(y)
+        with ctx:
+            out = (y * 3).sum()
+        out = sync(out)
+        del y
+        try:
+            out.backward()
+        except RuntimeError as exc:
+            raised += "modified by an inplace operation" in str(exc)
+        lin.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    assert raised == 100
+
+
 # -- A11 ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("gib", [1.13, 2.25])
 def test_a11_pinned_host_memory_is_exact_and_reused(gib):
@@ -370,9 +405,8 @@ def test_forward_on_a_user_stream_keeps_that_stream_current_and_is_exact():
 
     It runs in a child process. On the H200 (torch 2.11.0+cu130), a plain forward and backward on
     a side stream, with no offload at all, left the process in a state where a later
-    ``torch.autograd.graph.save_on_cpu`` backward (the W1 bench test) hit an illegal memory access
-    (benchmarks/NOTES.md, session of 2026-11-30 (fifth), D2-D6): a torch-level fault outside this
-    package that must not take the rest of the suite down with it.
+    ``torch.autograd.graph.save_on_cpu`` backward hit an illegal memory access: a torch-level
+    fault outside this package that must not take the rest of the suite down with it.
     """
     code = "from tests.runtime.test_cuda import _forward_on_a_user_stream as f; f()"
     out = subprocess.run(
