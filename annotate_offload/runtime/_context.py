@@ -39,6 +39,7 @@ from ._synchronizer import (
     ManualOffloadSynchronizer,
     OffloadSynchronizer,
     _active_synchronizer,
+    _check_int,
     _in_backward,
 )
 
@@ -222,11 +223,9 @@ def get_cpu_offload_context(
             compute then; pass ``prefetch_layers=1`` to overlap anyway).
         DeprecationWarning: ``offload_weights=True``.
     """
+    null = (contextlib.nullcontext(), _identity) + ((None,) if manual_synchronization else ())
     if not enabled:
-        return (contextlib.nullcontext(), _identity, None) if manual_synchronization else (
-            contextlib.nullcontext(),
-            _identity,
-        )
+        return null
     if not offload_activations and not offload_weights:
         raise ValueError(
             "CPU Offloading is enabled while it is not mentioned what to offload (weights/"
@@ -240,17 +239,8 @@ def get_cpu_offload_context(
             stacklevel=2,
         )
         if not offload_activations:
-            return (contextlib.nullcontext(), _identity, None) if manual_synchronization else (
-                contextlib.nullcontext(),
-                _identity,
-            )
-    if isinstance(model_layers, bool) or not isinstance(model_layers, int):
-        raise TypeError(
-            f"model_layers={model_layers!r}: expected an int (the number of `with ctx:` blocks per forward), "
-            f"got {type(model_layers).__name__}"
-        )
-    if model_layers < 1:
-        raise ValueError(f"model_layers={model_layers}: must be >= 1 (the number of `with ctx:` blocks per forward)")
+            return null
+    _check_int("model_layers", model_layers, 1)
     if offload_stream is not None and not manual_synchronization:
         raise ValueError(
             "offload_stream is only supported with manual_synchronization=True; drop "
@@ -265,10 +255,7 @@ def get_cpu_offload_context(
         if isinstance(num_layers, bool) or not isinstance(num_layers, int):
             raise TypeError(f"num_layers={num_layers!r}: expected an int")
         if num_layers < 0:
-            raise ValueError(
-                f"num_layers={num_layers}: must be >= 0 (the first num_layers of model_layers={model_layers} "
-                "layers are offloaded; 0 offloads none)"
-            )
+            raise ValueError(f"num_layers={num_layers}: must be >= 0 (the first num_layers layers are offloaded; 0 offloads none)")
         if num_layers > model_layers - 1:
             raise ValueError(
                 f"Cannot offload {num_layers} layers of {model_layers}: the last layer is not "
