@@ -376,9 +376,6 @@ class _LayerState:
             flat = self.bwd_gpu_tensor_group.tensor_list[unit]
         return _rebuild(flat, meta)
 
-    def offloaded_bytes(self) -> int:
-        return sum(h.numel() for h in self.cpu_tensor_group.tensor_list if h is not None)
-
     def __del__(self) -> None:
         try:
             if any(s is not None for s in self.fwd_gpu_tensor_group.tensor_list) and self.d2h_done is not None:
@@ -393,5 +390,5 @@ class _LayerState:
     def __repr__(self) -> str:
         return (
             f"_LayerState(index={self.index}, state={self.state!r}, units={len(self.watch)}, "
-            f"offloaded_bytes={self.offloaded_bytes()})"
+            f"offloaded_bytes={sum(h.numel() for h in self.cpu_tensor_group.tensor_list if h is not None)})"
         )

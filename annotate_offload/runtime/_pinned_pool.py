@@ -121,10 +121,6 @@ class PinnedBufferPool:
                     pass
         return freed
 
-    @property
-    def free_bytes(self) -> int:
-        return self.cached_bytes - self.in_use_bytes
-
     def __repr__(self) -> str:
         return (
             f"PinnedBufferPool(pin={self.pin}, in_use_bytes={self.in_use_bytes}, "
