@@ -20,6 +20,7 @@ import torch.nn as nn
 import annotate_offload as ao
 from annotate_offload.runtime import DefaultOffloadSynchronizer
 from annotate_offload.runtime._pinned_pool import PinnedBufferPool
+from annotate_offload.runtime._device import get_backend
 
 from ._models import assert_bit_identical, clone, grads, make_stack, run_offloaded, run_plain
 
@@ -260,7 +261,7 @@ def test_bit_identical_over_50_iterations_with_perturbed_timing(perturb):
     blocks = make_stack(4, hidden=512, heads=8, device="cuda", dtype=torch.bfloat16)
     ref = clone(blocks)
     ctx, sync = ao.get_cpu_offload_context(True, 3, 4, prefetch_layers=1)
-    backend = ctx.offload_synchronizer.backend
+    backend = get_backend("cuda")  # the process-wide backend whose streams the runtime binds to
     stream = {"d2h": backend.d2h_stream, "h2d": backend.h2d_stream}.get(perturb)
     g = torch.Generator(device="cpu").manual_seed(0)
     with _sdpa_exact():
@@ -310,7 +311,7 @@ def test_in_place_change_of_a_saved_output_raises_100_of_100_with_a_slow_d2h():
         y.mul_(2)
         y.sum().backward()
     ctx, sync = ao.get_cpu_offload_context(True, 1, 2, prefetch_layers=1)
-    d2h = ctx.offload_synchronizer.backend.d2h_stream
+    d2h = get_backend("cuda").d2h_stream  # the runtime binds to it at the first save
     raised = 0
     for _ in range(100):
         with torch.cuda.stream(d2h):
