@@ -2,11 +2,17 @@
 
 Note [Offload lifetime]. A layer state is owned by the step that created it (until the
 synchronizer releases the step) *and* by every pack handle autograd holds. Device memory is
-released explicitly by the schedule (forward bytes once their D2H is done, reloads once their
-layer's backward is done); host buffers go back to the pool only when the layer state dies, i.e.
-when autograd has freed its saved tensors (after backward without ``retain_graph``, or when the
-graph is garbage-collected). So ``retain_graph=True``, several backward passes per step and graphs
-whose backward never runs cannot corrupt the next step: a later unpack reloads from the host copy.
+released explicitly by the schedule (forward bytes once their D2H is done; a unit's reload once
+each of its handles was unpacked, at the latest when its layer's backward is done); host buffers
+go back to the pool only when the layer state dies, i.e. when autograd has freed its saved tensors
+(after backward without ``retain_graph``, or when the graph is garbage-collected). So
+``retain_graph=True``, several backward passes per step and graphs whose backward never runs
+cannot corrupt the next step: a later unpack reloads from the host copy.
+
+Dropping a reload once each handle was served frees nothing backward still needs: each unpacked
+tensor is a view that keeps the buffer alive until autograd is done with it, and the compute
+stream already waited for the H2D at that unpack. A handle unpacked again after the drop (a
+custom ``backward`` reading ``ctx.saved_tensors`` twice) reloads its unit alone.
 
 Note [Version check]. Saved-tensor hooks switch off autograd's own check that a saved tensor was
 not modified in place before backward, so the runtime does it: each handle records the tensor's
@@ -109,18 +115,42 @@ def _is_fake(t: torch.Tensor) -> bool:
     return name in ("FakeTensor", "FunctionalTensor")
 
 
+class _Pacer:
+    """Bytes one layer holds for backward, how many backward has used, and what to start once half
+    are used (Note [Paced prefetch] in ``_synchronizer.py``)."""
+
+    __slots__ = ("total", "used", "then")
+
+    def __init__(self) -> None:
+        self.total = self.used = 0
+        self.then: Any = None
+
+    def use(self, nbytes: int) -> None:
+        self.used += nbytes
+        if self.then is not None and 2 * self.used >= self.total:
+            then, self.then = self.then, None
+            then()
+
+
 class _Kept:
-    """Pack handle for a tensor left on the device; keeps autograd's in-place check alive."""
+    """Pack handle for a tensor left on the device; keeps autograd's in-place check alive. In a
+    layer that paces a reload its bytes count for that layer's pacer, once."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "pacer")
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, pacer: Optional[_Pacer] = None):
         self.tensor = tensor
         self.version = tensor._version
+        self.pacer = pacer
+        if pacer is not None:
+            pacer.total += tensor.nbytes
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
             raise _version_error(self.tensor._version, self.version, self.tensor)
+        pacer, self.pacer = self.pacer, None
+        if pacer is not None:
+            pacer.use(self.tensor.nbytes)
         return self.tensor
 
 
@@ -163,7 +193,7 @@ class _LayerState:
     __slots__ = (
         "index", "backend", "pool", "stats", "eager_d2h", "shared", "state", "d2h_done",
         "fwd_gpu_tensor_group", "cpu_tensor_group", "bwd_gpu_tensor_group",
-        "watch", "stale", "borrowed", "__weakref__",
+        "watch", "stale", "borrowed", "users", "pending", "pacer", "__weakref__",
     )
 
     def __init__(self, index: int, sync: Any, shared: Optional[dict]):
@@ -181,6 +211,11 @@ class _LayerState:
         self.watch: list = []  # per unit: the saved tensors, held with its device bytes
         self.stale: list[Optional[int]] = []  # per unit: a version seen at release other than the saved one
         self.borrowed: list[tuple[_LayerState, int]] = []
+        self.users: list[list[int]] = []  # per unit: the handles (positions) that rebuild from it
+        # per unit: the handles its reload has not served yet (empty: all served and the reload
+        # dropped, Note [Offload lifetime]); None: no reload since the layer's last release
+        self.pending: list[Optional[set]] = []
+        self.pacer = _Pacer()  # bytes reloaded for this layer and bytes backward used up
 
     # -- forward ----------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, ready: Any = None) -> Any:
@@ -191,7 +226,9 @@ class _LayerState:
             return t
         owner, unit = self.unit_for(t, rng, ready)
         self.stats.tensors_offloaded += 1
-        return _Packed(owner, TensorGroupProcessor._add_view(owner.fwd_gpu_tensor_group, t, unit), t)
+        pos = TensorGroupProcessor._add_view(owner.fwd_gpu_tensor_group, t, unit)
+        owner.users[unit].append(pos)
+        return _Packed(owner, pos, t)
 
     def unit_for(self, t: torch.Tensor, rng: tuple[int, int], ready: Any) -> tuple["_LayerState", int]:
         """The unit holding ``t``'s bytes: this layer's, an earlier layer's, or a new one."""
@@ -213,6 +250,8 @@ class _LayerState:
         self.bwd_gpu_tensor_group.events.append(None)
         self.watch.append([t])
         self.stale.append(None)
+        self.users.append([])
+        self.pending.append(None)
         if self.shared is not None:
             self.shared.setdefault(t.untyped_storage()._cdata, []).append((weakref.ref(t), self, unit))
         self.stats._resident(rng[1] - rng[0])
@@ -307,12 +346,15 @@ class _LayerState:
 
     # -- backward ---------------------------------------------------------------------------
     def start_reload(self) -> None:
-        """Enqueue the H2D of every released unit, its own and borrowed (buffers allocated on the
-        compute stream). Last saved first: backward consumes a layer's tensors in reverse order."""
+        """Enqueue the H2D of every released unit, its own and borrowed, not reloaded since the
+        layer's last release. Last saved first: backward consumes a layer's tensors in reverse order."""
         units = [(self, u) for u in reversed(range(len(self.watch)))] + self.borrowed
-        todo = [(s, u) for s, u in units if s.fwd_gpu_tensor_group.tensor_list[u] is None
-                and s.bwd_gpu_tensor_group.tensor_list[u] is None and s.cpu_tensor_group.tensor_list[u] is not None]
         self.state = "reload_started"
+        self._reload([(s, u) for s, u in units if s.fwd_gpu_tensor_group.tensor_list[u] is None
+                      and s.pending[u] is None and s.cpu_tensor_group.tensor_list[u] is not None])
+
+    def _reload(self, todo: list) -> None:
+        """Enqueue the H2D of these ``(layer, unit)`` (buffers allocated on the compute stream)."""
         if not todo:
             return
         backend = self.backend
@@ -327,6 +369,8 @@ class _LayerState:
                 buf.copy_(host, non_blocking=True)
                 s.bwd_gpu_tensor_group.tensor_list[u] = buf
                 s.bwd_gpu_tensor_group.events[u] = backend.record(h2d)
+                s.pending[u] = set(s.users[u])
+                s.pacer.total += buf.numel()
                 self.stats.bytes_reloaded += buf.numel()
                 self.stats._resident(buf.numel())
 
@@ -338,6 +382,8 @@ class _LayerState:
                 compute.wait_event(group.events[unit])
                 group.tensor_list[unit] = None
                 self.stats._resident(-buf.numel())
+        self.pending = [None] * len(self.pending)
+        self.pacer = _Pacer()
 
     def release_all(self) -> None:
         """Release every device byte this layer holds (TransformerEngine's ``release_all_memory``)."""
@@ -357,8 +403,9 @@ class _LayerState:
             raise _version_error(stale, handle.version)
         flat = self.fwd_gpu_tensor_group.tensor_list[unit]
         if flat is None:
-            if self.bwd_gpu_tensor_group.tensor_list[unit] is None:
-                if not allow_on_demand:
+            bwd, pending = self.bwd_gpu_tensor_group, self.pending[unit]
+            if bwd.tensor_list[unit] is None:
+                if not allow_on_demand and pending is None:
                     raise OffloadError(
                         f"offload runtime: layer {self.index}'s saved tensors are in host memory (state "
                         f"{self.state!r}) but were not reloaded; call start_reload_layer({self.index}) before "
@@ -371,9 +418,19 @@ class _LayerState:
                         "release_activation_forward_gpu_memory"
                     )
                 self.stats.on_demand_reloads += 1
-                self.start_reload()
-            self.backend.current_stream().wait_event(self.bwd_gpu_tensor_group.events[unit])
-            flat = self.bwd_gpu_tensor_group.tensor_list[unit]
+                if pending is None:
+                    self.start_reload()
+                else:  # a handle served before is unpacked again: only its unit
+                    self._reload([(self, unit)])
+                pending = self.pending[unit]
+            self.backend.current_stream().wait_event(bwd.events[unit])
+            flat = bwd.tensor_list[unit]
+            pending.discard(handle)
+            if not pending:
+                # every handle was served: autograd holds what it still needs, and frees it after use
+                bwd.tensor_list[unit] = None
+                self.stats._resident(-flat.numel())
+                self.pacer.use(flat.numel())
         return _rebuild(flat, meta)
 
     def __del__(self) -> None:

@@ -14,13 +14,26 @@ Note [Default schedule]. With ``L`` model layers of which the set ``O`` is offlo
 * prefetch: when backward reaches layer ``m``, the reloads of offloaded layers ``m - k .. m`` start
   on the H2D stream (``prefetch_layers=None`` is TE's distance ``k = L - N - 1``; a given
   ``k >= 1`` keeps a reload in flight behind compute even at ``N = L - 1``, where TE serialises).
+  With ``k = 1`` the reload of ``m - 1`` waits for half of layer ``m`` (Note [Paced prefetch]).
+* a unit's reload is dropped by the runtime once each of its handles has been unpacked
+  (Note [Offload lifetime]): autograd frees it after its last use, so a layer's reloads shrink
+  while its backward runs.
 * when backward reaches layer ``m``, the layers above ``m`` that backward has passed are released;
   the end of a backward pass releases the layers it passed. A layer it did not reach (another
   output's graph, in manual mode the reloads the user started for it) keeps its state until its
   own backward, or until the next forward starts a new step.
 
 Peak offloaded activations on the device: ``lag + 1`` offloaded layers in forward (plus the kept
-layers), ``k + 1`` in backward.
+layers), at most ``k + 1`` in backward (about 1.5 with ``k = 1``).
+
+Note [Paced prefetch]. With a look-ahead of one layer, the reload of layer ``m - 1`` starts once
+half of the bytes layer ``m`` holds for backward have been used: its reloaded units (counted when
+each is dropped) or, for a kept layer ``m`` above an offloaded one (the last layer at
+``N = L - 1``), its saved activations (counted at their first unpack). Starting it at ``m``'s first
+backward node would hold both layers whole on the device; starting it at the half keeps about 1.5
+layers there while the H2D stream still runs ahead of compute (``m``'s second half is left to
+consume). If the half is never reached, the pre-hook of ``m - 1`` (or its first unpack) starts the
+reload; reaching another layer disarms the pending start.
 
 Note [Scopes inside a checkpoint]. A layer scope opened while autograd runs a backward is the
 recompute of a ``torch.utils.checkpoint`` around it (or a forward run by a backward hook). The
@@ -59,6 +72,7 @@ from ._layer_state import (
     _Kept,
     _LayerState,
     _Packed,
+    _Pacer,
     frozen_shapes,
 )
 from ._marks import check_policy
@@ -105,10 +119,12 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 class _Step:
     """One forward's layer states and its backward bookkeeping."""
 
-    __slots__ = ("layers", "shared", "bwd_active", "bwd_seen", "ended")
+    __slots__ = ("layers", "kept", "armed", "shared", "bwd_active", "bwd_seen", "ended")
 
     def __init__(self) -> None:
         self.layers: Any = {}  # dict[int, _LayerState]; weak values once a backward ended
+        self.kept: dict[int, _Pacer] = {}  # kept layers that pace a reload (Note [Paced prefetch])
+        self.armed: Optional[_Pacer] = None  # the pacer holding a deferred reload
         self.shared: dict = {}  # storage units copied in this step, for cross-layer dedup
         self.bwd_active = False  # a backward pass is running through this step's boundaries
         self.bwd_seen: set[int] = set()  # layers that backward pass has reached
@@ -237,6 +253,10 @@ class OffloadSynchronizer:
     def _layer_offloaded(self, index: int) -> bool:
         raise NotImplementedError
 
+    def _paces(self, index: int) -> bool:
+        """Kept layer ``index`` paces the reload below it (Note [Paced prefetch])."""
+        return False
+
     def add_frozen_weights(self, params: Iterable[torch.Tensor]) -> None:
         """Register frozen weights whose casts (autocast copies) must never be offloaded.
 
@@ -312,9 +332,13 @@ class OffloadSynchronizer:
         raise TypeError(f"pop_tensor: expected a handle returned by push_tensor, got {type(handle).__name__}")
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        """Pack hook: :meth:`push_tensor`, with a kept tensor's version checked at unpack."""
+        """Pack hook: :meth:`push_tensor`, with a kept tensor's version checked at unpack (and its
+        bytes counted by its layer's pacer, Note [Paced prefetch])."""
         handle = self.push_tensor(tensor)
-        return _Kept(tensor) if handle is tensor else handle
+        if handle is not tensor:
+            return handle
+        pacer = self._step.kept.get(self._cur_index) if self._cur is None and self._step is not None else None
+        return _Kept(tensor, None if pacer is None or _is_param_alias(tensor) else pacer)
 
     def _unpack(self, handle: Any) -> torch.Tensor:
         return handle.unpack() if type(handle) is _Kept else self.pop_tensor(handle)
@@ -359,6 +383,8 @@ class OffloadSynchronizer:
             state = None
             if self._manual or self._layer_offloaded(index):
                 state = step.layers[index] = _LayerState(index, self, None if self._manual else step.shared)
+            elif self._paces(index):
+                step.kept[index] = _Pacer()
             self._cur, self._cur_index = state, index
         except BaseException:
             self.abort()
@@ -508,6 +534,8 @@ class OffloadSynchronizer:
             return
         step.bwd_seen.add(index)
         self.current_layer_id = index
+        if step.armed is not None:  # the reload it deferred is due by now (Note [Paced prefetch])
+            step.armed.then = step.armed = None
         for j in list(step.bwd_seen):
             state = step.layers.get(j)
             if j > index and state is not None:
@@ -523,6 +551,8 @@ class OffloadSynchronizer:
         step.bwd_seen = set()
         step.bwd_active = False
         step.ended = True
+        if step.armed is not None:
+            step.armed.then = step.armed = None
         step.shared.clear()
         if not isinstance(step.layers, weakref.WeakValueDictionary):
             # From now on only autograd's handles keep the layer states (and their host buffers)
@@ -592,7 +622,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             the last layer cannot be offloaded (its backward runs first).
         release_lag (int): release layer ``i`` by the entry of layer ``i + 1 + release_lag``.
             ``None``: TransformerEngine's bound, ``L - N - 1``. Default: ``None``.
-        prefetch_layers (int): reload layer ``j`` when backward reaches layer ``j + k``, ``k >= 1``.
+        prefetch_layers (int): reload layer ``j`` when backward reaches layer ``j + k``, ``k >= 1``;
+            with ``k = 1`` once half of layer ``j + 1`` is used (Note [Paced prefetch]).
             ``None``: TransformerEngine's distance ``L - N - 1``. Default: ``None``.
         policy, min_offload_numel, device: see :class:`OffloadSynchronizer`.
 
@@ -644,6 +675,9 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     def _layer_offloaded(self, index: int) -> bool:
         return index in self.offloaded_layers
 
+    def _paces(self, index: int) -> bool:
+        return self.prefetch_layers == 1 and index - 1 in self.offloaded_layers
+
     def release_point(self, index: int) -> int:
         """Entry index at which layer ``index`` is released at the latest (``L``: end of forward)."""
         return min(index + 1 + self.release_lag, self.num_layers)
@@ -654,9 +688,15 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
                 state.release_forward()
 
     def _prefetch(self, step: _Step, index: int) -> None:
+        current = step.layers.get(index)
+        pacer = current.pacer if current is not None else step.kept.get(index)
         for j in sorted(step.layers.keys(), reverse=True):  # the layer reached first, then below
             state = step.layers.get(j)
-            if state is not None and index - self.prefetch_layers <= j <= index:
+            if state is None or not index - self.prefetch_layers <= j <= index:
+                continue
+            if j < index and self.prefetch_layers == 1 and pacer is not None and 2 * pacer.used < pacer.total:
+                pacer.then, step.armed = state.start_reload, pacer  # Note [Paced prefetch]
+            else:
                 state.start_reload()
 
 

@@ -47,6 +47,83 @@ def test_release_and_prefetch_happen_at_the_scheduled_layers():
     assert s.stats.resident_bytes == 0
 
 
+def _two_op_layer(sync, i, x, w1, w2):
+    sync.enter_layer(i)
+    y = torch.tanh(x @ w1)
+    z = torch.tanh(y @ w2)
+    return sync.commit_layer(z, i)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_each_reload_starts_once_half_of_the_layer_above_is_used(monkeypatch, k):
+    """Note [Paced prefetch]: at N = L-1 with a look-ahead of one layer, the kept last layer paces
+    the first reload (layer L-2 starts once half of layer L-1's saved activations were unpacked),
+    and each reload below starts once half of the layer above's reloads were used up, not at that
+    layer's first backward node. A longer look-ahead starts them at the layer boundaries."""
+    from annotate_offload.runtime._layer_state import _LayerState
+
+    L = 4
+    w1, w2 = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
+    x0 = torch.randn(8, 64, requires_grad=True)
+
+    def run(sync):
+        h = x0
+        for i in range(L):
+            h = _two_op_layer(sync, i, h, w1, w2) if sync else torch.tanh(torch.tanh(h @ w1) @ w2)
+        return h
+
+    ref = torch.autograd.grad(run(None).sum(), (x0, w1, w2))
+    s = DefaultOffloadSynchronizer(L, L - 1, device="cpu", min_offload_numel=0, release_lag=1, prefetch_layers=k)
+    starts = []  # (layer, (bytes used, bytes held) of the layer above) at each layer's reload
+    real = _LayerState.start_reload
+
+    def spy(state):
+        if state.state != "reload_started":
+            above = s._step.layers.get(state.index + 1)
+            pacer = above.pacer if above is not None else s._step.kept.get(state.index + 1)
+            starts.append((state.index, None if pacer is None else (pacer.used, pacer.total)))
+        return real(state)
+
+    monkeypatch.setattr(_LayerState, "start_reload", spy)
+    got = torch.autograd.grad(run(s).sum(), (x0, w1, w2))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert [i for i, _ in starts] == [2, 1, 0]
+    if k == 1:
+        for _, (used, held) in starts:
+            assert held > 0 and held <= 2 * used < 2 * held  # half of the layer above, not all of it
+    else:
+        assert starts[0][1] is None and all(used == 0 for _, (used, _) in starts[1:])
+    assert s.stats.on_demand_reloads == 0 and s.stats.resident_bytes == 0
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_a_reload_is_dropped_once_each_of_its_handles_was_unpacked(manual):
+    s = (ManualOffloadSynchronizer(1, device="cpu", min_offload_numel=0) if manual
+         else DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0, prefetch_layers=1))
+    a, b = torch.randn(8, 16), torch.randn(8, 16)
+    assert s.fwd_step() == 0
+    ha1, ha2, hb = s.push_tensor(a), s.push_tensor(a), s.push_tensor(b)  # a: one unit, two handles
+    if manual:
+        s.start_offload_layer(0)
+        s.release_activation_forward_gpu_memory(0)
+        s.start_reload_layer(0)
+    else:
+        s.fwd_step()  # releases layer 0 (CPU: its copy is done)
+        s.bwd_step(1)  # reloads it
+    unit = a.nbytes
+    assert s.stats.resident_bytes == 2 * unit
+    assert torch.equal(s.pop_tensor(hb), b) and s.stats.resident_bytes == unit  # b's only handle
+    for _ in range(2):  # a handle unpacked twice counts once
+        assert torch.equal(s.pop_tensor(ha1), a) and s.stats.resident_bytes == unit
+    assert torch.equal(s.pop_tensor(ha2), a) and s.stats.resident_bytes == 0
+    reloaded = s.stats.bytes_reloaded
+    assert torch.equal(s.pop_tensor(hb), b)  # unpacked again once dropped: its unit alone comes back
+    assert s.stats.bytes_reloaded == reloaded + unit and s.stats.on_demand_reloads == 1
+    s.finish_part_of_bwd()
+    assert s.stats.resident_bytes == 0
+
+
 def test_explicit_offloaded_layers_and_validation():
     s = DefaultOffloadSynchronizer(6, offloaded_layers=[1, 3], device="cpu")
     assert s.offloaded_layers == {1, 3}
