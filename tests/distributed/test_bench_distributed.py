@@ -43,6 +43,7 @@ def test_bad_arguments_exit_2(argv, field, capsys):
     assert field in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     out = tmp_path / "r.md"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -66,6 +67,7 @@ def test_tiny_torchrun_two_processes_fsdp(tmp_path):
     assert {"bench.forward", "bench.backward", "bench.step"} <= names
 
 
+@pytest.mark.slow
 def test_tiny_torchrun_two_processes_ddp_sharded_and_replicated(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for extra, label in (([], "(host step sharded)"), (["--replicate-host-step"], "(host step replicated)")):
@@ -81,6 +83,7 @@ def test_tiny_torchrun_two_processes_ddp_sharded_and_replicated(tmp_path):
         assert "max relative difference 0.00e+00 (passes" in text
 
 
+@pytest.mark.slow
 def test_tiny_torchrun_fsdp_units_of_two_blocks(tmp_path):
     """``--fsdp-unit-layers 2``: one fully_shard unit for both blocks; still exact against 1 process."""
     out = tmp_path / "r.md"

@@ -12,12 +12,8 @@ import torch
 from _dist_harness import LR, assert_bitwise, batches, loss_fn, make_model, reference, run_ranks
 from _dist_workers import fsdp_suite
 
+pytestmark = pytest.mark.slow  # two processes (spawn) per module
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def ref() -> dict[str, torch.Tensor]:
-    return reference(STEPS, 2)
 
 
 @pytest.fixture(scope="module")
