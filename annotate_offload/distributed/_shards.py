@@ -110,7 +110,7 @@ def check_local_shards(opt: HybridDeviceOptimizer, owners: Optional[dict[int, tu
                         "optimizer after replacing the parameters.")
             # what the optimizer writes: the host pipeline's H2D target, or the tensor the device half steps
             if pl.is_host(p):
-                mine = pl.local(p)
+                mine = pl.where(p)[1]
             elif p not in opt.param_to_fp32_param:
                 mine = opt.param_to_inner_param[p]
             else:

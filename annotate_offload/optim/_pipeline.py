@@ -2,25 +2,23 @@
 
 Note [Host step lifecycle] (one host-stepped parameter, overlap on):
 
-1. backward: its post-accumulate-grad hook records a *ready* event on the compute stream; the
-   D2H stream waits on it and copies the gradient into the slot's pinned buffer, remembering which
+1. backward: its post-accumulate-grad hook records a *ready* event on the compute stream; the D2H
+   stream waits on it and copies the gradient into the slot's pinned buffer, remembering which
    gradient tensor and version it copied (EMPTY/CONSUMED -> COPIED).
-2. ``step()``: a gradient never copied, or changed after the copy (clipping, unscaling), is copied
-   again, so the host steps the gradient the device holds at ``step()``. The device half is queued
-   first, then each chunk (in the order its gradients landed) waits for its D2H events, is stepped
-   by its host optimizer (COPIED -> SUBMITTED -> STEPPED), writes the bf16 staging copy if the
-   model is bf16, and enqueues its H2D on the H2D stream, which waited for the compute stream at
-   ``step()``'s entry; the next chunk is stepped meanwhile.
-3. ``step()`` returns once the compute stream waits on the last H2D, so the next forward never
-   reads a stale weight; STEPPED -> CONSUMED (``zero_grad(set_to_none=False)`` turns a consumed
-   host-held gradient back into a zero gradient, as torch keeps a zero ``p.grad``).
+2. ``step()``: a gradient never copied, or changed since (clipping, unscaling), is copied again, so
+   the host steps the gradient the device holds at ``step()``. The device half is queued first; then
+   each chunk, in the order its gradients landed, waits for its D2H events, is stepped by its host
+   optimizer (COPIED -> SUBMITTED -> STEPPED), writes the bf16 staging copy if the model is bf16, and
+   enqueues its H2D on the H2D stream, which waited for the compute stream at ``step()``'s entry.
+3. ``step()`` returns once the compute stream waits on the last H2D, so the next forward never reads
+   a stale weight; the gradients are consumed (STEPPED -> CONSUMED, Note [Consumed gradients]).
 
-A slot's state is checked at each transition (:meth:`HostSlot.to`). Note [Failed steps]: a unit of
-work (the device optimizer, one host chunk) either completes or leaves its parameters untouched;
-after an exception ``step()`` keeps what it did (``device_done``, STEPPED slots) and the gradients
-of the rest (SUBMITTED -> COPIED), so a retried ``step()`` steps each untouched parameter once. In
-delayed mode a chunk's work of step ``t`` runs during step ``t + 1``; a chunk that failed keeps its
-job, and the next ``step()`` or ``flush()`` runs it again before anything else.
+Each transition is checked (:meth:`HostSlot.to`). Note [Failed steps]: a unit of work (the device
+optimizer, one host chunk) completes or leaves its parameters untouched. After an exception
+``step()`` keeps what it did (``device_done``, STEPPED slots) and the gradients of the rest
+(SUBMITTED -> COPIED), so a retried ``step()`` steps each untouched parameter once. In delayed mode
+a chunk's work of step ``t`` runs during step ``t + 1``; a failed one keeps its job, and the next
+``step()`` or ``flush()`` runs it again before anything else.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import functools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.profiler import record_function
@@ -46,11 +44,16 @@ __all__: list[str] = []
 
 # Implementation switches of torch optimizers: constructor arguments, never kept in param_groups.
 IMPL_KEYS = ("foreach", "capturable", "differentiable", "fused")
-# HybridDeviceOptimizer's own options: kept in ``defaults`` (``cls(params, **opt.defaults)`` rebuilds
-# it, as Megatron's DistributedOptimizer does), never pushed into sub-optimizers nor loaded.
+# HybridDeviceOptimizer's own options: kept in ``defaults`` (Megatron's DistributedOptimizer rebuilds
+# it as ``cls(groups, **opt.defaults)``), never pushed into sub-optimizers nor taken from a load.
 STRUCTURAL_KEYS = ("offload_fraction", "param_update_in_fp32", "pin_cpu_grads", "pin_cpu_params",
                    "overlap_cpu_optimizer_d2h_h2d", "offload_gradients", "step_in_backward", "delayed_param_update",
                    "use_torch_optimizer_for_cpu_offload", "cpu_threads", "chunk_bytes")
+# Note [Tiny gradients at step()]: a gradient hook costs the backward thread two events, a stream
+# switch and a copy launch. Host parameters under BATCHED_NUMEL elements (norm weights, biases: many
+# tensors, few bytes; torchao's ``minimal_size``) get no hook: ``step()`` copies their gradients in one
+# batch, one stream switch and one event. Not with step_in_backward (its chunks start in backward).
+BATCHED_NUMEL = 4096
 
 
 class SlotState(enum.Enum):
@@ -72,33 +75,28 @@ class HostSlot:
 
     def __init__(self, param: torch.Tensor, flat: int, group: int, index: int, local: torch.Tensor) -> None:
         self.param, self.flat, self.group, self.index, self.local = param, flat, group, index, local
-        self.master = local  # replaced by a host view
+        self.master = local  # then a view of a host slab
         self.bufs: list[torch.Tensor] = []  # host gradient buffers (two in delayed mode)
         self.staging: Optional[torch.Tensor] = None  # model-dtype pinned copy for the H2D
         self.scratch: Optional[torch.Tensor] = None  # landing buffer for accumulation (lazy)
-        self.chunk = -1
+        self.chunk = self.grad_ver = self.grad_ptr = self.p_ver = self.seq = -1
         self.grad_ref: Optional[weakref.ref] = None
-        self.grad_ver = self.grad_ptr = self.p_ver = self.seq = -1
         self.d2h_ev = self.ready_ev = None
         self.scales: list[tuple[torch.Tensor, Any]] = []  # clip coefficients pending for the buffer
         self.state = S.EMPTY
 
     def to(self, new: SlotState, func: str, allowed: tuple[SlotState, ...]) -> None:
-        """Move to ``new``; ``func`` found the slot in a state outside ``allowed``: an internal error."""
+        """Move to ``new`` from one of ``allowed`` (TransformerEngine's ``_validate_state`` idiom)."""
         if self.state not in allowed:
             raise OffloadError(f"HybridDeviceOptimizer.{func}: parameter {self.index} of param group {self.group} is "
                                f"{self.state.name}, expected {'/'.join(a.name for a in allowed)}.")
         self.state = new
 
     def copied(self, g: torch.Tensor) -> bool:
-        """True if the buffer holds ``g`` (the local gradient) as it is now: the same ``param.grad``
-        object (stable for DTensor gradients, whose ``to_local()`` is a new view per call), storage
-        and version."""
-        return (self.state is not S.EMPTY and self.state is not S.CONSUMED and self.grad_ref is not None
+        """True if the buffer holds the local gradient ``g`` as it is now: same ``param.grad`` object
+        (stable for DTensor gradients, whose ``to_local()`` is a new view per call), storage and version."""
+        return (self.state in (S.COPIED, S.SUBMITTED, S.STEPPED) and self.grad_ref is not None
                 and self.grad_ref() is self.param.grad and self.grad_ptr == g.data_ptr() and g._version == self.grad_ver)
-
-    def __repr__(self) -> str:
-        return f"HostSlot(group={self.group}, index={self.index}, chunk={self.chunk}, {self.state.name})"
 
 
 class Chunk:
@@ -107,39 +105,23 @@ class Chunk:
     __slots__ = ("slots", "opt", "serial", "trainable", "landed", "h2d_ev", "pending")
 
     def __init__(self, slots: list[HostSlot], opt: torch.optim.Optimizer, serial: bool) -> None:
-        self.slots, self.opt, self.serial = slots, opt, serial
-        self.trainable = sum(1 for s in slots if s.param.requires_grad)
-        self.landed = 0  # step_in_backward: gradients landed in this backward
-        self.h2d_ev: Any = None
+        self.slots, self.opt, self.serial, self.h2d_ev = slots, opt, serial, None
+        self.trainable, self.landed = sum(s.param.requires_grad for s in slots), 0  # landed: step_in_backward
         self.pending: list[HostSlot] = []  # delayed mode: stepped, H2D not yet issued
-
-
-class Job(NamedTuple):
-    """One chunk's host step, captured when it is submitted (the slots move on in delayed mode)."""
-
-    chunk: int
-    plan: list  # (slot, d2h event, clip coefficients) of the slots it steps
-    buf: int  # which gradient buffer
-    in_backward: bool  # submitted by a gradient hook (step_in_backward): Note [H2D ordering]
-    amp: Optional[_amp.AmpStep]  # what GradScaler asked of the step it belongs to
 
 
 def scale_(buf: torch.Tensor, grad_dtype: torch.dtype, coef: torch.Tensor) -> None:
     """Multiply a host gradient buffer by ``coef`` as the device multiplies a gradient of ``grad_dtype``."""
-    if buf.dtype == grad_dtype:
-        buf.mul_(coef)
-    else:
-        buf.copy_(buf.to(grad_dtype).mul_(coef))
+    buf.mul_(coef) if buf.dtype == grad_dtype else buf.copy_(buf.to(grad_dtype).mul_(coef))
 
 
 def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, Any], bool]:
-    """Constructor switches of a sub-optimizer, and whether complex parameters need a group of their own.
+    """A sub-optimizer's constructor switches, and whether complex parameters need their own group.
 
-    Note [Complex parameters]: Adam(W) defaults to ``fused=True`` on both halves (the fused CPU
-    kernel is the fast one), unless ``foreach`` or ``differentiable`` is given. torch's fused kernels
-    refuse complex tensors, which plain ``torch.optim.AdamW()`` steps with its default path, so when
-    the fused default is ours (not the user's) the complex tensors of a group get a sub-group with
-    ``fused=None``: torch's default path for exactly those, the fused kernel for the rest.
+    Note [Complex parameters]: Adam(W) gets ``fused=True`` on both halves (the fast CPU kernel) unless
+    ``foreach`` or ``differentiable`` is given. torch's fused kernels refuse complex tensors, which
+    plain ``torch.optim.AdamW()`` steps on its default path, so when the fused default is ours the
+    complex tensors of a group get a sub-group with ``fused=None``.
     """
     impl = dict(impl)
     if cls not in (torch.optim.Adam, torch.optim.AdamW) or "foreach" in impl or impl.get("differentiable"):
@@ -153,42 +135,27 @@ def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, 
 
 def sub_optimizer(cls: type, parts: list[tuple[dict[str, Any], list[torch.Tensor]]], impl: dict[str, Any],
                   split_complex: bool) -> tuple[torch.optim.Optimizer, list[tuple[dict, dict, tuple]]]:
-    """One ``cls`` over ``parts`` (HDO group, tensors it steps) and its links ``(sub group, HDO group,
-    keys copied down at each step)`` (Note [Complex parameters])."""
+    """One ``cls`` over ``parts`` (HDO group, tensors it steps), and its links ``(sub-optimizer group,
+    HDO group, keys copied down at each step)``."""
     groups, owners = [], []
     for g, tensors in parts:
         hyper = {k: v for k, v in g.items() if k != "params" and k not in STRUCTURAL_KEYS}
         cplx = [t for t in tensors if t.is_complex()] if split_complex else []
-        real = [t for t in tensors if not t.is_complex()] if cplx else tensors
-        for ts, extra in ((real, {}), (cplx, {"fused": None})):
+        for ts, extra in (([t for t in tensors if not t.is_complex()] if cplx else tensors, {}), (cplx, {"fused": None})):
             if ts:
                 groups.append({**hyper, **extra, "params": ts})
                 owners.append(g)
     opt = cls(groups, **impl)
-    links = [(sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS))
-             for sub, g in zip(opt.param_groups, owners)]
-    return opt, links
+    return opt, [(sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS))
+                 for sub, g in zip(opt.param_groups, owners)]
 
 
-# Note [One optimizer per parameter]: an optimizer that is replaced but still referenced (an LR
-# finder's, one a closure keeps) would keep its gradient hooks, and with offload_gradients its hook
-# would free p.grad under the new one. The newest pipeline built over a parameter owns its hook;
-# older ones stand aside (they still step correctly, copying the gradient at their step()), and
-# building over parameters a live, unclosed optimizer owns warns, naming close().
+# Note [One optimizer per parameter]: an optimizer replaced while still referenced (an LR finder's,
+# one a closure keeps) would keep its gradient hooks, and with offload_gradients its hook would free
+# p.grad under the new one. The newest pipeline over a parameter owns its hook; older ones stand
+# aside (they copy the gradient at their own step()), and building over parameters that a live,
+# unclosed optimizer owns warns, naming close().
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, owning pipeline)
-
-
-def _claim(params: list[torch.Tensor], owner: "HostPipeline") -> list[int]:
-    for k in [k for k, (p, _) in _OWNERS.items() if p() is None]:
-        del _OWNERS[k]
-    taken = []
-    for i, p in enumerate(params):
-        prev = _OWNERS.get(id(p))
-        o = prev[1]() if prev is not None and prev[0]() is p else None
-        if o is not None and o is not owner and not o.closed:
-            taken.append(i)
-        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(owner))
-    return taken
 
 
 def _owner(p: torch.Tensor) -> Any:
@@ -196,85 +163,46 @@ def _owner(p: torch.Tensor) -> Any:
     return e[1]() if e is not None and e[0]() is p else None
 
 
-class _GradHook:
-    """Post-accumulate-grad hook of one host slot; holds the pipeline weakly (no cycle through C++)."""
-
-    __slots__ = ("pl", "slot")
-
-    def __init__(self, pl: "HostPipeline", slot: HostSlot) -> None:
-        self.pl, self.slot = weakref.ref(pl), slot
-
-    def __call__(self, param: torch.Tensor) -> None:
-        pl = self.pl()
-        if pl is not None and _owner(param) is pl:
-            pl.grad_ready(param, slot=self.slot)
-
-
-class _VersionHook:
-    """Records the version of a gradient left on the device under ``offload_gradients`` (Note
-    [Gradient transforms that miss host gradients])."""
-
-    __slots__ = ("pl",)
-
-    def __init__(self, pl: "HostPipeline") -> None:
-        self.pl = weakref.ref(pl)
-
-    def __call__(self, param: torch.Tensor) -> None:
-        pl, g = self.pl(), local_grad(param)
-        if pl is not None and g is not None:
-            pl.grad_versions[id(param)] = (param, id(g), g._version)
-
-
-# Note [Tiny gradients at step()]: each gradient hook costs the backward thread two events, a
-# stream switch and a copy launch. Models have many parameters of a few thousand elements (norm
-# weights, biases) that carry a negligible share of the bytes; host parameters under
-# ``BATCHED_NUMEL`` elements (torchao's ``minimal_size``) get no hook, and ``step()`` copies their
-# gradients in one batch under one stream switch and one event. Not with ``step_in_backward``,
-# whose chunks start in backward once every gradient of the chunk has landed.
-BATCHED_NUMEL = 4096
+def _on_grad(ref: weakref.ref, param: torch.Tensor) -> None:
+    """A host parameter's post-accumulate-grad hook (holds its pipeline weakly: no cycle through C++)."""
+    if (pl := ref()) is not None and _owner(param) is pl:
+        pl.grad_ready(param)
 
 
 def _sparse(s: HostSlot, g: torch.Tensor) -> TypeError:
     return TypeError(
         f"HybridDeviceOptimizer: parameter {s.index} of param group {s.group} (shape {tuple(s.local.shape)}) has a "
-        f"sparse gradient (layout={g.layout}); the host step copies gradients into dense buffers. Use a dense "
-        "embedding (nn.Embedding(..., sparse=False), the default), or step it with torch.optim.SparseAdam outside "
-        "this optimizer.")
+        f"sparse gradient (layout={g.layout}); the host step copies gradients into dense buffers. Use a dense embedding "
+        "(nn.Embedding(..., sparse=False), the default), or step it with torch.optim.SparseAdam outside this optimizer.")
 
 
 class HostPipeline:
     """The host half of a :class:`HybridDeviceOptimizer` (Note [Host step lifecycle]).
 
-    Public protocol (what the optimizer, GradScaler support, clipping, loading and
-    ``annotate_offload.distributed`` call): ``optimizers``, ``links``, ``params``, ``is_host``,
-    ``master``, ``local``, ``step``, ``flush``, ``zero_grad``, ``resync``, ``held_grad``, ``scaling``,
-    ``grad_ready``, ``grad_copied``, ``forget_copy``, ``batched``, ``remove_grad_hooks``, ``set_owner``,
-    ``steps_here``, ``chunk_tensors``, ``note_written``, ``push_masters``, ``untouched``,
-    ``device_done``, ``close``.
+    Its public attributes and methods are the protocol that the optimizer, GradScaler support,
+    clipping, loading and ``annotate_offload.distributed`` use; nothing else reads its fields.
     """
 
     def __init__(self, entries: list[tuple[torch.Tensor, int, int, int, torch.Tensor]], groups: list[dict[str, Any]],
                  cls: type, impl: dict[str, Any], *, side: Any, fp32: bool, pin_params: bool, pin_grads: bool,
                  chunk_bytes: int, overlap: bool, offload_grads: bool, in_backward: bool, delayed: bool, threads: int,
-                 others: list[torch.Tensor], begin: Callable[[], None]) -> None:
+                 begin: Callable[[], None]) -> None:
         self.side, self.overlap, self.offload_grads = side, overlap, offload_grads
         self.in_backward, self.delayed, self.threads = in_backward, delayed, threads
         self._begin = weakref.WeakMethod(begin)  # the optimizer's once-per-step preparation
-        # backward produces the last parameters' gradients first: slots and chunks in that order
-        slots = self.slots = [HostSlot(*e) for e in reversed(entries)]
+        slots = self.slots = [HostSlot(*e) for e in reversed(entries)]  # backward lands the last ones first
         self._slot = {id(s.param): s for s in slots}
         mdt = [torch.float32 if fp32 and s.local.is_floating_point() else s.local.dtype for s in slots]
         numels = [s.local.numel() for s in slots]
-        pin_p, pin_g = pin_params and side.can_pin, pin_grads and side.can_pin
-        self.pin_grads = pin_g
-        masters = carve(numels, mdt, pin=pin_p, what="host masters")
-        bufs = [carve(numels, mdt, pin=pin_g, what="gradient buffers") for _ in range(2 if delayed else 1)]
+        self.pin_grads = pin_grads and side.can_pin
+        masters = carve(numels, mdt, pin=pin_params and side.can_pin, what="host masters")
+        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(2 if delayed else 1)]
         staged = [i for i, s in enumerate(slots) if mdt[i] != s.local.dtype]
-        staging = carve([numels[i] for i in staged], [slots[i].local.dtype for i in staged], pin=pin_p, what="staging")
+        staging = carve([numels[i] for i in staged], [slots[i].local.dtype for i in staged],
+                        pin=pin_params and side.can_pin, what="staging")
         with torch.no_grad():
             for i, s in enumerate(slots):
-                s.master = masters[i].view(s.local.shape)
-                s.bufs = [b[i].view(s.local.shape) for b in bufs]
+                s.master, s.bufs = masters[i].view(s.local.shape), [b[i].view(s.local.shape) for b in bufs]
                 s.master.copy_(s.local)
                 s.p_ver = s.param._version
             for j, i in enumerate(staged):
@@ -284,53 +212,41 @@ class HostPipeline:
         self.chunks: list[Chunk] = []
         self.links: list[tuple[dict, dict, tuple]] = []
         for ci, (idx, serial) in enumerate(split_serial(make_chunks(sizes, chunk_bytes), numels, sizes, chunk_bytes)):
-            members = [slots[i] for i in idx]
             by_group: dict[int, list[HostSlot]] = {}
-            for s in members:
-                s.chunk = ci
-                by_group.setdefault(s.group, []).append(s)
-            opt, links = sub_optimizer(cls, [(groups[gi], [s.master for s in ss]) for gi, ss in by_group.items()],
-                                       impl, split)
-            self.chunks.append(Chunk(members, opt, serial))
+            for i in idx:
+                slots[i].chunk = ci
+                by_group.setdefault(slots[i].group, []).append(slots[i])
+            opt, links = sub_optimizer(cls, [(groups[gi], [s.master for s in ss]) for gi, ss in by_group.items()], impl,
+                                       split)
+            self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
             self.links += links
         self.optimizers = [c.opt for c in self.chunks]
-        self.d2h = side.new_stream() if overlap else None
-        self.h2d = side.new_stream() if overlap else None
-        self.closed = False
-        self.device_done = False  # the device half of the step in progress ran (Note [Failed steps])
+        self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
+        self.closed = self.device_done = False  # device_done: Note [Failed steps]
         self.amp: Optional[_amp.AmpStep] = None
-        self.clipped = False  # the optimizer's clip_grad_norm_ ran in the step in progress
-        self.grad_versions: dict[int, tuple[torch.Tensor, int, int]] = {}
-        self._warned = False
         self._owned: Optional[list[bool]] = None  # per chunk, under host-step sharding (DDP)
         self._buf = self._seq = 0
-        self._begun = self._applying = self._retry_jobs = False
-        self._jobs: dict[int, Job] = {}  # delayed mode: submitted and not yet finished
-        self._applied: set[int] = set()  # delayed mode: host parameters written by the call in progress
-        self._lock = threading.Lock()  # delayed mode: worker vs step() on Chunk.pending / _applying
+        self._begun = self._applying = self._retry = False
+        self._jobs: dict[int, tuple] = {}  # delayed mode: _run's arguments of chunks submitted, not finished
+        self._applied: set[int] = set()  # delayed mode: parameters whose weights this call wrote
+        self._lock = threading.Lock()  # delayed mode: the worker and step() on Chunk.pending, _applying
         self._skip: frozenset = frozenset()  # delayed mode: slots whose weights the user replaced
-        taken = _claim([s.param for s in slots], self)
+        taken = [s for s in slots if (o := _owner(s.param)) is not None and not o.closed]
+        for s in slots:
+            _OWNERS[id(s.param)] = (weakref.ref(s.param), weakref.ref(self))
         if taken:
-            s = slots[taken[0]]
-            warnings.warn(f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters (e.g. parameter {s.index} "
-                          f"of param group {s.group}) belong to another HybridDeviceOptimizer that is still alive and not "
-                          "closed. This one takes over their gradient hooks; the older one copies their gradients at its "
-                          "own step() from now on. When an optimizer replaces another, call old.close().", UserWarning,
-                          stacklevel=3)
-        self._hooks: list[Any] = []
-        if overlap:
-            hooked = {id(s.param) for s in slots if s.param.requires_grad and not self.batched(s.param)}
-            self._hooks = [s.param.register_post_accumulate_grad_hook(_GradHook(self, s))
-                           for s in slots if id(s.param) in hooked]
-            if offload_grads:
-                self._hooks += [p.register_post_accumulate_grad_hook(_VersionHook(self))
-                                for p in (*(s.param for s in slots), *others) if p.requires_grad and id(p) not in hooked]
+            warnings.warn(f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters belong to another "
+                          "HybridDeviceOptimizer that is still alive and not closed. This one takes over their gradient "
+                          "hooks; the older one copies their gradients at its own step() from now on. When an optimizer "
+                          "replaces another, call old.close().", UserWarning, stacklevel=3)
+        self._hooks = [s.param.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self)))
+                       for s in slots if overlap and s.param.requires_grad and not self.batched(s.param)]
         self._worker: Optional[CpuWorker] = None
         if overlap and (in_backward or delayed):
             self._worker = CpuWorker(threads, side.bind_thread)
             weakref.finalize(self, CpuWorker.close, self._worker)
 
-    # ------------------------------------------------------------------ lookups
+    # ------------------------------------------------------------------ lookups and sharding
     @property
     def params(self) -> list[torch.Tensor]:
         """The host-stepped parameters, in step order."""
@@ -339,28 +255,29 @@ class HostPipeline:
     def is_host(self, p: torch.Tensor) -> bool:
         return id(p) in self._slot
 
-    def master(self, p: torch.Tensor) -> torch.Tensor:
-        """The host tensor the host optimizer steps for ``p``."""
-        return self._slot[id(p)].master
+    def where(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(master, local, chunk)`` of host parameter ``p``: the host tensor its chunk's optimizer
+        (``optimizers[chunk]``) steps, and the model's tensor its H2D writes (a DTensor's local shard)."""
+        s = self._slot[id(p)]
+        return s.master, s.local, s.chunk
 
-    def chunk_of(self, p: torch.Tensor) -> int:
-        """The index of the host chunk (and of its optimizer in ``optimizers``) that steps ``p``."""
-        return self._slot[id(p)].chunk
-
-    def local(self, p: torch.Tensor) -> torch.Tensor:
-        """The model's tensor the H2D writes for ``p`` (its local shard for a DTensor)."""
-        return self._slot[id(p)].local
+    def chunk_tensors(self) -> list[list[torch.Tensor]]:
+        """The model's tensors of each host chunk, in chunk order."""
+        return [[s.local for s in c.slots] for c in self.chunks]
 
     def batched(self, p: torch.Tensor) -> bool:
         """True when ``p``'s gradient is copied at ``step()`` with the other tiny ones (Note [Tiny gradients at step()])."""
         return not self.in_backward and self._slot[id(p)].local.numel() < BATCHED_NUMEL
 
-    # ------------------------------------------------------------------ host-step sharding (DDP)
     def set_owner(self, owned: list[bool]) -> None:
-        """Step only the chunks marked ``True`` here (another process steps the others)."""
+        """Step only the chunks marked ``True`` in this process (another one steps the others)."""
         if self._owned is not None:
             raise OffloadError("HybridDeviceOptimizer: its host step is already sharded (attach the optimizer once).")
         self._owned = list(owned)
+
+    @property
+    def sharded(self) -> bool:
+        return self._owned is not None
 
     def steps_here(self, p: torch.Tensor) -> bool:
         """True when this process steps host parameter ``p``."""
@@ -369,35 +286,21 @@ class HostPipeline:
     def _steps(self, ci: int) -> bool:
         return self._owned is None or self._owned[ci]
 
-    @property
-    def sharded(self) -> bool:
-        return self._owned is not None
-
-    def chunk_tensors(self) -> list[list[torch.Tensor]]:
-        """The model's tensors of each host chunk, in chunk order (what the H2D writes)."""
-        return [[s.local for s in c.slots] for c in self.chunks]
-
-    def note_written(self, params: Optional[list[torch.Tensor]] = None) -> None:
-        """The current values of host parameters ``params`` (all: ``None``) are not a user's load (e.g.
-        broadcast from their owner): no master is re-seeded from them (Note [Weights loaded after construction])."""
-        for s in self.slots if params is None else [self._slot[id(p)] for p in params]:
-            s.p_ver = s.param._version
-
     # ------------------------------------------------------------------ gradients
     def remove_grad_hooks(self) -> None:
-        """Remove the post-accumulate-grad hooks; gradients are then copied at ``step()`` or by :meth:`grad_ready`."""
+        """Remove the gradient hooks; gradients are then copied at ``step()`` or by :meth:`grad_ready`."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
 
-    def grad_ready(self, p: torch.Tensor, *, slot: Optional[HostSlot] = None) -> bool:
-        """Start the D2H of host parameter ``p``'s current gradient (what its hook does); False when
-        it is not copied here (no gradient, or another process steps it)."""
-        s = slot or self._slot[id(p)]
-        g = local_grad(s.param)
+    def grad_ready(self, p: torch.Tensor) -> bool:
+        """Start the D2H of host parameter ``p``'s current gradient (what its hook does in backward);
+        False when there is none or another process steps ``p``."""
+        s = self._slot[id(p)]
+        g = local_grad(p)
         if g is None or not self._steps(s.chunk):
             return False
-        if g.layout is not torch.strided:  # raised here, in backward, not in the worker
+        if g.layout is not torch.strided:  # raised in backward, not in the worker
             raise _sparse(s, g)
         with torch.no_grad():
             if self.in_backward:
@@ -408,11 +311,9 @@ class HostPipeline:
                         "twice such as tied embeddings, or a backward without step() since the last one: a step cannot "
                         "be skipped in this mode). Use step_in_backward=False for this training loop.")
                 self._prepare()
-            side = self.side
-            ready = side.record(side.current_stream())
-            side.wait_event(self.d2h, ready)
-            self._copy(s, g, self.d2h, accumulate=self.offload_grads and s.state is S.COPIED)
-            s.ready_ev = ready
+            s.ready_ev = self.side.record(self.side.current_stream())
+            self.side.wait_event(self.d2h, s.ready_ev)
+            self._copy([(s, g)], self.d2h)
             if self.in_backward:
                 c = self.chunks[s.chunk]
                 c.landed += 1
@@ -426,45 +327,42 @@ class HostPipeline:
         return g is not None and self._slot[id(p)].copied(g)
 
     def forget_copy(self, p: Optional[torch.Tensor] = None) -> None:
-        """Make ``step()`` copy ``p``'s gradient (every host gradient: ``None``) again: it changed in a way
-        versions do not show (``GradScaler.unscale_``, ``torch._foreach_*`` on DTensors)."""
+        """Make ``step()`` copy ``p``'s gradient (all: ``None``) again: it changed where versions do not
+        show (``GradScaler.unscale_``, ``torch._foreach_*`` on DTensors)."""
         for s in (self._slot[id(p)],) if p is not None else self.slots:
             if s.state is S.COPIED and local_grad(s.param) is not None:
                 s.grad_ref = None
 
-    def _copy(self, s: HostSlot, g: torch.Tensor, stream: Any, *, accumulate: bool) -> None:
-        side, buf = self.side, s.bufs[self._buf]
+    def _copy(self, todo: list[tuple[HostSlot, torch.Tensor]], stream: Any) -> None:
+        """Enqueue the D2H of each gradient into its slot's buffer on ``stream``, under one event."""
+        side = self.side
         with side.use(stream):
-            if accumulate:  # offload_gradients: the buffer holds the earlier micro-batches
-                if s.scratch is None:
-                    s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin_grads)
-                s.scratch.copy_(g, non_blocking=True)
-                side.synchronize(side.record(stream))
-                side.synchronize(s.d2h_ev)
-                self._apply_scales(s, buf)  # each micro-batch keeps its own clip coefficient: c*g0 + g1
-                if buf.dtype == g.dtype:
-                    buf.add_(s.scratch)
+            for s, g in todo:
+                buf = s.bufs[self._buf]
+                if self.offload_grads and s.state is S.COPIED:  # the buffer holds earlier micro-batches: add
+                    if s.scratch is None:
+                        s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin_grads)
+                    s.scratch.copy_(g, non_blocking=True)
+                    side.synchronize(side.record(stream))
+                    side.synchronize(s.d2h_ev)
+                    self._apply_scales(s, buf)  # each micro-batch keeps its own clip coefficient: c*g0 + g1
+                    buf.add_(s.scratch) if buf.dtype == g.dtype else buf.copy_(buf.to(g.dtype).add_(s.scratch))
                 else:
-                    buf.copy_(buf.to(g.dtype).add_(s.scratch))
-                s.d2h_ev = None
-            else:
-                buf.copy_(g, non_blocking=True)
-                s.d2h_ev = side.record(stream)
-        self._copied(s, g, stream, replaced=not accumulate)
-
-    def _copied(self, s: HostSlot, g: torch.Tensor, stream: Any, *, replaced: bool = True) -> None:
-        s.to(S.COPIED, "copy", (S.EMPTY, S.COPIED, S.CONSUMED))
-        s.seq, self._seq = self._seq, self._seq + 1
-        s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
-        s.grad_ver, s.grad_ptr = g._version, g.data_ptr()
-        if replaced:
-            s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
-        # Note [Gradient residency]: the copy may still be in flight when the last reference to g
-        # goes (here with offload_gradients, or at zero_grad). record_stream keeps the allocator from
-        # reusing its block before the D2H stream is past the copy; nothing blocks the backward thread.
-        self.side.record_stream(g, stream)
-        if self.offload_grads:
-            s.param.grad = None
+                    buf.copy_(g, non_blocking=True)
+                    s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
+            ev = side.record(stream)
+        for s, g in todo:
+            s.to(S.COPIED, "copy", (S.EMPTY, S.COPIED, S.CONSUMED))
+            s.d2h_ev, s.seq, self._seq = ev, self._seq, self._seq + 1
+            s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
+            s.grad_ver, s.grad_ptr = g._version, g.data_ptr()
+            # Note [Gradient residency]: the copy may still be in flight when the last reference to g goes
+            # (with offload_gradients, or at zero_grad); record_stream keeps the allocator from reusing
+            # the block before the D2H stream is past it, and nothing blocks the backward thread.
+            if stream is not None:
+                g.record_stream(stream)
+            if self.offload_grads:
+                s.param.grad = None
 
     def _apply_scales(self, s: HostSlot, buf: torch.Tensor) -> None:
         for coef, ev in s.scales:
@@ -474,11 +372,11 @@ class HostPipeline:
 
     def _collect(self, stream: Any) -> None:
         """At ``step()``: copy the gradients the hooks did not copy or that changed since."""
-        batch = []
+        todo = []
         for s in self.slots:
+            g = local_grad(s.param)
             if not self._steps(s.chunk):
                 continue
-            g = local_grad(s.param)
             if s.state is S.SUBMITTED or s.state is S.STEPPED:  # step_in_backward stepped it in backward
                 if g is not None and not s.copied(g):
                     raise OffloadError(
@@ -486,27 +384,15 @@ class HostPipeline:
                         "step_in_backward=True had stepped its parameter in backward; that update is not undone. "
                         "step_in_backward does not support gradient transforms across parameters (HF Trainer and "
                         "accelerate clip at every step); use the default mode for this training loop.")
-                continue
-            if g is None:
+            elif g is None:
                 if s.state is S.COPIED and not self.offload_grads:
-                    s.state = S.EMPTY  # its gradient was dropped after the copy (p.grad = None)
-                continue
-            if g.layout is not torch.strided:
+                    s.state = S.EMPTY  # p.grad was dropped after the copy
+            elif g.layout is not torch.strided:
                 raise _sparse(s, g)
-            if not s.copied(g):
-                accumulate = self.offload_grads and s.state is S.COPIED
-                if self.batched(s.param) and not accumulate:
-                    batch.append((s, g))
-                else:
-                    self._copy(s, g, stream, accumulate=accumulate)
-        if batch:  # Note [Tiny gradients at step()]
-            with self.side.use(stream):
-                for s, g in batch:
-                    s.bufs[self._buf].copy_(g, non_blocking=True)
-                ev = self.side.record(stream)
-            for s, g in batch:
-                s.d2h_ev = ev
-                self._copied(s, g, stream)
+            elif not s.copied(g):
+                todo.append((s, g))
+        if todo:  # Note [Tiny gradients at step()]: one stream switch and one event for all
+            self._copy(todo, stream)
 
     # ------------------------------------------------------------------ the step
     def step(self, device_step: Callable[[Optional[_amp.AmpStep]], None], amp_begin: Callable[[], Any]) -> None:
@@ -522,10 +408,8 @@ class HostPipeline:
             if self.delayed:
                 self._apply_previous()
             self.amp = amp_begin()
-            if self.offload_grads:
-                self._warn_unseen()
             self._prepare()
-            if not (self.amp is not None and self.amp.skip):
+            if self.amp is None or not self.amp.skip:  # Note [GradScaler]: an inf/NaN step steps nothing
                 with record_function("HybridDeviceOptimizer.d2h"):
                     self._collect(self.d2h if self.overlap else cur)
                 if not self.device_done:
@@ -543,7 +427,7 @@ class HostPipeline:
                         side.synchronize(side.record(cur))
                     with num_threads(self.threads):
                         for ci in order:
-                            self._run(Job(ci, self._plan(ci), self._buf, False, self.amp))
+                            self._run(ci, self._plan(ci), self._buf, False, self.amp)
         except BaseException:
             self._end(cur, failed=True)
             raise
@@ -555,7 +439,7 @@ class HostPipeline:
             self._begin()()
 
     def _drain(self) -> None:
-        """Wait for the worker; a failure leaves the gradients of chunks it did not step (Note [Failed steps])."""
+        """Wait for the worker; on a failure the chunks it did not step keep their gradients."""
         assert self._worker is not None
         try:
             self._worker.drain()
@@ -565,6 +449,10 @@ class HostPipeline:
                     s.state = S.COPIED
             raise
 
+    # Note [Consumed gradients]: with offload_gradients, p.grad is None after backward, so
+    # model.zero_grad() cannot reach the host copy; step() consumes it, as if zero_grad() followed, and
+    # the next backward starts from zero (a loop that never zeroes gradients, each backward adding onto
+    # the last step's, is the one that differs from torch).
     def _end(self, cur: Any, *, failed: bool) -> None:
         if self.overlap:
             self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
@@ -578,86 +466,67 @@ class HostPipeline:
         elif not failed:
             for s in self.slots:
                 if s.state is not S.EMPTY:
-                    s.state = S.CONSUMED  # Note [Offloaded gradients are consumed by step()]
-                    s.scales, s.grad_ref = [], None
+                    s.state, s.scales, s.grad_ref = S.CONSUMED, [], None
+            self.device_done = False
+            self._buf ^= self.delayed
         for c in self.chunks:
             c.landed = 0
-        self.grad_versions.clear()
-        self.clipped = self._begun = False
-        self.amp = None
-        if not failed:
-            self.device_done = False
-            if self.delayed:
-                self._buf ^= 1
-
-    # Note [Offloaded gradients are consumed by step()]: with offload_gradients, p.grad is None after
-    # backward, so model.zero_grad() cannot reach the host copy; step() consumes it, as if zero_grad()
-    # followed, and the next backward starts from zero. A loop that never zeroes gradients between
-    # steps (each backward adding onto the last step's gradient) is the one that differs from torch.
+        self._begun, self.amp = False, None
 
     def _landing_order(self) -> list[int]:
-        """Chunks with gradients to step, in the order their last D2H was issued.
-
-        Note [Host chunk order]: backward lands the last layer's gradients first, and chunks are
-        independent (elementwise updates), so stepping chunks in landing order starts with
-        gradients already on the host and changes no bit.
-        """
-        seq = {}
+        """Chunks with gradients to step, in the order their last D2H was issued. Note [Host chunk
+        order]: backward lands the last layer's gradients first, and chunks are independent
+        (elementwise updates), so landing order starts with gradients already on the host, same bits."""
+        seq: dict[int, int] = {}
         for s in self.slots:
             if s.state is S.COPIED and self._steps(s.chunk):
                 seq[s.chunk] = max(seq.get(s.chunk, -1), s.seq)
         return sorted(seq, key=seq.__getitem__)
 
     def _plan(self, ci: int) -> list:
-        plan = []
-        for s in self.chunks[ci].slots:
-            if s.state is S.COPIED:
-                s.to(S.SUBMITTED, "submit", (S.COPIED,))
-                plan.append((s, s.d2h_ev, list(s.scales)))
+        """What chunk ``ci`` steps, captured now: ``(slot, D2H event, clip coefficients)`` per slot."""
+        plan = [(s, s.d2h_ev, list(s.scales)) for s in self.chunks[ci].slots if s.state is S.COPIED]
+        for s, _, _ in plan:
+            s.to(S.SUBMITTED, "submit", (S.COPIED,))
         return plan
 
     def _submit(self, ci: int, *, in_backward: bool = False) -> None:
         assert self._worker is not None
-        job = Job(ci, self._plan(ci), self._buf, in_backward, self.amp)
-        if self.delayed:
-            self._jobs[ci] = job
-        self._worker.submit(functools.partial(self._run, job))
+        args = self._jobs[ci] = (ci, self._plan(ci), self._buf, in_backward, self.amp)
+        self._worker.submit(functools.partial(self._run, *args))
 
-    def _run(self, job: Job) -> None:
-        """Host step of one chunk (the training thread in the default mode, else the worker)."""
-        side, c = self.side, self.chunks[job.chunk]
+    def _run(self, ci: int, plan: list, buf: int, in_backward: bool, amp: Optional[_amp.AmpStep]) -> None:
+        """Host step of chunk ``ci`` with gradient buffer ``buf`` (the training thread in the default mode,
+        else the worker; ``in_backward``: submitted by a gradient hook, Note [H2D ordering])."""
+        side, c = self.side, self.chunks[ci]
         with record_function("HybridDeviceOptimizer.host_chunk"), torch.no_grad():
             if self.delayed:
                 side.synchronize(c.h2d_ev)  # the last update's H2D reads the masters and staging
             for s in c.slots:
                 s.master.grad = None
-            for s, ev, scales in job.plan:
+            for s, ev, scales in plan:
                 side.synchronize(ev)
-                buf = s.bufs[job.buf]
+                s.master.grad = s.bufs[buf]
                 for coef, cev in scales:
                     side.synchronize(cev)
-                    scale_(buf, s.local.dtype, coef)
-                s.master.grad = buf
-            amp = job.amp
-            if job.plan and amp is not None and amp.scale is not None and not _amp.supports(c.opt):
-                for s, _, _ in job.plan:  # Note [GradScaler]: GradScaler.unscale_'s multiply
-                    scale_(s.bufs[job.buf], s.local.dtype, amp.host_inv)
-            if job.plan:
+                    scale_(s.master.grad, s.local.dtype, coef)
+                if amp is not None and amp.scale is not None and not _amp.supports(c.opt):
+                    scale_(s.master.grad, s.local.dtype, _amp.inverse(amp.host_scale))  # Note [GradScaler]: unscale_'s multiply
+            if plan:
                 with _amp.handed_over(c.opt, amp, host=True), num_threads(1) if c.serial else contextlib.nullcontext():
                     c.opt.step()
-            stepped = [s for s, _, _ in job.plan]
+            stepped = [s for s, _, _ in plan]
             for s in stepped:
                 s.master.grad = None
                 if s.staging is not None:
                     s.staging.copy_(s.master)
+            self._jobs.pop(ci, None)
             if not self.delayed:
                 for s in stepped:
                     s.to(S.STEPPED, "step", (S.SUBMITTED,))
-                self._h2d(c, stepped, job.in_backward)
-                return
+                return self._h2d(c, stepped, in_backward)
             with self._lock:
-                self._jobs.pop(job.chunk, None)
-                if self._applying:  # step() has begun: backward is over, the weights may change now
+                if self._applying:  # step() has begun (backward is over): the weights may change now
                     self._h2d(c, stepped)
                 else:
                     c.pending = stepped
@@ -671,22 +540,19 @@ class HostPipeline:
         stream = self.h2d if self.overlap else side.current_stream()
         with torch.no_grad(), side.use(stream):
             for s in slots:
-                if s in self._skip:
-                    continue
-                if in_backward:
-                    side.wait_event(stream, s.ready_ev)
-                s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
-                s.p_ver = s.param._version
-                if self.delayed:
+                if s not in self._skip:
+                    if in_backward:
+                        side.wait_event(stream, s.ready_ev)
+                    s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
+                    s.p_ver = s.param._version
                     self._applied.add(s.flat)
             c.h2d_ev = side.record(stream)
 
     def _apply_previous(self, skip_written: bool = True) -> None:
         """Delayed mode: put the previous step's host update into the model (backward is over).
 
-        Chunks already finished go H2D now; the worker issues the H2D of each remaining chunk as
-        soon as it is stepped. Weights written into the model since the last step win over the
-        pending update (Note [Weights loaded after construction]).
+        Finished chunks go H2D now; the worker issues the H2D of each remaining chunk as soon as it is
+        stepped. Weights written into the model since the last step win over the pending update.
         """
         assert self._worker is not None
         if skip_written:
@@ -697,14 +563,14 @@ class HostPipeline:
                 if c.pending:
                     self._h2d(c, c.pending)
                     c.pending = []
-            if self._retry_jobs:  # Note [Failed steps]: a failed chunk runs again, first
-                self._retry_jobs = False
-                for job in list(self._jobs.values()):
-                    self._worker.submit(functools.partial(self._run, job))
+            if self._retry:  # Note [Failed steps]: a failed chunk runs again, first
+                self._retry = False
+                for args in list(self._jobs.values()):
+                    self._worker.submit(functools.partial(self._run, *args))
         try:
             self._worker.drain()
         except BaseException:
-            self._retry_jobs = True
+            self._retry = True
             raise
         finally:
             with self._lock:
@@ -720,21 +586,19 @@ class HostPipeline:
 
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also put the pending update into the model."""
-        if self.delayed:
-            side = self.side
-            cur = side.current_stream()
-            self._applied.clear()
-            side.wait_event(self.h2d, side.record(cur))
-            try:
-                self._apply_previous(skip_written=False)
-            finally:
-                side.wait_event(cur, side.record(self.h2d))
-        elif self._worker is not None:
-            self._drain()
+        if not self.delayed:
+            return self._drain() if self._worker is not None else None
+        side, cur = self.side, self.side.current_stream()
+        self._applied.clear()
+        side.wait_event(self.h2d, side.record(cur))
+        try:
+            self._apply_previous(skip_written=False)
+        finally:
+            side.wait_event(cur, side.record(self.h2d))
 
     def zero_grad(self, set_to_none: bool) -> None:
         """The host part of ``zero_grad``: drop the host copies (with ``offload_gradients`` and
-        ``set_to_none=False``, a held or consumed gradient becomes a zero gradient, as torch keeps a zero
+        ``set_to_none=False`` a held or consumed gradient becomes a zero gradient, as torch keeps a zero
         ``p.grad``)."""
         if self.in_backward and any(s.state is S.SUBMITTED or s.state is S.STEPPED for s in self.slots):
             raise OffloadError(
@@ -745,15 +609,14 @@ class HostPipeline:
         for c in self.chunks:
             c.landed = 0
         for s in self.slots:
-            if (self.offload_grads and not set_to_none and s.state is not S.EMPTY and local_grad(s.param) is None
-                    and self._steps(s.chunk)):
+            held = s.state is not S.EMPTY and local_grad(s.param) is None and self._steps(s.chunk)
+            if self.offload_grads and not set_to_none and held:
                 self.side.synchronize(s.d2h_ev)
                 s.bufs[self._buf].zero_()
-                s.state, s.grad_ref, s.scales = S.COPIED, None, []
-                continue
-            s.state, s.grad_ref, s.scales = S.EMPTY, None, []
+            s.state = S.COPIED if self.offload_grads and not set_to_none and held else S.EMPTY
+            s.grad_ref, s.scales = None, []
 
-    # ------------------------------------------------------------------ clipping and warnings
+    # ------------------------------------------------------------------ clipping
     def held_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """The host-held gradient of ``p`` (``offload_gradients``, no device gradient), clip
         coefficients applied; ``None`` when the device holds it or there is none."""
@@ -761,17 +624,17 @@ class HostPipeline:
         if s is None or s.state is not S.COPIED or local_grad(p) is not None or not self.offload_grads:
             return None
         self.side.synchronize(s.d2h_ev)
-        buf = s.bufs[self._buf]
-        self._apply_scales(s, buf)
-        return buf
+        self._apply_scales(s, s.bufs[self._buf])
+        return s.bufs[self._buf]
 
     @contextlib.contextmanager
     def scaling(self, coef: torch.Tensor) -> Iterator[None]:
-        """Around the in-place multiply of the device gradients by ``coef``: host copies of them (and
+        """Around the in-place multiply of the device gradients by ``coef``: their host copies (and the
         host-held gradients) get the same fp32 multiply before their step."""
         side = self.side
-        copied = [s for s in self.slots if s.state is S.COPIED and (g := local_grad(s.param)) is not None and s.copied(g)]
-        held = [s for s in self.slots if s.state is S.COPIED and local_grad(s.param) is None and self.offload_grads]
+        live = [s for s in self.slots if s.state is S.COPIED]
+        copied = [s for s in live if (g := local_grad(s.param)) is not None and s.copied(g)]
+        held = [s for s in live if local_grad(s.param) is None and self.offload_grads]
         if copied or held:
             host = torch.empty((), dtype=coef.dtype, pin_memory=side.can_pin)
             host.copy_(coef, non_blocking=True)
@@ -779,51 +642,31 @@ class HostPipeline:
             for s in (*copied, *held):
                 s.scales.append((host, ev))
         if self.d2h is not None:  # the multiply must not race a D2H of the same gradient still in flight
-            side.wait_stream(side.current_stream(), self.d2h)
+            side.current_stream().wait_stream(self.d2h)
         yield
         for s in copied:
             s.grad_ver = local_grad(s.param)._version  # the copy and its coefficient equal the new gradient
-        self.clipped = True
-
-    def _warn_unseen(self) -> None:
-        # Note [Gradient transforms that miss host gradients]: with offload_gradients, host-held
-        # gradients have p.grad None, so code that edits p.grad after backward cannot reach them;
-        # torch.nn.utils.clip_grad_norm_ (HF Trainer, accelerate) is such code. Gradients left on the
-        # device get a hook recording their version; step() warns once when one changed while host-held
-        # gradients exist and this optimizer's own clip_grad_norm_ was not called.
-        if self._warned or self.clipped or not self.grad_versions:
-            return
-        held = sum(1 for s in self.slots if s.state is S.COPIED and local_grad(s.param) is None)
-        changed = sum(1 for p, gid, ver in self.grad_versions.values()
-                      if (g := local_grad(p)) is not None and (id(g) != gid or g._version != ver))
-        if held and changed:
-            self._warned = True
-            warnings.warn(
-                f"HybridDeviceOptimizer(offload_gradients=True): after backward, code changed {changed} gradients in "
-                f"place, but {held} host-held gradients were not changed: their p.grad is None on the device, so that "
-                "code cannot see them. torch.nn.utils.clip_grad_norm_ is such code (HF Trainer and accelerate call it): "
-                "it clipped only the device gradients. Clip with opt.clip_grad_norm_(max_norm), or build the optimizer "
-                "with offload_gradients=False under HF Trainer/accelerate. Warned once.", UserWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ masters
-    def resync(self) -> None:
+    def resync(self, *, everything: bool = False) -> None:
         """Note [Weights loaded after construction]: weights written into the model since the last step
-        (``load_state_dict`` copies in place and bumps the version) re-seed their masters."""
+        (``load_state_dict`` copies in place and bumps the version) re-seed their masters (``everything``:
+        all of them, after :meth:`flush`)."""
+        if everything:
+            self.flush()
         with torch.no_grad():
             for s in self.slots:
-                if s.param._version != s.p_ver and self._steps(s.chunk):
+                if (everything or s.param._version != s.p_ver) and self._steps(s.chunk):
                     s.master.copy_(s.local)
                     s.p_ver = s.param._version
-                    c = self.chunks[s.chunk]
-                    if s in c.pending:
-                        c.pending.remove(s)
+                    if s in self.chunks[s.chunk].pending:
+                        self.chunks[s.chunk].pending.remove(s)
 
-    def reseed(self) -> None:
-        """Copy every master from the model's current weights."""
-        self.flush()
-        for s in self.slots:
-            s.p_ver = -2
-        self.resync()
+    def note_written(self, params: Optional[list[torch.Tensor]] = None) -> None:
+        """The current values of host parameters ``params`` (all: ``None``) are no user's load (e.g.
+        broadcast from their owner): their masters are not re-seeded from them."""
+        for s in self.slots if params is None else [self._slot[id(p)] for p in params]:
+            s.p_ver = s.param._version
 
     def push_masters(self) -> None:
         """Delayed mode: write every host master into the model now (after a load)."""

@@ -10,26 +10,21 @@ local shard (:func:`local_tensor`), so each rank offloads its own shards.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 __all__: list[str] = []
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
-def local_tensor(p: torch.Tensor) -> torch.Tensor:
+def local_tensor(p: Optional[torch.Tensor]) -> Any:
     """The tensor this rank stores for ``p`` (``p`` itself, or a DTensor's local shard)."""
-    return p.to_local() if _is_dtensor(p) else p
+    return p.to_local() if type(p).__name__ == "DTensor" and hasattr(p, "to_local") else p
 
 
 def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     """The local part of ``p.grad`` (``None`` when there is no gradient)."""
-    g = p.grad
-    return g.to_local() if g is not None and _is_dtensor(g) else g
+    return local_tensor(p.grad)
 
 
 class Placement(NamedTuple):
@@ -69,13 +64,10 @@ def choose_offloaded(groups: list[list[torch.Tensor]], fraction: float,
 
 
 def make_chunks(sizes_bytes: list[int], chunk_bytes: int) -> list[list[int]]:
-    """Group consecutive items (in step order) into chunks of about ``chunk_bytes``.
-
-    An item that would push the current chunk past ``chunk_bytes`` starts a new chunk only if the
-    current one is at least half full, so a bias in front of a chunk-sized weight joins it instead
-    of forming a chunk of its own (each chunk pays a host optimizer call and a thread fork/join).
-    An item larger than ``chunk_bytes`` forms its own chunk; tensors are never split.
-    """
+    """Group consecutive items (in step order) into chunks of about ``chunk_bytes``; tensors are never
+    split. An item that would overflow the current chunk starts a new one only if the current one is at
+    least half full, so a bias in front of a chunk-sized weight joins it (each chunk costs a host
+    optimizer call and a thread fork/join)."""
     chunks: list[list[int]] = []
     cur: list[int] = []
     cur_bytes = 0
@@ -98,12 +90,9 @@ SERIAL_CHUNK_BYTES = 1 << 20
 
 def split_serial(groups: list[list[int]], numels: list[int], sizes_bytes: list[int],
                  chunk_bytes: int) -> list[tuple[list[int], bool]]:
-    """Split the chunks of :func:`make_chunks` into ``(indices, serial)`` chunks, order preserved.
-
-    Each group's large tensors stay one chunk; its small ones are collected, across groups, into
-    serial chunks that close once they hold ``min(chunk_bytes, SERIAL_CHUNK_BYTES)``, placed after
-    the large chunk of the group that completed them (Note [Serial small tensors]).
-    """
+    """Split the chunks of :func:`make_chunks` into ``(indices, serial)`` chunks, order preserved: each
+    chunk's large tensors stay one chunk; its small ones collect, across chunks, into serial chunks that
+    close at ``min(chunk_bytes, SERIAL_CHUNK_BYTES)`` (Note [Serial small tensors])."""
     out: list[tuple[list[int], bool]] = []
     small: list[int] = []
     small_bytes = 0

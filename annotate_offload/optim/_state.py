@@ -40,36 +40,27 @@ class Entry(NamedTuple):
     host: bool
 
 
-def wants_device_step(group: dict[str, Any]) -> bool:
-    """torch keeps ``step`` as fp32 on the parameter's device for fused/capturable groups."""
-    return bool(group.get("fused") or group.get("capturable"))
-
-
-def _step_value(v: torch.Tensor, inner: torch.Tensor, fused: bool) -> torch.Tensor:
-    if fused:
-        return v if v.dtype == torch.float32 and v.device == inner.device else v.to(inner.device, torch.float32)
+def _step(v: torch.Tensor, e: Entry) -> torch.Tensor:
+    """``step`` where torch keeps it: fp32 on the parameter's device for fused/capturable groups, else the CPU."""
+    if e.sub_group.get("fused") or e.sub_group.get("capturable"):
+        return v if (v.dtype, v.device) == (torch.float32, e.inner.device) else v.to(e.inner.device, torch.float32)
     return v if v.device.type == "cpu" else v.to("cpu")
 
 
 def place(e: Entry, st: dict[str, Any]) -> None:
-    """Move ``st``'s tensors back to where ``e`` is stepped and re-attach its master (in place)."""
-    if e.opt.state.get(e.inner) is not st:
-        e.opt.state[e.inner] = st
+    """Make ``st`` the sub-optimizer's state of ``e`` and put its tensors back where ``e`` is stepped
+    (a replaced ``master_param`` is copied into the master)."""
+    e.opt.state[e.inner] = st
     for k, v in list(st.items()):
-        if not torch.is_tensor(v):
-            continue
-        if k == "master_param":
+        if k == "master_param" and torch.is_tensor(v):
             if e.master is None:
                 del st[k]
             elif v is not e.master:
                 with torch.no_grad():
                     e.master.copy_(v)
                 st[k] = e.master
-        elif k == "step":
-            if (nv := _step_value(v, e.inner, wants_device_step(e.sub_group))) is not v:
-                st[k] = nv
-        elif v.device != e.inner.device:
-            st[k] = v.to(e.inner.device)
+        elif torch.is_tensor(v) and (nv := _step(v, e) if k == "step" else v.to(e.inner.device)) is not v:
+            st[k] = nv
 
 
 def detach_views(st: dict[str, Any]) -> dict[str, Any]:
@@ -82,116 +73,93 @@ def detach_views(st: dict[str, Any]) -> dict[str, Any]:
 def probe(cls: type, kw: dict[str, Any], like: list[tuple[torch.dtype, Any, int]], *,
           group: bool = False) -> tuple[Optional[dict[str, Any]], Optional[Exception]]:
     """Step ``cls`` once, on zero gradients, over one tensor of side 2 per ``(dtype, device, ndim)`` of
-    ``like``, with ``kw`` as constructor keywords (checked by the constructor) or as the group's
-    values (``group``). Returns the state it created for the first tensor, or the error it raised."""
+    ``like``, with ``kw`` as constructor keywords (checked by the constructor) or as the group's values
+    (``group``). Returns the state it created for the first tensor, or the error it raised."""
     try:
-        ps = []
-        for dtype, device, dim in like:
-            ps.append(torch.zeros((2,) * dim, dtype=dtype, device=device))
-            ps[-1].grad = torch.zeros_like(ps[-1])
+        ps = [torch.zeros((2,) * n, dtype=d, device=dev) for d, dev, n in like]
+        for p in ps:
+            p.grad = torch.zeros_like(p)
         opt = cls([{**kw, "params": ps}]) if group else cls(ps, **kw)
         opt.step()
         return dict(opt.state.get(ps[0], {})), None
-    except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError) as e:
-        return None, e
-
-
-def _template(e: Entry, hyper: dict[str, Any], cache: dict) -> dict[str, Any]:
-    """The state ``e``'s sub-optimizer class creates in one step, with the loaded hyper-parameters."""
-    kw = {k: v for k, v in e.sub_group.items() if k != "params"}
-    kw.update({k: v for k, v in hyper.items() if k in kw})
-    key = (type(e.opt), repr(sorted(kw.items())), e.inner.dtype, e.inner.device, e.inner.dim())
-    if key not in cache:  # a class that cannot step the probe: torch's own checks only
-        cache[key] = probe(type(e.opt), kw, [key[2:]], group=True)[0] or {}
-    return cache[key]
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError) as err:
+        return None, err
 
 
 def _desc(v: Any) -> str:
-    if torch.is_tensor(v):
-        return f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}"
-    return f"{type(v).__name__} {v!r:.80}"
+    return f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}" if torch.is_tensor(v) else f"{type(v).__name__} {v!r:.80}"
+
+
+def _convert(e: Entry, k: str, v: Any, t: Any, bad: Callable[[str], ValueError]) -> Any:
+    """``v`` loaded as state ``k`` of ``e``, cast and moved as torch does; ``t``: what the class creates."""
+    if not torch.is_tensor(t):  # a key the class does not create: kept, cast and moved as torch keeps it
+        if torch.is_tensor(v) and k != "master_param":
+            return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
+        return copy.deepcopy(v)
+    shape = () if t.dim() == 0 else tuple(e.local.shape) if k == "master_param" or t.shape == (2,) * e.inner.dim() else None
+    kind = "complex" if t.is_complex() else "floating-point" if t.is_floating_point() else str(t.dtype)
+    if not torch.is_tensor(v) and shape == () and type(v) in (int, float) and math.isfinite(v):
+        v = torch.tensor(float(v))
+    if (not torch.is_tensor(v) or (shape == () and v.numel() != 1) or (shape and tuple(v.shape) != shape)
+            or (shape != () and (v.is_complex(), v.is_floating_point()) != (t.is_complex(), t.is_floating_point()))):
+        raise bad(f"a {kind} tensor" + (f" of shape {shape}" if shape is not None else ""))
+    if k in ("master_param", "step"):
+        return v if k == "master_param" else _step(v.detach().reshape(()).clone(), e)
+    return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
 
 
 def check_load(sd: Any, entries: list[Entry], groups: list[dict[str, Any]],
                check_hyper: Callable[[int, dict[str, Any]], None]) -> tuple[list[dict[str, Any]], dict[int, dict]]:
-    """Validate ``sd`` against the optimizer and convert it (Note [Validated loads]).
+    """Validate ``sd`` against the optimizer and convert it (Note [Validated loads]); applies nothing.
 
-    Returns ``(hyper-parameters per group, state per flat index)``; applies nothing.
+    Returns ``(hyper-parameters per group, state per flat index)``.
 
     Raises:
-        ValueError: a malformed state dict, another number of groups or parameters, a hyper-parameter
-            the optimizer class refuses or a non-finite ``lr``, or a state entry that does not fit its
-            parameter (missing key, wrong shape, non-floating moment, non-tensor where a tensor belongs).
+        ValueError: a malformed state dict, other numbers of groups or parameters, a hyper-parameter the
+            class refuses or a non-finite ``lr``, or a state entry that does not fit its parameter
+            (missing key, wrong shape, non-floating moment, non-tensor where a tensor belongs).
         TypeError: a hyper-parameter of the wrong type.
     """
-    who = "HybridDeviceOptimizer.load_state_dict"
-    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) or not isinstance(sd.get("param_groups"), list):
-        raise ValueError(f"{who}: expected an optimizer state_dict() (a dict with a 'state' dict and a 'param_groups' "
-                         f"list), found {_desc(sd)}; nothing was loaded.")
+    def bad(what: str) -> ValueError:
+        return ValueError(f"HybridDeviceOptimizer.load_state_dict: {what}; nothing was loaded. Load a state dict "
+                          "saved by an optimizer over this model, with the same param groups.")
+
+    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
+        raise bad(f"expected an optimizer state_dict() (a 'state' dict and a 'param_groups' list), found {_desc(sd)}")
     saved = sd["param_groups"]
     if len(saved) != len(groups):
-        raise ValueError(f"{who}: the state dict has {len(saved)} param groups, this optimizer {len(groups)}; build the "
-                         "optimizer with the same groups as the one that was saved. Nothing was loaded.")
+        raise bad(f"the state dict has {len(saved)} param groups, this optimizer {len(groups)}")
     hypers = []
     for gi, (sg, g) in enumerate(zip(saved, groups)):
         ids = sg.get("params") if isinstance(sg, dict) else None
         if not isinstance(ids, (list, tuple)) or len(ids) != len(g["params"]):
-            raise ValueError(f"{who}: param group {gi} holds {len(ids) if isinstance(ids, (list, tuple)) else _desc(sg)} "
-                             f"parameters in the state dict and {len(g['params'])} here; the parameter lists must match "
-                             "(same model, same group order). Nothing was loaded.")
-        hyper = {k: v for k, v in sg.items() if k != "params" and k not in STRUCTURAL_KEYS and k not in IMPL_KEYS}
-        if "lr" in hyper and (not isinstance(hyper["lr"], (int, float, torch.Tensor)) or not math.isfinite(float(hyper["lr"]))):
-            raise ValueError(f"{who}: lr={hyper['lr']!r} in param group {gi} of the state dict: the learning rate must be "
-                             "a finite number. Nothing was loaded.")
-        check_hyper(gi, hyper)
-        hypers.append(copy.deepcopy(hyper))
+            raise bad(f"param group {gi} holds {len(ids) if isinstance(ids, (list, tuple)) else _desc(sg)} parameters "
+                      f"in the state dict and {len(g['params'])} here")
+        hypers.append({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", *STRUCTURAL_KEYS, *IMPL_KEYS)})
+        check_hyper(gi, hypers[-1])
     cache: dict = {}
     states: dict[int, dict] = {}
     for e in entries:
         sg = saved[e.group]
-        sid = sg["params"][e.index]
-        names = sg.get("param_names")
-        name = f" {names[e.index]!r}" if isinstance(names, (list, tuple)) and len(names) > e.index else ""
+        names = sg.get("param_names") or ()
+        where = (f"parameter {e.flat}{f' {names[e.index]!r}' if len(names) > e.index else ''} (param group {e.group}, "
+                 f"index {e.index}, shape {tuple(e.local.shape)})")
         try:
-            st = sd["state"].get(sid, {})
+            st = sd["state"].get(sg["params"][e.index], {})
         except TypeError:  # an unhashable id
             st = None
-        where = f"parameter {e.flat}{name} (param group {e.group}, index {e.index}, shape {tuple(e.local.shape)})"
-
-        def bad(key: str, expected: str, found: Any) -> ValueError:
-            return ValueError(f"{who}: {where}, state {key!r}: expected {expected}, found {found}; nothing was loaded. "
-                              "Load a state dict saved by an optimizer over this model.")
-
         if not isinstance(st, dict):
-            raise bad("*", "a dict of state tensors", _desc(st))
-        tmpl = _template(e, hypers[e.group], cache) if st else {}
-        missing = [k for k in tmpl if k not in st]
-        if missing:
-            raise bad(missing[0], f"the keys {sorted(tmpl)} of {type(e.opt).__name__}'s state", f"keys {sorted(st)}")
-        out: dict[str, Any] = {}
-        for k, v in st.items():
-            t = e.master if k == "master_param" else tmpl.get(k)
-            if t is None or not torch.is_tensor(t):
-                out[k] = v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True) \
-                    if torch.is_tensor(v) and k != "master_param" else copy.deepcopy(v)
-                continue
-            scalar = t.dim() == 0
-            shape = () if scalar else tuple(e.local.shape) if k == "master_param" or t.shape == (2,) * e.inner.dim() else None
-            kind = "complex" if t.is_complex() else "floating-point" if t.is_floating_point() else str(t.dtype)
-            want = f"a {kind} tensor" + (f" of shape {shape}" if shape is not None else "")
-            if not torch.is_tensor(v):
-                if not (scalar and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
-                    raise bad(k, want, _desc(v))
-                v = torch.tensor(float(v))
-            if (v.is_complex(), v.is_floating_point()) != (t.is_complex(), t.is_floating_point()) and not scalar:
-                raise bad(k, want, _desc(v))
-            if (scalar and v.numel() != 1) or (shape is not None and not scalar and tuple(v.shape) != shape):
-                raise bad(k, want, _desc(v))
-            if k == "master_param":
-                out[k] = v
-            elif k == "step":
-                out[k] = _step_value(v.detach().reshape(()).clone(), e.inner, wants_device_step(e.sub_group))
-            else:
-                out[k] = v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
-        states[e.flat] = out
+            raise bad(f"{where}: expected a dict of state tensors, found {_desc(st)}")
+        if st:  # what the class creates, with the loaded hyper-parameters
+            kw = {k: v for k, v in e.sub_group.items() if k != "params"}
+            kw.update({k: v for k, v in hypers[e.group].items() if k in kw})
+            key = (type(e.opt), repr(sorted(kw.items())), e.inner.dtype, e.inner.device, e.inner.dim())
+            tmpl = cache[key] if key in cache else cache.setdefault(key, probe(type(e.opt), kw, [key[2:]], group=True)[0] or {})
+            if missing := [k for k in tmpl if k not in st]:
+                raise bad(f"{where}, state {missing[0]!r}: expected the keys {sorted(tmpl)}, found {sorted(st)}")
+            states[e.flat] = {k: _convert(e, k, v, e.master if k == "master_param" else tmpl.get(k),
+                                          lambda want, k=k, v=v: bad(f"{where}, state {k!r}: expected {want}, found {_desc(v)}"))
+                              for k, v in st.items()}
+        else:
+            states[e.flat] = {}
     return hypers, states

@@ -109,7 +109,7 @@ def test_a_failed_host_chunk_in_delayed_mode_runs_again_before_the_next_step():
 
 def test_close_cleans_up_then_reports_the_pending_failure():
     m, _, opt, _ = _build("step_in_backward")
-    workers = lambda: sum(t.name == "hdo-cpu-step" for t in threading.enumerate())  # noqa: E731
+    workers = lambda: sum(t.name.startswith("hdo-cpu-step") for t in threading.enumerate())  # noqa: E731
     n = workers()
     opt.cpu_optimizers[0].fail_next = True
     loss_of(m, _xs(1)[0]).backward()  # the chunk fails in the worker; nothing reported yet

@@ -425,7 +425,7 @@ def test_default_mode_steps_on_the_training_thread(mode, monkeypatch):
         assert seen[0] == ("gpu", None)  # queued first, so the GPU steps its half during the host step
         assert chunks == [(threading.current_thread().name, 8)] * len(chunks)
     else:
-        assert chunks == [("hdo-cpu-step", 7)] * len(chunks)
+        assert chunks == [("hdo-cpu-step_0", 7)] * len(chunks)
 
 
 def test_worker_uses_its_own_thread_count():

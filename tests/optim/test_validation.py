@@ -356,20 +356,6 @@ def test_flags_must_be_bools(key, value):
         HybridDeviceOptimizer([{"params": list(m.parameters()), key: value}], lr=1e-2, **kw, **cls)
 
 
-def test_a_learning_rate_passed_as_the_fraction_warns():
-    """Fresh-user report (seventh session) item 7: HybridDeviceOptimizer(params, 3e-4) (AdamW's
-    positional lr) silently meant offload_fraction=3e-4 with the default lr."""
-    m = Tiny()
-    with pytest.warns(UserWarning, match=r"offload_fraction=0.0003 and no lr=.*lr=0.0003"):
-        HybridDeviceOptimizer(m.parameters(), 3e-4).close()
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        HybridDeviceOptimizer(m.parameters(), 3e-4, lr=1e-3).close()  # explicit: meant
-        HybridDeviceOptimizer(m.parameters(), 0.5).close()
-
-
 @pytest.mark.parametrize("form", ["defaults", "group"])
 @pytest.mark.parametrize(
     "cls, kw, match",
