@@ -1,8 +1,7 @@
 """``attach_optimizer``: wire a ``HybridDeviceOptimizer`` to a DDP or FSDP2 model (private).
 
 FSDP2 needs no change of the gradient path: it calls the sharded parameters' post-accumulate-grad
-hooks after the reduce-scatter (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), with the
-reduce-scatter stream current, so the optimizer's own hooks copy the reduced local shard
+hooks after the reduce-scatter, with the reduce-scatter stream current, so the optimizer's own hooks copy the reduced local shard
 (``to_local()``) and each rank offloads exactly its shard. What the attachment adds there is the
 guard of Note [Local shards] (``_shards.py``) and a refusal of the optimizer's own
 ``clip_grad_norm_``, whose norm would cover only this rank's shard. Clip with this package's

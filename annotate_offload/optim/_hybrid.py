@@ -229,6 +229,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._entries.append(Entry(p, i, gi, pi, loc, t, self.gpu_optimizer, sub_group[id(t)],  # type: ignore[arg-type]
                                            t if t.dtype != loc.dtype else None, False))
         self._masters = [e for e in self._entries if not e.host and e.inner is not e.param]  # device half
+        self._fresh = list(self._entries)  # entries whose state is not in self.state yet
         self._ver = {e.flat: e.param._version for e in self._masters}
         # Megatron-Core's maps (its DistributedOptimizer and tests read them)
         self.param_to_inner_param = {e.param: e.inner for e in self._entries}
@@ -258,11 +259,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for k in _CLASS_KEYS:
             g.pop(k, None)
         try:
-            ids = [id(p) for p in g["params"]]
-            if len(set(ids)) < len(ids):
-                j = next(j for j, i in enumerate(ids) if i in ids[:j])
-                raise ValueError(f"HybridDeviceOptimizer: param group {len(self.param_groups) - 1} lists the same "
-                                 f"parameter twice (positions {ids.index(ids[j])} and {j}); list it once.")
+            if len({id(p) for p in g["params"]}) < len(g["params"]):
+                raise ValueError(f"HybridDeviceOptimizer: param group {len(self.param_groups) - 1} lists a parameter "
+                                 "twice (its host copy would be stepped twice); list each parameter once.")
             _check_hyper(self._checks(g["params"]), self._hyper(g), where)
         except (TypeError, ValueError):
             self.param_groups.pop()  # nothing half-applied
@@ -354,12 +353,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._ver.update({e.flat: e.param._version for e in written if not e.host})
 
     def _publish_state(self) -> None:
-        for e in self._entries:
-            if st := e.opt.state.get(e.inner):
-                if self.state.get(e.param) is not st:
+        """``state[p]`` becomes the state the sub-optimizer created for ``p`` in its first step."""
+        if self._fresh:
+            for e in self._fresh:
+                if st := e.opt.state.get(e.inner):
                     self.state[e.param] = st
-                if e.master is not None:
-                    st.setdefault("master_param", e.master)
+                    if e.master is not None:
+                        st.setdefault("master_param", e.master)
+            self._fresh = [e for e in self._fresh if e.param not in self.state]
 
     def _device_step(self, amp: Optional[_amp.AmpStep]) -> None:
         opt = self.gpu_optimizer
@@ -564,6 +565,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 else:
                     self.state.pop(e.param, None)
                     e.opt.state.pop(e.inner, None)
+        self._fresh = [e for e in self._entries if e.param not in self.state]
         self.pipeline.note_written()
         self._ver = {e.flat: e.param._version for e in self._masters}
         self._sync_hyper()

@@ -3,22 +3,20 @@
 Note [Host step lifecycle] (one host-stepped parameter, overlap on):
 
 1. backward: its post-accumulate-grad hook records a *ready* event on the compute stream; the D2H
-   stream waits on it and copies the gradient into the slot's pinned buffer, remembering which
-   gradient tensor and version it copied (EMPTY/CONSUMED -> COPIED).
-2. ``step()``: a gradient never copied, or changed since (clipping, unscaling), is copied again, so
-   the host steps the gradient the device holds at ``step()``. The device half is queued first; then
-   each chunk, in the order its gradients landed, waits for its D2H events, is stepped by its host
-   optimizer (COPIED -> SUBMITTED -> STEPPED), writes the bf16 staging copy if the model is bf16, and
-   enqueues its H2D on the H2D stream, which waited for the compute stream at ``step()``'s entry.
-3. ``step()`` returns once the compute stream waits on the last H2D, so the next forward never reads
-   a stale weight; the gradients are consumed (STEPPED -> CONSUMED, Note [Consumed gradients]).
+   stream waits on it and copies the gradient into the slot's pinned buffer, recording which gradient
+   tensor and version it copied (EMPTY/CONSUMED -> COPIED).
+2. ``step()``: a gradient never copied, or changed since (clipping, unscaling), is copied again. The
+   device half is queued first; then each chunk, in the order its gradients landed, waits for its D2H,
+   is stepped by its host optimizer (COPIED -> SUBMITTED -> STEPPED), writes the bf16 staging copy of a
+   bf16 model, and enqueues its H2D on the H2D stream, which waited for the compute stream at entry.
+3. ``step()`` returns once the compute stream waits on the last H2D, so no forward reads a stale
+   weight; the gradients are consumed (-> CONSUMED, Note [Consumed gradients]).
 
-Each transition is checked (:meth:`HostSlot.to`). Note [Failed steps]: a unit of work (the device
-optimizer, one host chunk) completes or leaves its parameters untouched. After an exception
-``step()`` keeps what it did (``device_done``, STEPPED slots) and the gradients of the rest
-(SUBMITTED -> COPIED), so a retried ``step()`` steps each untouched parameter once. In delayed mode
-a chunk's work of step ``t`` runs during step ``t + 1``; a failed one keeps its job, and the next
-``step()`` or ``flush()`` runs it again before anything else.
+Note [Failed steps]: a unit of work (the device optimizer, one host chunk) completes or leaves its
+parameters untouched. After an exception ``step()`` keeps what it did (``device_done``, STEPPED
+slots) and the gradients of the rest (SUBMITTED -> COPIED), so a retried ``step()`` steps each
+untouched parameter once. In delayed mode a chunk of step ``t`` runs during step ``t + 1``; a failed
+one keeps its arguments, and the next ``step()`` or ``flush()`` runs it again first.
 """
 
 from __future__ import annotations
@@ -150,11 +148,10 @@ def sub_optimizer(cls: type, parts: list[tuple[dict[str, Any], list[torch.Tensor
                  for sub, g in zip(opt.param_groups, owners)]
 
 
-# Note [One optimizer per parameter]: an optimizer replaced while still referenced (an LR finder's,
-# one a closure keeps) would keep its gradient hooks, and with offload_gradients its hook would free
-# p.grad under the new one. The newest pipeline over a parameter owns its hook; older ones stand
-# aside (they copy the gradient at their own step()), and building over parameters that a live,
-# unclosed optimizer owns warns, naming close().
+# Note [One optimizer per parameter]: an optimizer replaced while still referenced (an LR finder's)
+# would keep its hooks, and with offload_gradients free p.grad under the new one. The newest pipeline
+# over a parameter owns its hook; older ones copy the gradient at their own step(). Building over
+# parameters that a live, unclosed optimizer owns warns, naming close().
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, owning pipeline)
 
 
@@ -306,10 +303,9 @@ class HostPipeline:
             if self.in_backward:
                 if s.state is S.SUBMITTED or s.state is S.STEPPED:
                     raise OffloadError(
-                        "HybridDeviceOptimizer: step_in_backward=True saw a second gradient for a host-stepped parameter "
-                        f"{tuple(s.local.shape)} after its chunk was stepped (gradient accumulation, a parameter used "
-                        "twice such as tied embeddings, or a backward without step() since the last one: a step cannot "
-                        "be skipped in this mode). Use step_in_backward=False for this training loop.")
+                        f"HybridDeviceOptimizer: step_in_backward=True saw a second gradient for parameter {s.index} of "
+                        f"param group {s.group} after its chunk was stepped (accumulation, tied weights, or no step() "
+                        "since the last backward). Use step_in_backward=False for this training loop.")
                 self._prepare()
             s.ready_ev = self.side.record(self.side.current_stream())
             self.side.wait_event(self.d2h, s.ready_ev)
@@ -380,10 +376,9 @@ class HostPipeline:
             if s.state is S.SUBMITTED or s.state is S.STEPPED:  # step_in_backward stepped it in backward
                 if g is not None and not s.copied(g):
                     raise OffloadError(
-                        "HybridDeviceOptimizer: a gradient was modified (clipping, unscaling, accumulation) after "
-                        "step_in_backward=True had stepped its parameter in backward; that update is not undone. "
-                        "step_in_backward does not support gradient transforms across parameters (HF Trainer and "
-                        "accelerate clip at every step); use the default mode for this training loop.")
+                        f"HybridDeviceOptimizer: the gradient of parameter {s.index} of param group {s.group} was modified "
+                        "(clipping, unscaling) after step_in_backward=True stepped it in backward, which is not undone. "
+                        "Use the default mode for a loop that transforms gradients.")
             elif g is None:
                 if s.state is S.COPIED and not self.offload_grads:
                     s.state = S.EMPTY  # p.grad was dropped after the copy
@@ -440,14 +435,13 @@ class HostPipeline:
 
     def _drain(self) -> None:
         """Wait for the worker; on a failure the chunks it did not step keep their gradients."""
-        assert self._worker is not None
         try:
-            self._worker.drain()
-        except BaseException:
+            if self._worker is not None:
+                self._worker.drain()
+        finally:
             for s in self.slots:
                 if s.state is S.SUBMITTED:
-                    s.state = S.COPIED
-            raise
+                    s.state = S.COPIED  # its chunk did not step: the gradient stays for a retry
 
     # Note [Consumed gradients]: with offload_gradients, p.grad is None after backward, so
     # model.zero_grad() cannot reach the host copy; step() consumes it, as if zero_grad() followed, and
@@ -457,12 +451,8 @@ class HostPipeline:
         if self.overlap:
             self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
         if failed and not self.delayed:
-            if self._worker is not None:
-                with contextlib.suppress(BaseException):  # the error raised is the first one
-                    self._drain()
-            for s in self.slots:
-                if s.state is S.SUBMITTED:
-                    s.state = S.COPIED  # its chunk did not step: the gradient stays for a retry
+            with contextlib.suppress(BaseException):  # the error raised is the first one
+                self._drain()
         elif not failed:
             for s in self.slots:
                 if s.state is not S.EMPTY:
@@ -601,10 +591,9 @@ class HostPipeline:
         ``set_to_none=False`` a held or consumed gradient becomes a zero gradient, as torch keeps a zero
         ``p.grad``)."""
         if self.in_backward and any(s.state is S.SUBMITTED or s.state is S.STEPPED for s in self.slots):
-            raise OffloadError(
-                "HybridDeviceOptimizer.zero_grad: step_in_backward=True already stepped host chunks in the last backward "
-                "and step() has not run since. A step cannot be skipped in this mode (backward applied it to the host "
-                "half). Call step() to finish it, or use step_in_backward=False in a loop that skips steps.")
+            raise OffloadError("HybridDeviceOptimizer.zero_grad: step_in_backward=True stepped host chunks in the last "
+                               "backward, so this step cannot be skipped. Call step() to finish it, or use "
+                               "step_in_backward=False in a loop that skips steps.")
         self.device_done = False
         for c in self.chunks:
             c.landed = 0

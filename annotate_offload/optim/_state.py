@@ -59,8 +59,11 @@ def place(e: Entry, st: dict[str, Any]) -> None:
                 with torch.no_grad():
                     e.master.copy_(v)
                 st[k] = e.master
-        elif torch.is_tensor(v) and (nv := _step(v, e) if k == "step" else v.to(e.inner.device)) is not v:
-            st[k] = nv
+        elif k == "step" and torch.is_tensor(v):
+            if (nv := _step(v, e)) is not v:
+                st[k] = nv
+        elif torch.is_tensor(v) and v.device != e.inner.device:  # runs at every step: no .to() when in place
+            st[k] = v.to(e.inner.device)
 
 
 def detach_views(st: dict[str, Any]) -> dict[str, Any]:

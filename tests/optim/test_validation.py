@@ -381,7 +381,7 @@ def test_hyper_parameters_torch_refuses_are_refused_here(cls, kw, match, form):
 def test_a_parameter_listed_twice_in_a_group_is_refused():
     m = Tiny()
     with pytest.warns(UserWarning, match="duplicate parameters"), \
-            pytest.raises(ValueError, match=r"param group 0 lists the same parameter twice \(positions 0 and 2"):
+            pytest.raises(ValueError, match=r"param group 0 lists a parameter twice"):
         HybridDeviceOptimizer([m.l1.weight, m.l1.bias, m.l1.weight], lr=1e-2)
 
 
