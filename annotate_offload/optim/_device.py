@@ -25,26 +25,23 @@ MIN_SLAB_BYTES = 64 << 20
 
 
 class Side:
-    """Streams and events of the parameters' device (all ``None`` without CUDA)."""
+    """Streams and events of the parameters' device; every stream and event is ``None`` without CUDA.
 
-    __slots__ = ("device", "cuda")
+    Raises (constructor):
+        ValueError: parameters on several CUDA devices or on another accelerator.
+    """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        """Raises ``ValueError`` for parameters on several CUDA devices or on another accelerator."""
         devices = {p.device for p in params if p.device.type == "cuda"}
         other = next((p.device for p in params if p.device.type not in ("cpu", "cuda", "meta")), None)
         if other is not None or len(devices) > 1:
             raise ValueError(f"HybridDeviceOptimizer: parameters on {other or sorted(map(str, devices))}: pass CUDA "
                              "parameters of one device (build one optimizer per device) or CPU parameters.")
-        self.cuda = bool(devices)
+        self.can_pin = self.cuda = bool(devices)
         self.device = devices.pop() if devices else torch.device("cpu")
 
-    @property
-    def can_pin(self) -> bool:
-        return self.cuda
-
     def owns(self, t: torch.Tensor) -> bool:
-        """True for the tensors the device half would step (every tensor without CUDA)."""
+        """True for a tensor the device half would step (any tensor without CUDA)."""
         return t.device.type == "cuda" or not self.cuda
 
     def new_stream(self) -> Any:
@@ -53,10 +50,16 @@ class Side:
     def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device) if self.cuda else None
 
-    def use(self, stream: Any) -> Any:
+    def bind_thread(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    @staticmethod
+    def use(stream: Any) -> Any:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def record(self, stream: Any) -> Any:
+    @staticmethod
+    def record(stream: Any) -> Any:
         return stream.record_event() if stream is not None else None
 
     @staticmethod
@@ -68,13 +71,6 @@ class Side:
     def synchronize(event: Any) -> None:
         if event is not None:
             event.synchronize()
-
-    def bind_thread(self) -> None:
-        if self.cuda:
-            torch.cuda.set_device(self.device)
-
-    def __repr__(self) -> str:
-        return f"Side({self.device})"
 
 
 def carve(numels: list[int], dtypes: list[torch.dtype], *, pin: bool, what: str) -> list[torch.Tensor]:

@@ -229,6 +229,8 @@ class HostPipeline:
         self._lock = threading.Lock()  # delayed mode: the worker and step() on Chunk.pending, _applying
         self._skip: frozenset = frozenset()  # delayed mode: slots whose weights the user replaced
         taken = [s for s in slots if (o := _owner(s.param)) is not None and not o.closed]
+        for k in [k for k, (p, _) in _OWNERS.items() if p() is None]:
+            del _OWNERS[k]
         for s in slots:
             _OWNERS[id(s.param)] = (weakref.ref(s.param), weakref.ref(self))
         if taken:

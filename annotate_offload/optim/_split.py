@@ -28,23 +28,14 @@ def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 class Placement(NamedTuple):
-    """Where one parameter is stepped (``HybridDeviceOptimizer.placements``).
+    """Where one parameter is stepped (``HybridDeviceOptimizer.placements``)."""
 
-    Attributes:
-        group (int): index in ``param_groups``.
-        index (int): index in that group's ``params``.
-        shape (tuple[int, ...]): local shape.
-        numel (int): local element count.
-        side (str): ``"cpu"`` (host optimizer) or ``"gpu"`` (device optimizer).
-        chunk (int): host chunk index, ``-1`` on the device side.
-    """
-
-    group: int
-    index: int
-    shape: tuple
-    numel: int
-    side: str
-    chunk: int
+    group: int  # index in param_groups
+    index: int  # index in that group's params
+    shape: tuple  # local shape
+    numel: int  # local element count
+    side: str  # "cpu" (host optimizer) or "gpu" (device optimizer)
+    chunk: int  # host chunk (and index in cpu_optimizers), -1 on the device side
 
 
 def choose_offloaded(groups: list[list[torch.Tensor]], fraction: float,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
 
@@ -105,5 +106,5 @@ class CpuWorker:
             raise errors[0]
 
     def close(self) -> None:
-        """Stop the thread after the queued tasks (idempotent)."""
-        self._pool.shutdown(wait=True)
+        """Stop the thread after the queued tasks (idempotent; from the worker itself, without waiting)."""
+        self._pool.shutdown(wait=not threading.current_thread().name.startswith("hdo-cpu-step"))
