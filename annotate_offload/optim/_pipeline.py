@@ -192,18 +192,17 @@ class HostPipeline:
         mdt = [torch.float32 if fp32 and s.local.is_floating_point() else s.local.dtype for s in slots]
         numels = [s.local.numel() for s in slots]
         self.pin_grads = pin_grads and side.can_pin
-        masters = carve(numels, mdt, pin=pin_params and side.can_pin, what="host masters")
+        staged = [i for i, s in enumerate(slots) if mdt[i] != s.local.dtype]  # bf16 staging of fp32 masters
+        masters = carve(numels + [numels[i] for i in staged], mdt + [slots[i].local.dtype for i in staged],
+                        pin=pin_params and side.can_pin, what="host masters")
         bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(2 if delayed else 1)]
-        staged = [i for i, s in enumerate(slots) if mdt[i] != s.local.dtype]
-        staging = carve([numels[i] for i in staged], [slots[i].local.dtype for i in staged],
-                        pin=pin_params and side.can_pin, what="staging")
         with torch.no_grad():
             for i, s in enumerate(slots):
                 s.master, s.bufs = masters[i].view(s.local.shape), [b[i].view(s.local.shape) for b in bufs]
                 s.master.copy_(s.local)
                 s.p_ver = s.param._version
             for j, i in enumerate(staged):
-                slots[i].staging = staging[j].view(slots[i].local.shape)
+                slots[i].staging = masters[len(slots) + j].view(slots[i].local.shape)
         impl, split = impl_for(cls, impl, host=True)
         sizes = [s.master.numel() * s.master.element_size() for s in slots]
         self.chunks: list[Chunk] = []
@@ -255,8 +254,8 @@ class HostPipeline:
         return id(p) in self._slot
 
     def where(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(master, local, chunk)`` of host parameter ``p``: the host tensor its chunk's optimizer
-        (``optimizers[chunk]``) steps, and the model's tensor its H2D writes (a DTensor's local shard)."""
+        """``(master, local, chunk)`` of host parameter ``p``: the tensor ``optimizers[chunk]`` steps and
+        the model's tensor its H2D writes (a DTensor's local shard)."""
         s = self._slot[id(p)]
         return s.master, s.local, s.chunk
 

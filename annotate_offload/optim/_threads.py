@@ -8,14 +8,12 @@ node, which would make every rank's host step single-threaded. The budget theref
     budget = cpu_threads if given, else
              max(1, usable_cpus // local_ranks - (1 if that is >= 4 and beside_training else 0))
 
-``usable_cpus`` is ``len(os.sched_getaffinity(0))`` (taskset/numactl/cgroups) and ``local_ranks``
-``LOCAL_WORLD_SIZE`` (torchrun) or 1. When a worker thread steps the host beside the training thread
-(``step_in_backward``, ``delayed_param_update``), one core is left to the Python thread that launches
-GPU work meanwhile; the default mode steps on the training thread, which launches nothing during the
-host step, and takes every core. OpenMP thread counts are per calling thread: the worker applies its
-budget in its own thread, the default mode around the host step (:func:`num_threads`). Because
-``torch.set_num_threads`` also sets the value a thread adopts on its first parallel op, the worker
-puts the caller's value back once it has applied its own.
+``usable_cpus`` is ``len(os.sched_getaffinity(0))`` and ``local_ranks`` ``LOCAL_WORLD_SIZE`` or 1.
+Beside a worker thread (``step_in_backward``, ``delayed_param_update``) one core is left to the
+training thread, which launches GPU work meanwhile; the default mode steps on the training thread and
+takes every core. OpenMP thread counts are per thread: the worker sets its own, the default mode sets
+it around the host step (:func:`num_threads`), and the worker puts the caller's back afterwards
+(``torch.set_num_threads`` also sets the count a new thread adopts).
 """
 
 from __future__ import annotations
