@@ -40,7 +40,7 @@ _LAZY = {
     "offload_layer": "annotate_offload.annotate",
     "offload_transform": "annotate_offload.annotate",
     "remove_offload": "annotate_offload.annotate",
-    "OffloadPlan": "annotate_offload.annotate",
+    "OffloadPlan": "annotate_offload.annotate._plan",
     "HybridDeviceOptimizer": "annotate_offload.optim",
     "plan_offload": "annotate_offload.planner",
 }

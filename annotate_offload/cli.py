@@ -1,4 +1,4 @@
-"""``annotate-offload train | plan | bench``: the command users install this package for.
+"""``annotate-offload train | plan``: the command users install this package for.
 
 ``train --recipe NAME [section.field=value ...]`` trains a real architecture on real text with
 offloading, then (by default) the same steps without it, from the same seed and data, and prints
@@ -49,9 +49,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``annotate-offload`` (subcommands ``train``, ``plan``, ``bench``)."""
-    parser = _Parser(prog=PROG, description="Activation and optimizer offloading to host memory: train, plan, bench.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,plan,bench}", parser_class=_Parser)
+    """The argument parser of ``annotate-offload`` (subcommands ``train``, ``plan``)."""
+    parser = _Parser(prog=PROG, description="Activation and optimizer offloading to host memory: train, plan.")
+    sub = parser.add_subparsers(dest="command", metavar="{train,plan}", parser_class=_Parser)
     sub.required = True
     recipes = "\n".join(f"  {r.name:<11} {r.summary}" for r in RECIPES.values())
     train = sub.add_parser("train", help="train a recipe with offloading and compare with a baseline",
@@ -70,7 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "which are not, so the loss parity check needs one of the first two")
     plan = sub.add_parser("plan", help="print the offload plan and predicted memory without training")
     _add_common(plan)
-    sub.add_parser("bench", help="run the benchmark suite (annotate_offload.bench)", add_help=False)
     return parser
 
 
@@ -157,17 +156,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(argv: list[str]) -> int:
-    try:
-        from .bench import BenchUsageError, main as bench_main
-    except ImportError as exc:  # the benchmark package is written separately
-        raise _UsageError(f"the benchmark suite is not available ({exc}); reinstall annotate-offload.") from None
-    try:
-        return int(bench_main(argv) or 0)
-    except BenchUsageError as exc:  # bad arguments or no GPU: checked before anything runs
-        raise _UsageError(str(exc)) from None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``annotate-offload`` and ``python -m annotate_offload``.
 
@@ -180,8 +168,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] == ["bench"]:
-            return _cmd_bench(argv[1:])
         args = build_parser().parse_args(argv)
         return _cmd_train(args) if args.command == "train" else _cmd_plan(args)
     except _UsageError as exc:

@@ -4,7 +4,7 @@ Three sections, as in Megatron Bridge's ``ConfigContainer``:
 
 - :class:`ModelConfig` (``model.*``): activation offload fields and the context the rules need;
 - :class:`OptimizerConfig` (``optimizer.*``): optimizer offload fields and Adam hyper-parameters;
-- :class:`TrainConfig` (``train.*``): iterations, batch sizes, seed.
+- :class:`TrainConfig` (``train.*``): iterations, batch size and seed of ``annotate-offload train``.
 
 :class:`Config` holds one of each. Every section validates itself in ``__post_init__``, so an
 invalid object never exists and nothing downstream (a model, an optimizer) is touched first.
@@ -34,12 +34,11 @@ __all__ = [
     "Config",
     "from_overrides",
     "check_offload_num_layers",
-    "valid_override_keys",
 ]
 
 
 class OffloadPolicy(str, enum.Enum):
-    """Which saved tensors the runtime offloads (DESIGN.md, "Selection policy").
+    """Which saved tensors the runtime offloads.
 
     ``OPT_OUT`` (default): every eligible tensor unless ``mark_not_offload``.
     ``OPT_IN``: only tensors carrying ``activation_offloading=True`` (TE's legacy semantics).
@@ -170,6 +169,10 @@ class ModelConfig:
         release_lag (int | None): runtime release schedule, ``None`` = TE's bound. Default: ``None``.
         prefetch_layers (int | None): reload look-ahead in layers (``>= 1``), ``None`` = TE's
             distance. Default: ``None``.
+        recompute (bool): ``offload_transform`` runs every declared layer under
+            ``torch.utils.checkpoint`` (non-reentrant) inside its offload scope, so offloaded layers
+            move only the checkpoint's saved inputs. Unlike ``recompute_granularity`` (Megatron's
+            own recompute) it combines with ``cpu_offloading``. Default: ``False``.
         seq_length (int): tokens per sample (used by the CLI recipes). Default: ``128``.
         bf16 (bool): run forward/backward under ``torch.autocast(bfloat16)`` (CLI). Default: ``False``.
 
@@ -193,6 +196,7 @@ class ModelConfig:
     min_offload_numel: int = 256 * 1024
     release_lag: Optional[int] = None
     prefetch_layers: Optional[int] = None
+    recompute: bool = False
     seq_length: int = 128
     bf16: bool = False
 
@@ -346,45 +350,29 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Training loop settings (``train.*``), Megatron Bridge names.
+    """Training loop settings of ``annotate-offload train`` (``train.*``), Megatron Bridge names.
 
     Attributes:
         train_iters (int): optimizer steps, ``>= 1``. Default: ``100``.
-        global_batch_size (int): samples per optimizer step, a multiple of ``micro_batch_size``
-            (world size 1: the ratio is the number of gradient-accumulation micro-batches).
-            Default: ``8``.
-        micro_batch_size (int): samples per forward/backward. Default: ``8``.
+        micro_batch_size (int): samples per step, ``>= 1``. Default: ``8``.
         seed (int): seed for weights and data order, ``>= 0``. Default: ``1234`` (Megatron's).
 
     Raises:
         TypeError: a field of the wrong type.
-        ValueError: a rule is broken (field, value and fix in the message).
+        ValueError: a value out of range (field, value and fix in the message).
     """
 
     train_iters: int = 100
-    global_batch_size: int = 8
     micro_batch_size: int = 8
     seed: int = 1234
 
     def __post_init__(self) -> None:
         _check_types(self, "train")
-        for name in ("train_iters", "global_batch_size", "micro_batch_size"):
-            value = getattr(self, name)
-            if value < 1:
-                raise _fail(f"{name} must be positive", f"train.{name}", value, f"use e.g. train.{name}=8.")
+        for name in ("train_iters", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise _fail(f"{name} must be positive", f"train.{name}", getattr(self, name), f"use e.g. train.{name}=8.")
         if self.seed < 0:
             raise _fail("seed must be >= 0", "train.seed", self.seed, "use e.g. train.seed=1234.")
-        if self.global_batch_size % self.micro_batch_size:
-            raise _fail(
-                f"global batch size ({self.global_batch_size}) is not divisible by micro batch size "
-                f"({self.micro_batch_size}) times data parallel size (1)",
-                "train.global_batch_size", self.global_batch_size,
-                f"use a multiple of train.micro_batch_size={self.micro_batch_size}.")
-
-    @property
-    def num_micro_batches(self) -> int:
-        """Gradient-accumulation micro-batches per step: ``global_batch_size // micro_batch_size``."""
-        return self.global_batch_size // self.micro_batch_size
 
 
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "optimizer": OptimizerConfig, "train": TrainConfig}
@@ -397,12 +385,12 @@ class Config:
     Attributes:
         model (ModelConfig): activation offload and model context.
         optimizer (OptimizerConfig): optimizer and optimizer offload.
-        train (TrainConfig): iterations, batches, seed.
+        train (TrainConfig): iterations, batch size, seed.
 
     Example::
 
-        cfg = Config.from_overrides(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
-                                     "model.num_layers=4", "optimizer.optimizer_cpu_offload=True"])
+        cfg = from_overrides(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+                              "model.num_layers=4", "optimizer.optimizer_cpu_offload=True"])
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -413,23 +401,6 @@ class Config:
         for name, cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"Config.{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}.")
-
-    @classmethod
-    def from_overrides(cls, overrides: Iterable[str], *, base: Optional["Config"] = None) -> "Config":
-        """See :func:`from_overrides`."""
-        return from_overrides(overrides, base=base)
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """``{"model": {...}, "optimizer": {...}, "train": {...}}`` with plain values (enums as strings)."""
-        out: dict[str, dict[str, Any]] = {}
-        for name in _SECTIONS:
-            section = getattr(self, name)
-            out[name] = {f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
-        return out
-
-
-def _plain(value: Any) -> Any:
-    return value.value if isinstance(value, enum.Enum) else value
 
 
 # --------------------------------------------------------------------------- overrides
@@ -527,11 +498,6 @@ def _closest_key(section: str, name: str) -> str:
     if match:
         return f"did you mean '{others[match[0]]}'?"
     return f"valid {section} keys: {', '.join(sorted(own))}."
-
-
-def valid_override_keys() -> list[str]:
-    """Every ``section.field`` key :func:`from_overrides` accepts, sorted."""
-    return sorted(f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls))
 
 
 def from_overrides(overrides: Iterable[str], *, base: Optional[Config] = None) -> Config:

@@ -1,12 +1,10 @@
-"""Helpers for exactness checks: a bit-reproducible baseline on CUDA.
+"""A bit-reproducible baseline on CUDA, for exactness checks.
 
-Offloading is a copy, so outputs and gradients must equal the run without it bit for bit. That
-can only be checked against a baseline that is itself bit-reproducible from run to run. Measured
-on the H200 (torch 2.11, DESIGN.md and benchmarks/NOTES.md): the flash and cuDNN SDPA backward
-are not reproducible even under ``torch.use_deterministic_algorithms(True)``; the
-memory-efficient backward is reproducible only with deterministic algorithms on (otherwise it
-splits the key dimension and accumulates ``dq`` with atomics at long sequence lengths: W1 shapes,
-8 layers x 2 x 4096 tokens, differed in 1 of 2 identical baseline runs).
+Offloading is a copy, so outputs and gradients must equal the run without it bit for bit, and that
+can only be checked against a baseline that is itself bit-reproducible from run to run. The flash and
+cuDNN SDPA backward kernels are not, even under ``torch.use_deterministic_algorithms(True)``; the
+memory-efficient backward is only with deterministic algorithms on (otherwise, at long sequence
+lengths, it splits the key dimension and accumulates ``dq`` with atomics).
 """
 
 from __future__ import annotations
@@ -24,12 +22,13 @@ __all__ = ["bit_reproducible"]
 def bit_reproducible() -> Iterator[None]:
     """Pin a bit-reproducible SDPA backend and deterministic algorithms for the block.
 
-    On CUDA: ``SDPBackend.EFFICIENT_ATTENTION`` plus ``torch.use_deterministic_algorithms(True)``
+    On CUDA: ``SDPBackend.EFFICIENT_ATTENTION`` (``MATH`` for inputs it does not support, such as
+    grouped-query attention with ``enable_gqa=True``; both are reproducible) plus ``torch.use_deterministic_algorithms(True)``
     (``warn_only=False``: the efficient backward only switches to its deterministic kernel then,
     and an op without a deterministic implementation raises instead of silently differing), and
-    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset (cuBLAS reads it when a workspace is created). The previous settings are restored on exit. On CPU the
-    kernels are deterministic already and the block runs unchanged. Speed benchmarks should not
-    use this: it selects slower kernels.
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset (cuBLAS reads it when a workspace is created). The
+    previous settings are restored on exit. On CPU the kernels are deterministic already and the
+    block runs unchanged. Speed benchmarks should not use this: it selects slower kernels.
     """
     if not torch.cuda.is_available():
         yield
@@ -41,7 +40,7 @@ def bit_reproducible() -> Iterator[None]:
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=False)
     try:
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

@@ -4,12 +4,13 @@
     python examples/lora_offload.py --steps 20
 
 1. build a Llama from a preset and put LoRA adapters on its projections (only they train);
-2. install the PEFT offload marks: adapters keep their rank-r tensors on the GPU (opt-out policy),
-   the LM head's input stays, frozen-weight casts are never offloaded;
-3. offload the saved activations of the first N decoder layers;
-4. train a few steps and compare the loss with the same run without offloading (bit-identical).
+2. offload the saved activations of the first N decoder layers; the transform also installs the
+   PEFT offload marks: adapters keep their rank-r tensors on the GPU (opt-out policy), the LM
+   head's input stays, frozen-weight casts are never offloaded;
+3. train a few steps and compare the loss with the same run without offloading (bit-identical).
 
-With Hugging Face peft the same two calls apply to ``peft.get_peft_model(model, LoraConfig(...))``.
+With Hugging Face peft the same call applies to ``peft.get_peft_model(model, LoraConfig(...))``,
+before or after ``get_peft_model``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from annotate_offload.annotate import offload_transform
+from annotate_offload.config import ModelConfig
 from annotate_offload.models.llama import Llama, LlamaConfig
-from annotate_offload.peft import apply_lora, apply_offload_marks
+from annotate_offload.peft import apply_lora
 
 
 def train(model, batches, steps: int) -> list[float]:
@@ -49,10 +51,9 @@ def main() -> None:
     apply_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], r=8, alpha=16, dropout=0.05)
     baseline = copy.deepcopy(model)  # same weights, no offloading
 
-    marks = apply_offload_marks(model)  # adapters, LM head, frozen weights
-    offload_transform(model, num_layers=args.num_layers, prefetch_layers=1,
-                      min_offload_numel=0 if device == "cpu" else None)  # tiny tensors: move them anyway on CPU
-    print(marks)
+    # reload one layer ahead; on the CPU move even the tiny model's tensors
+    config = ModelConfig(cpu_offloading=True, prefetch_layers=1, **({"min_offload_numel": 0} if device == "cpu" else {}))
+    offload_transform(model, args.num_layers, config=config)
     print(model.offload_plan)
 
     gen = torch.Generator().manual_seed(0)

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> torch.nn.Module:
                      device=device, dtype=dtype)
     x = torch.randn(1, args.tokens, args.hidden, device=device, dtype=dtype)
 
-    # The one line this package is about: same model object, forward now offloads layers 0..N-1.
+    # The one line this package is about: same model object, its layers 0..N-1 now offload.
     offload_transform(model, num_layers=args.offload, example_inputs=(x,))
     print(model.offload_plan)
 

@@ -1,6 +1,8 @@
-"""Offload a Hugging Face Llama's decoder layers (hook path: HF models do not trace with torch.fx).
+"""Offload a Hugging Face Llama's decoder layers, transformed on the CPU and moved afterwards.
 
-Built from a small LlamaConfig, nothing downloaded. Needs ``pip install transformers``.
+Built from a small LlamaConfig, nothing downloaded. Needs ``pip install transformers``. The
+transform may come before or after ``.to(device)`` (as with Trainer or accelerate): the runtime
+binds its device at the first training forward.
 
     python3 examples/offload_hf_llama.py
 """
@@ -25,11 +27,13 @@ def main(argv: list[str] | None = None) -> torch.nn.Module:
     cfg = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=max(512, args.seq))
-    model = LlamaForCausalLM(cfg).to(device).train()
-    ids = torch.randint(0, cfg.vocab_size, (2, args.seq), device=device)
+    model = LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, args.seq))
 
     offload_transform(model, num_layers=2, example_inputs={"input_ids": ids, "labels": ids})
-    print(model.offload_plan)  # path=hooks, with the one-line reason fx failed
+    print(model.offload_plan)  # the meta-device estimate of the bytes each layer moves
+    model.to(device)
+    ids = ids.to(device)
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for step in range(args.steps):

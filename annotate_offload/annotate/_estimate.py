@@ -1,6 +1,6 @@
 """Estimate the bytes each layer moves per step by running the example inputs on the meta device.
 
-The transformed forward itself runs, with the runtime swapped for a counter that applies the
+The model's forward itself runs (its layer forwards included), with the runtime swapped for a counter that applies the
 runtime's selection rules (see ``runtime/_stats.py`` KEEP_REASONS) to what autograd saves in each
 offloaded layer's scope. Nothing is computed and no device memory is touched: parameters, buffers
 and inputs are replaced by meta tensors of the same shapes.
@@ -8,13 +8,13 @@ and inputs are replaced by meta tensors of the same shapes.
 Note [Attention on meta]: on the meta device ``F.scaled_dot_product_attention`` can only take the
 math path, which saves the ``B x H x S x S`` attention probabilities; the fused kernels training
 actually runs (flash / memory-efficient on CUDA, flash on CPU) save ``q, k, v, out`` and a
-``B x H x S`` logsumexp. Counting the math path over-estimated a 4 x 4096-token Llama layer ~10x
-(fresh-user report, second pass). :func:`fused_sdpa_on_meta` routes meta SDPA calls to the CPU
+``B x H x S`` logsumexp; counting the math path over-estimates a long-sequence layer many times
+over. :func:`fused_sdpa_on_meta` routes meta SDPA calls to the CPU
 flash kernel's meta function, whose saved set is the fused kernels'.
 
-Note [Autocast on meta]: ``torch.autocast`` has no meta device, so an estimate of a model trained
-under bf16 autocast counted fp32 activations where bf16 ones are saved (the ``llama-1b`` recipe:
-3.26 GiB per layer estimated, 2.07 GiB moved on the H200 in the first session). :class:`autocast_on_meta`
+Note [Autocast on meta]: ``torch.autocast`` has no meta device, so without help an estimate of a
+model trained under bf16 autocast counts fp32 activations where bf16 ones are saved.
+:class:`autocast_on_meta`
 applies autocast's casting rule at the torch-function level, on meta tensors only: the matmul
 family, convolutions and SDPA get their floating inputs (fp64 excepted) cast to the autocast dtype,
 the ops CUDA autocast runs in fp32 (norms, softmax, exp/log/pow/rsqrt, sum, losses) get theirs cast
@@ -213,13 +213,16 @@ def _to_meta(x: Any) -> Any:
 
 
 def estimate_bytes(
-    model: nn.Module, boundary: Any, example_inputs: Any, *, min_numel: int, policy: str,
+    model: nn.Module, offload: Any, example_inputs: Any, *, min_numel: int, policy: str,
     autocast_dtype: "torch.dtype | None" = None,
 ) -> dict[int, int]:
     """Per offloaded layer index, the bytes its saved activations would move per step (meta run),
     under an emulation of ``torch.autocast(dtype=autocast_dtype)`` when given (Note [Autocast on meta]).
 
+    ``offload`` is the model's ``OffloadState``; its runtime is swapped for a counter during the run.
+
     Raises:
+        OffloadError: a layer ran twice in the forward (it cannot be one offload unit).
         Exception: whatever the model's forward raises on meta tensors (the caller records it).
     """
     state = {n: nn.Parameter(_to_meta(p.detach()), requires_grad=p.requires_grad) for n, p in model.named_parameters()}
@@ -228,9 +231,9 @@ def estimate_bytes(
     args, kwargs = _to_meta(args), _to_meta(kwargs)
     # offload_transform's frozen-weight marks register these with the runtime (peft/_apply.py)
     frozen = frozen_shapes(p for p in model.parameters() if not p.requires_grad)
-    counter = _CountingSync(boundary.offloaded, min_numel, policy, frozen)
-    real, boundary.sync = boundary.sync, counter
-    boundary.estimating = True
+    counter = _CountingSync(offload.offloaded, min_numel, policy, frozen)
+    real, offload.sync = offload.sync, counter
+    offload.estimating = set()
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
@@ -242,8 +245,8 @@ def estimate_bytes(
             functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
     finally:
         counter.abort()
-        boundary.sync = real
-        boundary.estimating = False
-        boundary.open_layer = None
-        boundary.last_entered = -1
-    return {i: counter.bytes.get(i, 0) for i in boundary.offloaded}
+        offload.sync = real
+        offload.estimating = None
+        offload.open_layer = offload.owner = None
+        offload.last_entered = -1
+    return {i: counter.bytes.get(i, 0) for i in offload.offloaded}

@@ -15,7 +15,8 @@ class LayerPlan:
     """One layer of the plan.
 
     Attributes:
-        index (int): the layer's index in the graph (execution order); the runtime's layer id.
+        index (int): the layer's position among the declared layers (module registration order,
+            which must be the order they run in); the runtime's layer id.
         fqn (str): the module's fully qualified name in the model.
         module_type (str): the module's class name.
         choice (str): ``"keep"``, ``"offload"``, ``"recompute"`` or ``"recompute_offload"``.
@@ -44,25 +45,20 @@ class LayerPlan:
 
 @dataclass
 class OffloadPlan:
-    """What ``offload_transform`` did: per layer the choice and its bytes, and the path it took.
+    """What ``offload_transform`` did: per layer the choice and its bytes.
 
     Attributes:
-        layers (tuple[LayerPlan, ...]): every declared layer, in execution order.
-        path (str): ``"fx"`` (the forward runs a transformed ``torch.fx`` graph) or ``"hooks"``
-            (forward pre/post hooks on the layers).
-        fx_failure (str | None): with ``path="hooks"``, one line saying why tracing failed.
+        layers (tuple[LayerPlan, ...]): every declared layer, in registration (and run) order.
         layer_source (str): how the layers were found (marks, ``layer_types=``, discovery).
         bytes_source (str): where ``bytes_per_step`` comes from: ``"measured"`` (runtime stats of
             the first training forward, which replace any estimate), ``"estimate"`` (meta-device
             run of ``example_inputs``, until the first training step) or ``"pending"``.
         notes (tuple[str, ...]): warnings given while planning, for the record.
-        runtime (DefaultOffloadSynchronizer): the runtime engine the model's forward drives
+        runtime (DefaultOffloadSynchronizer): the runtime engine the layers' forwards drive
             (``plan.stats`` is its ``OffloadStats``).
     """
 
     layers: tuple[LayerPlan, ...]
-    path: Literal["fx", "hooks"]
-    fx_failure: str | None = None
     layer_source: str = ""
     bytes_source: str = "pending"
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -99,13 +95,14 @@ class OffloadPlan:
             self.layers = tuple(replace(lp, bytes_per_step=value(lp)) for lp in self.layers)
         self.bytes_source = source
 
+    def _replace_layer(self, index: int, module_type: str) -> None:
+        self.layers = tuple(replace(lp, module_type=module_type) if lp.index == index else lp for lp in self.layers)
+
     def __repr__(self) -> str:
-        head = f"OffloadPlan(path={self.path}, layers={self.num_layers}, offloaded={len(self.offloaded_layers)}"
+        head = f"OffloadPlan(layers={self.num_layers}, offloaded={len(self.offloaded_layers)}"
         total = self.bytes_per_step
         head += f", bytes/step={_fmt_bytes(total)} [{self.bytes_source}])" if total is not None else ", bytes/step=pending)"
         lines = [head]
-        if self.fx_failure:
-            lines.append(f"  fx failed: {self.fx_failure}")
         if self.layer_source:
             lines.append(f"  layers: {self.layer_source}")
         show_estimate = self.bytes_source == "measured" and any(lp.estimated_bytes is not None for lp in self.layers)

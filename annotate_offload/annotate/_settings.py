@@ -1,4 +1,4 @@
-"""Settings of ``offload_transform``: keyword arguments merged with a Megatron Bridge style config, validated."""
+"""Settings of ``offload_transform``: ``num_layers`` and a Megatron Bridge style config, validated."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import Any
 __all__ = ["Settings", "resolve", "check_count"]
 
 
-
 @dataclass
 class Settings:
     num_layers: int | str
-    policy: str | None = None
+    policy: str | None = None  # None: the runtime's default (NVTE_CPU_OFFLOAD_V1)
     min_offload_numel: int | None = None
     release_lag: int | None = None
     prefetch_layers: int | None = None
+    recompute: bool = False
     config_layers: int | None = None  # config.num_layers, checked against the model
     notes: list[str] = field(default_factory=list)
 
@@ -36,12 +36,21 @@ def _model_section(config: Any) -> Any:
     )
 
 
-def resolve(
-    num_layers: Any, config: Any, release_lag: Any, prefetch_layers: Any, policy: Any, min_offload_numel: Any
-) -> Settings | None:
-    """Merge keyword arguments and config; ``None`` means the config turns offloading off."""
-    s = Settings(num_layers=num_layers, policy=policy, min_offload_numel=min_offload_numel,
-                  release_lag=release_lag, prefetch_layers=prefetch_layers)
+# The config fields ``offload_transform`` also takes as keywords, and the Settings field each sets.
+FIELDS = {"release_lag": "release_lag", "prefetch_layers": "prefetch_layers",
+          "min_offload_numel": "min_offload_numel", "recompute": "recompute", "offload_policy": "policy"}
+
+
+def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None) -> Settings | None:
+    """``num_layers``, the config's fields and keyword ``fields`` over them, checked; ``None`` means
+    the config turns offloading off."""
+    unknown = sorted(set(fields or ()) - set(FIELDS))
+    if unknown:
+        raise TypeError(
+            f"offload_transform: unexpected keyword {unknown[0]!r}; the config fields it also takes as "
+            f"keywords are {', '.join(FIELDS)} (other settings go in config=ModelConfig(...))."
+        )
+    s = Settings(num_layers=num_layers)
     if config is not None:
         validate = getattr(config, "validate", None)
         if callable(validate):
@@ -51,7 +60,7 @@ def resolve(
             if num_layers is not None:
                 raise ValueError(
                     f"offload_transform: num_layers={num_layers!r} was given but config.cpu_offloading=False; "
-                    "set model.cpu_offloading=True in the config, or drop num_layers."
+                    "set cpu_offloading=True in the config (ModelConfig(cpu_offloading=True, ...)), or drop num_layers."
                 )
             return None
         if getattr(cfg, "cpu_offloading_weights", False):
@@ -81,13 +90,13 @@ def resolve(
                 f"offload_transform: num_layers={num_layers!r} differs from config.cpu_offloading_num_layers="
                 f"{cfg_n!r}; give the count once (drop num_layers=, or make them equal)."
             )
-        for name in ("release_lag", "prefetch_layers", "min_offload_numel"):
-            if getattr(s, name) is None:
-                setattr(s, name, getattr(cfg, name, None))
-        if s.policy is None:
-            p = getattr(cfg, "offload_policy", None)
-            s.policy = getattr(p, "value", p)
+        for name in ("release_lag", "prefetch_layers", "min_offload_numel", "recompute"):
+            setattr(s, name, getattr(cfg, name, getattr(s, name)))
+        p = getattr(cfg, "offload_policy", None)
+        s.policy = getattr(p, "value", p)
         s.config_layers = getattr(cfg, "num_layers", None)
+    for name, value in (fields or {}).items():
+        setattr(s, FIELDS[name], getattr(value, "value", value))
     if s.num_layers is None:
         raise ValueError(
             "offload_transform: num_layers is required (None given and no config with "
@@ -105,15 +114,20 @@ def resolve(
     for name, low in (("release_lag", 0), ("prefetch_layers", 1), ("min_offload_numel", 0)):
         v = getattr(s, name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
-            raise TypeError(f"offload_transform: {name} must be None or an int >= {low}, got {v!r} ({type(v).__name__}).")
+            raise TypeError(f"offload_transform: config.{name} must be None or an int >= {low}, got {v!r} "
+                            f"({type(v).__name__}); pass e.g. {name}={low} in the config.")
         if v is not None and v < low:
-            raise ValueError(f"offload_transform: {name} must be None or an int >= {low}, got {v!r}.")
+            raise ValueError(f"offload_transform: config.{name} must be None or an int >= {low}, got {v!r}; "
+                             f"pass e.g. {name}={low} in the config.")
         if v is not None:
             setattr(s, name, int(v))
-    if s.policy is not None and not isinstance(s.policy, str):
-        raise TypeError(
-            f"offload_transform: policy must be None, 'opt_out' or 'opt_in', got {s.policy!r} ({type(s.policy).__name__})."
-        )
+    if s.policy not in (None, "opt_out", "opt_in"):
+        err = ValueError if isinstance(s.policy, str) else TypeError
+        raise err(f"offload_transform: config.offload_policy must be 'opt_out' or 'opt_in', got {s.policy!r} "
+                  f"({type(s.policy).__name__}).")
+    if not isinstance(s.recompute, bool):
+        raise TypeError(f"offload_transform: config.recompute must be a bool, got {s.recompute!r} "
+                        f"({type(s.recompute).__name__}); pass recompute=True or False in the config.")
     return s
 
 

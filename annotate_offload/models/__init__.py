@@ -1,11 +1,11 @@
 """Built-in model architectures for the CLI recipes, tests and benchmarks (no weights downloaded).
 
-- :mod:`.llama`: Llama (RMSNorm, rotary, SwiGLU, grouped-query attention), presets
-  ``llama-tiny`` and ``llama-1b``.
-- :mod:`.gpt`: the plain GPT stack of the benchmark workloads.
+- :class:`Llama` (RMSNorm, rotary, SwiGLU, grouped-query attention) with :class:`LlamaConfig`, whose
+  ``from_preset`` gives ``llama-tiny`` and ``llama-1b``;
+- :class:`GPTStack` with :class:`GPTConfig`: the plain GPT stack of the benchmark workloads.
 """
 
 from .gpt import GPTConfig, GPTStack
-from .llama import LLAMA_PRESETS, Llama, LlamaConfig
+from .llama import Llama, LlamaConfig
 
-__all__ = ["Llama", "LlamaConfig", "LLAMA_PRESETS", "GPTConfig", "GPTStack"]
+__all__ = ["Llama", "LlamaConfig", "GPTConfig", "GPTStack"]

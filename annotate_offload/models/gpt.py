@@ -1,4 +1,4 @@
-"""A plain GPT stack: the benchmark workload of issue 7 and a small trainable LM for tests.
+"""A plain GPT stack: the benchmark workloads' model and a small trainable LM for tests.
 
 Each :class:`GPTBlock` is pre-LayerNorm attention then a pre-LayerNorm MLP::
 
@@ -36,7 +36,7 @@ class GPTConfig:
             logits (``B, S, vocab``); if ``None`` it maps hidden states (``B, S, H``) to hidden
             states. Default: ``None``.
         max_seq (int): length of the learned position table (only with ``vocab``). Default: ``2048``.
-        mlp_ratio (int): MLP hidden size is ``mlp_ratio * hidden``. Default: ``4`` (issue 7).
+        mlp_ratio (int): MLP hidden size is ``mlp_ratio * hidden``. Default: ``4``.
         bias (bool): biases in the Linear layers. Default: ``True``.
         eps (float): LayerNorm epsilon. Default: ``1e-5``.
 

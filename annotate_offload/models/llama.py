@@ -183,7 +183,7 @@ class LlamaAttention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             # Explicit repeat instead of SDPA's enable_gqa: every backend (math, memory-efficient,
-            # flash) accepts it, so exactness tests can pin a bit-reproducible one (DESIGN.md).
+            # flash) accepts it, so exactness tests can pin a bit-reproducible one.
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -22,13 +22,13 @@ Two model-wide marks complete them:
   synchronizer, so autocast casts of frozen weights are never offloaded.
 
 Every hook returns at once when no offload scope is open, so a model with marks computes exactly
-what it computes without them, and tracing (``torch.fx``) sees no side effects.
+what it computes without them.
 """
 
 from __future__ import annotations
 
-import warnings
 import copy
+import warnings
 import weakref
 from typing import Any, Optional, Union
 
@@ -49,14 +49,7 @@ from ._policy import (
     marked_saves,
 )
 
-__all__ = [
-    "OffloadMarks",
-    "apply_offload_marks",
-    "has_offload_marks",
-    "remove_offload_marks",
-    "find_lm_head",
-    "unwrap_model",
-]
+__all__ = ["apply_offload_marks", "remove_offload_marks"]
 
 _STATE = "_annotate_offload_peft_marks"
 _HEAD_NAMES = ("lm_head", "output", "output_layer", "head")
@@ -227,7 +220,8 @@ class _FrozenRegistry:
 
 
 class OffloadMarks:
-    """What :func:`apply_offload_marks` installed on a model; ``remove()`` undoes it.
+    """What :func:`apply_offload_marks` installed on a model; ``refresh()`` follows the model,
+    ``remove()`` undoes it.
 
     Attributes:
         lm_head (nn.Module | None): the head whose input is kept on the device.
@@ -236,15 +230,49 @@ class OffloadMarks:
         frozen_modules (int): modules whose pre-hook registers the frozen weights.
     """
 
-    __slots__ = ("lm_head", "peft_lora_layers", "lora_linear_layers", "frozen_modules", "_handles", "_model")
+    __slots__ = ("lm_head", "peft_lora_layers", "lora_linear_layers", "frozen_modules", "_handles", "_model",
+                 "_auto_head")
 
-    def __init__(self, model: nn.Module, lm_head: Optional[nn.Module]) -> None:
+    def __init__(self, model: nn.Module, lm_head: Optional[nn.Module], auto_head: bool) -> None:
         self._model = weakref.ref(model)
         self.lm_head = lm_head
-        self.peft_lora_layers = 0
-        self.lora_linear_layers = 0
-        self.frozen_modules = 0
+        self._auto_head = auto_head  # find the head again at refresh()
         self._handles: list[Any] = []
+        self._install(model)
+
+    def _install(self, model: nn.Module) -> None:
+        self.peft_lora_layers = self.lora_linear_layers = self.frozen_modules = 0
+        handles = self._handles
+        for module in model.modules():
+            if _is_peft_lora(module):
+                self.peft_lora_layers += 1
+                handles.append(module.register_forward_pre_hook(_peft_layer_pre, with_kwargs=True))
+                for a in module.lora_A.values():
+                    _SaveScope("input").install(a, handles)
+                for b in module.lora_B.values():
+                    _SaveScope("hidden").install(b, handles)
+            elif isinstance(module, LoRALinear):
+                self.lora_linear_layers += 1
+        registry = _FrozenRegistry(model)
+        for module in model.modules():
+            if any(not p.requires_grad for p in module.parameters(recurse=False)):
+                self.frozen_modules += 1
+                handles.append(module.register_forward_pre_hook(registry))
+        if self.lm_head is not None:
+            _SaveScope("keep").install(self.lm_head, handles)
+
+    def refresh(self) -> None:
+        """Install the hooks again on the model as it is now: adapters added since (peft's
+        ``get_peft_model`` after ``offload_transform``), parameters frozen since. Same handle."""
+        model = self._model()
+        if model is None or model.__dict__.get(_STATE) is not self:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._auto_head:
+            self.lm_head = find_lm_head(model)
+        self._install(model)
 
     def __deepcopy__(self, memo: dict) -> "OffloadMarks":
         # the marks of a deep-copied model are the copy's: its hooks, head and model (the weak
@@ -255,7 +283,7 @@ class OffloadMarks:
         new._model = weakref.ref(memo.get(id(model), model)) if model is not None else self._model
         new.lm_head = copy.deepcopy(self.lm_head, memo)
         new.peft_lora_layers, new.lora_linear_layers = self.peft_lora_layers, self.lora_linear_layers
-        new.frozen_modules = self.frozen_modules
+        new.frozen_modules, new._auto_head = self.frozen_modules, self._auto_head
         new._handles = copy.deepcopy(self._handles, memo)
         return new
 
@@ -299,21 +327,23 @@ def apply_offload_marks(
     * frozen weights are registered with the synchronizer (``add_frozen_weights``), so their
       autocast casts are never offloaded as activations.
 
-    The hooks act only while an offload scope is open (``is_cpu_offload_enabled()``); outputs and
-    gradients are bit-identical with and without them. Calling it again on the same model (or on
-    a wrapper of it: marks live on the innermost model, see :func:`unwrap_model`) returns the same
-    handle.
+    ``offload_transform`` calls it, and refreshes the marks when modules are registered later
+    (``get_peft_model`` after the transform), so calling it yourself is needed only for
+    ``get_cpu_offload_context`` users or to name the head. The hooks act only while an offload
+    scope is open (``is_cpu_offload_enabled()``); outputs and gradients are bit-identical with and
+    without them. Calling it again on the same model (or on a wrapper of it: marks live on the
+    innermost model, unwrapped through DDP, ``PeftModel`` and peft's tuner) returns the same handle.
 
     Args:
         model (nn.Module): the model, e.g. ``peft.get_peft_model(model, LoraConfig(...))``.
-        lm_head ("auto" | nn.Module | None): ``"auto"`` finds the head (:func:`find_lm_head`) and
-            warns when there is none; a module names it; ``None`` installs no head hook.
-            Default: ``"auto"``.
-        warn (bool): warn when ``"auto"`` finds no head (``offload_transform`` passes ``False``:
-            most of its models are not language models). Default: ``True``.
+        lm_head ("auto" | nn.Module | None): ``"auto"`` finds the head (``get_output_embeddings()``,
+            then ``lm_head``/``output``/``output_layer``/``head``) and warns when there is none; a
+            module names it; ``None`` installs no head hook. Default: ``"auto"``.
+        warn (bool): warn when ``"auto"`` finds no head. Default: ``True``.
 
     Returns:
-        OffloadMarks: the handle (``.remove()`` uninstalls the hooks).
+        OffloadMarks: the handle (``.remove()`` uninstalls the hooks, ``.refresh()`` re-installs
+        them on the model as it is now).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``lm_head`` is not ``"auto"``, ``None`` or an
@@ -327,8 +357,8 @@ def apply_offload_marks(
     Example::
 
         peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-        apply_offload_marks(peft_model)
-        offload_transform(peft_model, num_layers=12)
+        marks = apply_offload_marks(peft_model)
+        ctx, sync = get_cpu_offload_context(True, num_layers=12, model_layers=16)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_offload_marks: model must be an nn.Module, got {type(model).__name__}.")
@@ -352,8 +382,9 @@ def apply_offload_marks(
             f"lm_head={type(existing.lm_head).__name__ if existing.lm_head is not None else None}; call "
             "remove_offload_marks(model) first to change the head."
         )
-    head = find_lm_head(model) if lm_head == _AUTO else lm_head
-    if lm_head == _AUTO and head is None and warn:
+    auto = isinstance(lm_head, str)
+    head = find_lm_head(model) if auto else lm_head
+    if auto and head is None and warn:
         warnings.warn(
             f"apply_offload_marks: found no language-model head in {type(inner).__name__} (looked for "
             f"get_output_embeddings() and {', '.join(_HEAD_NAMES)}); pass lm_head=<module> to keep its input on the "
@@ -361,25 +392,7 @@ def apply_offload_marks(
             UserWarning,
             stacklevel=2,
         )
-    marks = OffloadMarks(inner, head)
-    handles = marks._handles
-    for module in inner.modules():
-        if _is_peft_lora(module):
-            marks.peft_lora_layers += 1
-            handles.append(module.register_forward_pre_hook(_peft_layer_pre, with_kwargs=True))
-            for a in module.lora_A.values():
-                _SaveScope("input").install(a, handles)
-            for b in module.lora_B.values():
-                _SaveScope("hidden").install(b, handles)
-        elif isinstance(module, LoRALinear):
-            marks.lora_linear_layers += 1
-    registry = _FrozenRegistry(inner)
-    for module in inner.modules():
-        if any(not p.requires_grad for p in module.parameters(recurse=False)):
-            marks.frozen_modules += 1
-            handles.append(module.register_forward_pre_hook(registry))
-    if head is not None:
-        _SaveScope("keep").install(head, handles)
+    marks = OffloadMarks(inner, head, auto)
     inner.__dict__[_STATE] = marks
     return marks
 
@@ -390,7 +403,14 @@ def has_offload_marks(model: nn.Module) -> bool:
 
 
 def remove_offload_marks(model: nn.Module) -> bool:
-    """Remove the hooks :func:`apply_offload_marks` installed; returns whether there were any."""
+    """Remove the hooks :func:`apply_offload_marks` installed on ``model`` (or the model it wraps).
+
+    Returns:
+        bool: whether there were any.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"remove_offload_marks: model must be an nn.Module, got {type(model).__name__}.")
     marks = unwrap_model(model).__dict__.get(_STATE)

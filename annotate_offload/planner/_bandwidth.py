@@ -1,7 +1,7 @@
 """Host-link bandwidth for the cost model: pinned D2H and H2D copies timed on a side stream, per device.
 
-Measured once per device and cached for the process (the first pinned allocation is slow: DESIGN.md
-"Pinned memory"). On CPU there is no host link; a host memcpy stands in and is labelled as such.
+Measured once per device and cached for the process (the first pinned allocation of a size is slow:
+``cudaHostAlloc``). On CPU there is no host link; a host memcpy stands in and is labelled as such.
 """
 
 from __future__ import annotations

@@ -13,13 +13,13 @@ A plan assigns each of the ``L`` layers (in forward order ``0..L-1``) one of :da
 ``recompute_offload``
     ``recompute``, with the checkpoint input offloaded and prefetched like ``offload``.
 
-Inputs (all measured, see :func:`annotate_offload.planner.measure_layers` and
-:func:`~annotate_offload.planner.measure_bandwidth`): per layer ``i`` forward time ``f_i`` and backward
+Inputs (all measured, see :func:`~annotate_offload.planner._measure.measure_layers` and
+:func:`~annotate_offload.planner._bandwidth.measure_bandwidth`): per layer ``i`` forward time ``f_i`` and backward
 time ``b_i`` (ms), saved-activation bytes ``a_i`` and checkpoint-input bytes ``c_i``; the link's D2H and
 H2D bandwidth (GB/s, 1 GB = 1e9 bytes), so a copy of ``n`` bytes takes ``n / (GB/s * 1e6)`` ms.
 
-Schedule (the runtime's, docs/runtime_api.md: ``DefaultOffloadSynchronizer(offloaded_layers=...,
-release_lag=k, prefetch_layers=p)``). Defaults ``k = 1``, ``p = 1``: a layer's copy may hide behind the
+Schedule (the runtime's: ``DefaultOffloadSynchronizer(offloaded_layers=..., release_lag=k,
+prefetch_layers=p)``). Defaults ``k = 1``, ``p = 1``: a layer's copy may hide behind the
 forward of the one layer after it, and its reload behind the backward of the one layer after it.
 
 Note [Planner time model]
@@ -68,9 +68,9 @@ workspace are not activation memory here (only saved-for-backward bytes); the ch
 counted apart from the recomputed activations (an upper bound when the layer also saves its input);
 every byte of an offloaded layer moves (the runtime keeps tensors below ``min_offload_numel``);
 everything outside the layers (embedding, head, loss, optimizer) adds the same time to every plan.
-Figures that motivate modelling overlap instead of a flat cost (issue 8, H200 over PCIe, bf16 GPT of 8
-layers): offloading 2 of 8 layers cost +3.4% to +5.6%, 7 of 8 cost 2.6x to 2.9x, and recomputing 7 layers
-+22% to +25%.
+The streams are simulated rather than each offloaded layer charged a flat cost because the cost of a
+copy depends on what it can hide behind: a few offloaded layers cost little, while offloading nearly
+every layer makes the step as long as the copies, far more than the sum of per-layer costs suggests.
 """
 
 from __future__ import annotations

@@ -97,9 +97,9 @@ def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, 
         with torch.no_grad():
             model(*args, **kwargs)
     except Exception as e:
-        # a wrong shape or count surfaced as the model's own error, with no word of example_inputs
-        # (fresh-user report, seventh session, third pass); the error keeps its type (it may be a
-        # real bug of the model) and gains a note (Python >= 3.11 prints it under the traceback)
+        # a wrong shape or count surfaces as the model's own error, with no word of example_inputs;
+        # the error keeps its type (it may be a real bug of the model) and gains a note (Python >= 3.11
+        # prints it under the traceback)
         if hasattr(e, "add_note"):
             e.add_note("annotate_offload: raised by model(*example_inputs) while profiling the layers (plan_offload / "
                        "num_layers='auto'); check that example_inputs= is what the forward takes, e.g. (x,).")

@@ -151,7 +151,7 @@ def _check_budget(memory_budget: Any) -> int:
         )
     if memory_budget < 0:
         raise ValueError(f"plan_offload: memory_budget must be >= 0 bytes, got {memory_budget!r}.")
-    if isinstance(memory_budget, float) and not memory_budget.is_integer():  # 2.5 was read as 2 bytes
+    if isinstance(memory_budget, float) and not memory_budget.is_integer():  # 2.5 GiB meant, 2.5 bytes given
         raise ValueError(
             f"plan_offload: memory_budget is a number of bytes, got the fraction {memory_budget!r}; pass a whole "
             "number, e.g. 4 * 2**30 for 4 GiB (4e9 is accepted)."

@@ -32,7 +32,7 @@ __all__ = [
 
 Policy = Literal["opt_out", "opt_in"]
 
-# Read once at import time, as TransformerEngine does (te_offload.md §1.1).
+# Read once at import time, as TransformerEngine does: the choice is fixed for the process.
 _NVTE_CPU_OFFLOAD_V1: bool = os.environ.get("NVTE_CPU_OFFLOAD_V1", "0") == "1"
 
 _POLICIES = ("opt_out", "opt_in")
@@ -109,7 +109,7 @@ def mark_activation_offload(*tensors: torch.Tensor) -> None:
 def mark_ready(t: torch.Tensor) -> None:
     """Record that ``t`` is final now (ready event on the current stream, with its version) without
     copying it: if autograd saves it later in this scope, its D2H waits for this event instead of
-    the stream position at save time (Note [Layer input at entry] in ``annotate/_boundary.py``)."""
+    the stream position at save time (Note [Layer input at entry] in ``annotate/_layers.py``)."""
     if t.device.type == "cuda":
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(t.device))

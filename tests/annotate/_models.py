@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from annotate_offload.config import ModelConfig
 from annotate_offload.models import GPTConfig, GPTStack
 
 
@@ -85,7 +86,12 @@ def assert_same_step(a, b) -> None:
 def sync_of(model):
     """The runtime engine the transformed model drives (public: ``model.offload_plan.runtime``)."""
     sync = model.offload_plan.runtime
-    assert sync is model.__dict__["_annotate_offload_state"].boundary.sync
+    assert sync is model.__dict__["_annotate_offload_state"].sync
     return sync
+
+
+def cfg(**kw) -> ModelConfig:
+    """An offload config for the tiny test models: every saved tensor is large enough."""
+    return ModelConfig(cpu_offloading=True, **{"min_offload_numel": 0, **kw})
 
 

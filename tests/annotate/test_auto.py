@@ -11,7 +11,7 @@ import torch
 import annotate_offload.planner as planner
 from annotate_offload.annotate import offload_layer, offload_transform
 
-from ._models import Stack, assert_same_step, run_step, sync_of
+from ._models import Stack, assert_same_step, cfg, run_step, sync_of
 
 X = torch.randn(2, 32, 64)
 CHUNK = 2 * 32 * 64 * 4  # one (2, 32, 64) fp32 layer input, bytes
@@ -27,14 +27,12 @@ def _stub(choices, seen=None):
     return plan_offload
 
 
-@pytest.mark.parametrize("path", ["fx", "hooks"])
-def test_auto_applies_every_choice(monkeypatch, path):
+def test_auto_applies_every_choice(monkeypatch):
     seen = {}
     monkeypatch.setattr(planner, "plan_offload", _stub(["offload", "recompute_offload", "recompute", "keep"], seen))
     model = Stack(4)
     ref = copy.deepcopy(model)
-    offload_transform(model, num_layers="auto", memory_budget=1 << 20, example_inputs=(X,), min_offload_numel=0,
-                      path=path)
+    offload_transform(model, num_layers="auto", memory_budget=1 << 20, example_inputs=(X,), config=cfg())
     assert seen["layers"] == list(model.layers) and seen["budget"] == 1 << 20
     plan = model.offload_plan
     assert [lp.choice for lp in plan.layers] == ["offload", "recompute_offload", "recompute", "keep"]
@@ -62,7 +60,7 @@ def test_auto_respects_declared_keep(monkeypatch):
 def test_auto_with_the_real_planner_is_exact_and_within_budget():
     model = Stack(4)
     ref = copy.deepcopy(model)
-    offload_transform(model, num_layers="auto", memory_budget=150_000, example_inputs=(X,), min_offload_numel=0)
+    offload_transform(model, num_layers="auto", memory_budget=150_000, example_inputs=(X,), config=cfg())
     assert len(model.offload_plan.layers) == 4 and "auto: predicted" in repr(model.offload_plan)
     assert_same_step(run_step(model, X), run_step(ref, X))
 
@@ -73,8 +71,8 @@ def test_auto_infeasible_budget_is_the_planners_error():
 
 
 def test_auto_plan_counts_what_the_runtime_will_not_move():
-    # fresh-user trial, session 5: with the default threshold (256K elements) nothing of this model
-    # moves, yet the plan chose offload and promised a peak the run exceeded
+    # with the default threshold (256K elements) nothing of this model moves: the plan must not
+    # choose offload and promise a peak the run would exceed
     from annotate_offload.models import GPTConfig, GPTStack
 
     torch.manual_seed(0)

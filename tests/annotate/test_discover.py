@@ -65,9 +65,8 @@ def test_discovers_modulelist_blocks():
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_builtin_models_declare_their_layers(n):
-    """Fresh-user report (seventh session, third pass) item 1: discovery needs repeated blocks, so a
-    one-layer built-in model had no layers and `annotate-offload plan model.num_layers=1` crashed.
-    GPTBlock and LlamaDecoderLayer are declared with @offload_layer."""
+    """Discovery needs repeated blocks; GPTBlock and LlamaDecoderLayer are declared with
+    @offload_layer, so a one-layer built-in model has its layer too."""
     from annotate_offload.models.llama import Llama, LlamaConfig
 
     refs, how = find_layers(gpt(n=n))
@@ -115,7 +114,7 @@ def test_selection_errors():
         find_layers(m, layer_types=(int,))
     with pytest.raises(TypeError, match="filter_fn must be callable"):
         find_layers(m, filter_fn=3)
-    # fresh-user report (seventh session): a one-argument lambda failed with a bare "takes 1 positional argument"
+    # a one-argument lambda: the message says how filter_fn is called
     with pytest.raises(TypeError, match=r"filter_fn is called as filter_fn\(module, fqn\) -> bool, but .* takes \(mod\)"):
         find_layers(m, filter_fn=lambda mod: True)
     refs, _ = find_layers(m, filter_fn=lambda *a: a[1] == "layers.0")  # *args is fine

@@ -20,7 +20,7 @@ def _load(name):
 def test_offload_gpt_example(capsys):
     model = _load("offload_gpt").main(["--hidden", "256", "--layers", "3", "--tokens", "1024", "--offload", "1", "--steps", "2"])
     plan = model.offload_plan
-    assert plan.path == "fx" and plan.offloaded_layers == (0,) and plan.bytes_source == "measured"
+    assert plan.offloaded_layers == (0,) and plan.bytes_source == "measured"
     assert plan.layers[0].bytes_per_step > 0
     assert "step 1: loss" in capsys.readouterr().out
 
@@ -28,4 +28,4 @@ def test_offload_gpt_example(capsys):
 def test_offload_hf_llama_example():
     pytest.importorskip("transformers")
     model = _load("offload_hf_llama").main(["--hidden", "64", "--seq", "32", "--steps", "1"])
-    assert model.offload_plan.path == "hooks" and model.offload_plan.bytes_source == "measured"
+    assert model.offload_plan.bytes_source == "measured"

@@ -1,28 +1,31 @@
 """The transformed model across its life: train/eval branches, repeated forwards, retain_graph,
-dtype/device moves, and importing without CUDA."""
+dtype moves, shared and replaced layers, copies, deletion, and importing without CUDA."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import subprocess
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 
-from annotate_offload.annotate import offload_transform
+from annotate_offload.annotate import offload_transform, remove_offload
+from annotate_offload.errors import OffloadError
 
-from ._models import MLPBlock, Stack, assert_same_step, run_step, sync_of
+from ._models import MLPBlock, Stack, assert_same_step, cfg, run_step, sync_of
 
 X = torch.randn(2, 32, 64)
 
 
-def _apply(model, path="fx", n=2):
+def _apply(model, n=2, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return offload_transform(model, num_layers=n, path=path, min_offload_numel=0)
+        return offload_transform(model, n, config=cfg(), **kw)
 
 
 def _grads_equal(a, b):
@@ -30,7 +33,7 @@ def _grads_equal(a, b):
 
 
 class TrainEvalBranch(nn.Module):
-    """Root forward branches on self.training, which fx would otherwise fix at trace time."""
+    """Root forward branches on self.training."""
 
     def __init__(self):
         super().__init__()
@@ -46,7 +49,6 @@ def test_train_and_eval_branches_follow_model_training():
     model = TrainEvalBranch()
     ref = copy.deepcopy(model)
     _apply(model)
-    assert model.__dict__["_annotate_offload_state"].graph_module_eval is not None
     assert_same_step(run_step(model, X), run_step(ref, X))
     model.eval(), ref.eval()
     with torch.no_grad():
@@ -55,27 +57,19 @@ def test_train_and_eval_branches_follow_model_training():
     assert_same_step(run_step(model, X), run_step(ref, X))
 
 
-def test_same_graph_for_both_modes_is_traced_once():
-    model = Stack(3)
-    _apply(model)
-    assert model.__dict__["_annotate_offload_state"].graph_module_eval is None
-
-
-@pytest.mark.parametrize("path", ["fx", "hooks"])
-def test_two_forwards_then_one_backward(path):
+def test_two_forwards_then_one_backward():
     model = Stack(4)
     ref = copy.deepcopy(model)
-    _apply(model, path)
+    _apply(model)
     for m in (model, ref):
         (m(X).square().mean() + m(X * 2).square().mean()).backward()
     assert _grads_equal(model, ref)
 
 
-@pytest.mark.parametrize("path", ["fx", "hooks"])
-def test_retain_graph_backward_twice(path):
+def test_retain_graph_backward_twice():
     model = Stack(4)
     ref = copy.deepcopy(model)
-    _apply(model, path)
+    _apply(model)
     for m in (model, ref):
         loss = m(X).square().mean()
         loss.backward(retain_graph=True)
@@ -85,7 +79,7 @@ def test_retain_graph_backward_twice(path):
 
 
 def test_dtype_move_after_transform():
-    class Scaled(Stack):  # a root buffer the graph reads: .double() replaces the buffer object
+    class Scaled(Stack):  # a root buffer: .double() replaces the buffer object
         def forward(self, x):
             return super().forward(x) * self.scale
 
@@ -101,13 +95,22 @@ def test_dtype_move_after_transform():
 
 def test_import_does_not_initialise_cuda():
     code = ("import torch, annotate_offload.annotate as a; from annotate_offload.annotate import _transform, "
-            "_fx_pass, _hooks, _estimate; print(torch.cuda.is_initialized())")
+            "_layers, _estimate; print(torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
-class SharedLayer(nn.Module):
-    """Calls layer 0 twice (weight sharing): not one offload unit."""
+# -- shared, repeated and replaced layers -------------------------------------------------------
+def test_a_layer_at_two_positions_is_refused_at_transform_naming_both():
+    model = Stack(3)
+    model.layers[2] = model.layers[0]  # one module, two positions: it runs twice per forward
+    with pytest.raises(OffloadError, match=r"layer layers\.0 is also registered as layers\.2.*own module"):
+        offload_transform(model, 1, layer_types=MLPBlock)
+    assert "offload_plan" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.modules())
+
+
+class CallsLayerTwice(nn.Module):
+    """Calls layer 0 twice per forward (one fqn, two calls)."""
 
     def __init__(self):
         super().__init__()
@@ -120,32 +123,67 @@ class SharedLayer(nn.Module):
         return x
 
 
-def test_layer_called_twice_is_refused_clearly():
-    """path='auto' used to fall back to the hook path, which then refused every training forward
-    (fresh-user report, seventh session, second pass, item 3): it now refuses at transform time,
-    leaving the model untouched. An explicit path='hooks' (no tracing) refuses at the first forward."""
-    from annotate_offload.errors import OffloadError
-
-    model = SharedLayer()
-    with pytest.raises(OffloadError, match=r"layers.0 is called more than once.*Neither path can offload it.*filter_fn="):
-        _apply(model, path="auto", n=1)
-    assert not hasattr(model, "offload_plan") and "forward" not in model.__dict__
-    _apply(model, path="hooks", n=1)
-    with pytest.raises(OffloadError, match=r"layer 0 started after layer 0 in the same forward"):
-        run_step(model, X)
+def test_a_layer_called_twice_per_forward_is_refused_with_example_inputs_and_exact_without():
+    """With example_inputs the transform sees the forward and refuses, leaving the model untouched;
+    without them the repeated call starts a new runtime step (like a second forward): exact."""
+    model = CallsLayerTwice()
+    ref = copy.deepcopy(model)
+    with pytest.raises(OffloadError, match=r"layer 0 \(layers\.0\) runs more than once in one forward"):
+        _apply(model, 1, example_inputs=(X,))
+    assert "offload_plan" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.modules())
+    _apply(model, 1)
+    assert_same_step(run_step(model, X), run_step(ref, X))
     with torch.no_grad():
-        model(X)  # eval forwards never reach the runtime
-    assert sync_of(model)._step is None
+        assert torch.equal(model(X), ref(X))
+
+
+def test_a_replaced_layer_is_offloaded_from_the_next_forward_and_a_removed_one_is_refused():
+    ref = Stack(3)
+    model = _apply(copy.deepcopy(ref))
+    model.layers[1] = copy.deepcopy(ref.layers[1])  # replaced after the transform
+    assert_same_step(run_step(model, X), run_step(ref, X))  # wrapped at the start of this forward
+    assert set(sync_of(model).stats.bytes_offloaded_per_layer) == {0, 1}
+    assert "forward" in model.layers[1].__dict__
+    model.layers[0] = model.layers[1]  # a layer moved: the two slots hold one module
+    with pytest.raises(OffloadError, match=r"layers\.0 \(layer 0\) now holds layer 1 \(layers\.1\).*remove_offload"):
+        model(X)
+    model.layers[0] = copy.deepcopy(ref.layers[0])
+    assert_same_step(run_step(model, X), run_step(ref, X))
+    del model.layers[2]
+    with pytest.raises(OffloadError, match=r"layers\.2 \(layer 2\) is gone since the transform"):
+        model(X)
+    remove_offload(model)
+    _apply(model, 1)  # transformed again with the new list
+    assert len(model.offload_plan.layers) == 2
+
+
+def test_an_instance_forward_set_on_a_layer_after_the_transform_runs_inside_the_scope():
+    ref = Stack(3)
+    model = _apply(copy.deepcopy(ref))
+    layer = model.layers[0]
+    orig = layer.forward
+    layer.forward = lambda x: orig(x) * 2  # the user's override, after the transform
+    ref_layer = ref.layers[0]
+    ref_orig = ref_layer.forward
+    ref_layer.forward = lambda x: ref_orig(x) * 2
+    for _ in range(2):  # the override calls the earlier wrapper: one scope per call all the same
+        assert_same_step(run_step(model, X), run_step(ref, X))
+        assert set(sync_of(model).stats.bytes_offloaded_per_layer) == {0, 1}
+    layer.forward = lambda x: MLPBlock.forward(layer, x) + 1  # an override that does not call it
+    ref_layer.forward = lambda x: MLPBlock.forward(ref_layer, x) + 1
+    assert_same_step(run_step(model, X), run_step(ref, X))  # seen at layer 1: wrapped from the next forward
+    assert_same_step(run_step(model, X), run_step(ref, X))
+    assert set(sync_of(model).stats.bytes_offloaded_per_layer) == {0, 1}
 
 
 # -- copies (Note [Copying a synchronizer]) ----------------------------------------------------
-@pytest.mark.parametrize("path", ["fx", "hooks"])
-def test_deepcopy_is_an_independent_offloaded_model(path):
+def test_deepcopy_is_an_independent_offloaded_model():
     ref = Stack(3)
-    model = _apply(copy.deepcopy(ref), path)
+    model = _apply(copy.deepcopy(ref))
     dup = copy.deepcopy(model)  # an EMA copy, a frozen reference model
-    assert type(dup) is type(model) and dup.offload_plan.path == path
+    assert type(dup) is type(model)
     assert sync_of(dup) is not sync_of(model)
+    assert dup.layers[0].__dict__["forward"].module() is dup.layers[0]
     assert sync_of(dup).backend is sync_of(model).backend and sync_of(dup).pool is sync_of(model).pool
     for p, q in zip(dup.parameters(), model.parameters()):
         assert p is not q and torch.equal(p, q)
@@ -154,7 +192,7 @@ def test_deepcopy_is_an_independent_offloaded_model(path):
     assert_same_step(run_step(dup, X), run_step(ref, X))
     assert sync_of(dup).stats.bytes_offloaded > 0 and sync_of(model).stats.step == steps
     assert_same_step(run_step(model, X), run_step(ref, X))
-    # interleaved forwards of the two (the original's scope open while the copy runs) stay exact
+    # interleaved forwards of the two stay exact
     loss_a = model(X.clone().requires_grad_(True)).square().mean()
     loss_b = dup(X.clone().requires_grad_(True)).square().mean()
     loss_a.backward()
@@ -162,10 +200,8 @@ def test_deepcopy_is_an_independent_offloaded_model(path):
     assert _grads_equal(model, dup)
     model.zero_grad(set_to_none=True)
     dup.zero_grad(set_to_none=True)
-    from annotate_offload.annotate import remove_offload
-
     remove_offload(dup)  # undoing the copy leaves the original offloaded
-    assert "forward" not in dup.__dict__ and not any(m._forward_pre_hooks for m in dup.modules())
+    assert not any("forward" in m.__dict__ for m in dup.modules())
     assert_same_step(run_step(model, X), run_step(ref, X))
     assert sync_of(model).stats.bytes_offloaded > 0
 
@@ -179,34 +215,29 @@ def test_averaged_model_of_a_transformed_model_steps():
         assert torch.equal(ema(X), ema.module(X))
 
 
-@pytest.mark.parametrize("path", ["fx", "hooks"])
-def test_pickling_a_transformed_model_names_the_fix(path, tmp_path):
-    from annotate_offload.errors import OffloadError
-
-    model = _apply(Stack(3), path)
+def test_pickling_a_transformed_model_names_the_fix(tmp_path):
+    model = _apply(Stack(3))
     with pytest.raises(OffloadError, match=r"state_dict\(\).*remove_offload"):
         torch.save(model, tmp_path / "m.pt")
     torch.save(model.state_dict(), tmp_path / "sd.pt")  # the supported way
     fresh = Stack(3)
     fresh.load_state_dict(torch.load(tmp_path / "sd.pt"))
-    assert_same_step(run_step(_apply(fresh, path), X), run_step(model, X))
+    assert_same_step(run_step(_apply(fresh), X), run_step(model, X))
 
 
-def test_fx_path_refuses_a_layer_list_changed_after_the_trace():
-    from annotate_offload.annotate import remove_offload
-    from annotate_offload.errors import OffloadError
-
-    ref = Stack(3)
-    model = _apply(copy.deepcopy(ref))
-    model.layers[1] = copy.deepcopy(ref.layers[1])  # replacing in place: the code looks it up live
-    assert_same_step(run_step(model, X), run_step(ref, X))
-    model.layers.append(copy.deepcopy(ref.layers[0]))  # the traced forward would never call it
-    with pytest.raises(OffloadError, match=r"layers has 4 modules, but had 3 when the forward was traced.*remove_offload"):
-        model(X)
-    del model.layers[3]
-    assert_same_step(run_step(model, X), run_step(ref, X))  # back to the traced shape: runs again
-    remove_offload(model)
-    model.layers.append(copy.deepcopy(ref.layers[0]))
-    _apply(model)  # transformed again with the new list
-    assert len(model.offload_plan.layers) == 4
-    model(X)
+@pytest.mark.parametrize("num_layers", [2, "auto"])
+def test_deleting_a_transformed_model_frees_it_without_the_garbage_collector(num_layers):
+    """No reference cycle: like an untransformed model, the last reference going frees the weights
+    (a cycle kept them, and their device memory, until the next garbage collection)."""
+    model = Stack(4)
+    weight = weakref.ref(model.layers[0].fc1.weight)
+    kw = dict(memory_budget=1 << 20, example_inputs=(X,)) if num_layers == "auto" else {}
+    gc.collect()
+    gc.disable()
+    try:
+        _apply(model, num_layers, **kw)
+        run_step(model, X)
+        del model
+        assert weight() is None
+    finally:
+        gc.enable()

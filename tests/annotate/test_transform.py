@@ -1,4 +1,4 @@
-"""offload_transform: validation, in-place contract, bit-identical numerics on both paths, plans."""
+"""offload_transform: validation, in-place contract, bit-identical numerics, plans."""
 
 from __future__ import annotations
 
@@ -10,33 +10,32 @@ import pytest
 import torch
 import torch.nn as nn
 
-from annotate_offload.annotate import OffloadPlan, offload_layer, offload_transform, remove_offload
+from annotate_offload.annotate import offload_layer, offload_transform, remove_offload
+from annotate_offload.annotate._plan import OffloadPlan
 from annotate_offload.config import Config, ModelConfig
 from annotate_offload.errors import OffloadError
 
-from ._models import MLPBlock, Stack, assert_same_step, gpt, run_step, sync_of
+from ._models import MLPBlock, Stack, assert_same_step, cfg, gpt, run_step, sync_of
 
 L = 4
 X = lambda: torch.randn(2, 32, 64)  # noqa: E731
 
 
-def _transformed(model, n, path, **kw):
+def _transformed(model, n, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return offload_transform(model, num_layers=n, path=path, min_offload_numel=0, **kw)
+        return offload_transform(model, n, config=cfg(), **kw)
 
 
 # --------------------------------------------------------------------------- numerics
 
 
-@pytest.mark.parametrize("path", ["fx", "hooks"])
 @pytest.mark.parametrize("n", [0, 1, L - 1])
 @pytest.mark.parametrize("make", [gpt, Stack], ids=["gpt", "mlp"])
-def test_loss_and_grads_bit_identical(make, n, path):
+def test_loss_and_grads_bit_identical(make, n):
     model = make(L)
     ref = copy.deepcopy(model)
-    _transformed(model, n, path)
-    assert model.offload_plan.path == path
+    _transformed(model, n)
     x = X()
     for _ in range(2):  # the second step reuses pinned buffers and a fresh runtime step
         assert_same_step(run_step(model, x), run_step(ref, x))
@@ -46,10 +45,29 @@ def test_loss_and_grads_bit_identical(make, n, path):
         assert stats.bytes_reloaded == stats.bytes_offloaded
 
 
+@pytest.mark.parametrize("n", [1, L - 1])
+def test_builtin_llama_bit_identical(n):
+    from annotate_offload.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=L, num_attention_heads=4,
+                         num_key_value_heads=2, max_seq_len=64)
+    model = Llama(config, seed=0)
+    ref = copy.deepcopy(model)
+    _transformed(model, n)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    for m in (model, ref):
+        m(ids).float().square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+    assert set(sync_of(model).stats.bytes_offloaded_per_layer) == set(range(n))
+
+
 def test_autocast_bf16_bit_identical():
     model = gpt(L)
     ref = copy.deepcopy(model)
-    _transformed(model, 2, "fx")
+    _transformed(model, 2)
     x = X()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a = run_step(model, x)
@@ -60,26 +78,9 @@ def test_autocast_bf16_bit_identical():
     assert stats.bytes_offloaded > 0 and stats.kept.get("parameter", 0) > 0
 
 
-def test_fx_and_hooks_give_identical_plans_and_bytes():
-    plans, estimates = [], []
-    for path in ("fx", "hooks"):
-        torch.manual_seed(0)
-        model = gpt(L)
-        _transformed(model, 2, path, example_inputs=(X(),))
-        assert model.offload_plan.bytes_source == "estimate"
-        estimates.append(model.offload_plan.layers)
-        run_step(model, X())
-        plans.append(model.offload_plan)
-    fx_plan, hook_plan = plans
-    assert estimates[0] == estimates[1]
-    assert fx_plan.bytes_source == hook_plan.bytes_source == "measured"
-    assert fx_plan.layers == hook_plan.layers  # choices, measured bytes and estimates
-    assert fx_plan.layers[0].bytes_per_step > 0 and fx_plan.layers[2].bytes_per_step == 0
-
-
 def test_bytes_measured_on_first_step_without_example_inputs():
     model = Stack(L)
-    _transformed(model, 2, "fx")
+    _transformed(model, 2)
     assert model.offload_plan.bytes_source == "pending" and model.offload_plan.bytes_per_step is None
     run_step(model, X())
     plan = model.offload_plan
@@ -88,10 +89,9 @@ def test_bytes_measured_on_first_step_without_example_inputs():
     assert "measured" in repr(plan)
 
 
-@pytest.mark.parametrize("path", ["fx", "hooks"])
-def test_meta_estimate_matches_runtime_on_attention_free_model(path):
+def test_meta_estimate_matches_runtime_on_attention_free_model():
     model = Stack(L)
-    _transformed(model, 2, path, example_inputs=(X(),))
+    _transformed(model, 2, example_inputs=(X(),))
     estimate = {lp.index: lp.bytes_per_step for lp in model.offload_plan.layers}
     run_step(model, X())
     measured = sync_of(model).stats.bytes_offloaded_per_layer
@@ -106,43 +106,12 @@ def test_declared_keep_layers_are_skipped_by_num_layers():
     offload_layer(offload=False)(model.layers[0])
     for blk in model.layers[1:]:
         offload_layer(blk)
-    _transformed(model, 2, "fx")
+    _transformed(model, 2)
     plan = model.offload_plan
     assert [lp.choice for lp in plan.layers] == ["keep", "offload", "offload", "keep"]
     assert plan.layers[0].declared_keep and "keep (declared)" in repr(plan)
     run_step(model, X())
     assert set(sync_of(model).stats.bytes_offloaded_per_layer) == {1, 2}
-
-
-def test_returned_tensor_is_marked_not_offload():
-    class NormBlock(nn.Module):  # LayerNorm saves its input tensor itself (not a view of it)
-        def __init__(self):
-            super().__init__()
-            self.ln, self.fc = nn.LayerNorm(64), nn.Linear(64, 64)
-
-        def forward(self, x):
-            return x + self.fc(self.ln(x))
-
-    class Returns(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList([NormBlock() for _ in range(3)])
-
-        def forward(self, x):
-            h0 = self.layers[0](x)
-            h1 = self.layers[1](h0)
-            return self.layers[2](h1), h0  # h0 is returned: saving it in layer 1 frees nothing
-
-    model = Returns()
-    _transformed(model, 2, "fx")
-    keeps = [n for n in model.__dict__["_annotate_offload_state"].graph_module.graph.nodes
-             if n.meta.get("offload_layer", {}).get("role") == "keep"]
-    assert len(keeps) == 1 and keeps[0].args[1].meta["offload_layer"]["role"] == "commit"
-    x = torch.randn(2, 32, 64, requires_grad=True)
-    out, h0 = model(x)
-    assert getattr(h0, "_TE_do_not_offload", False)
-    (out.sum() + h0.sum()).backward()
-    assert sync_of(model).stats.kept.get("marked", 0) >= 1
 
 
 # --------------------------------------------------------------------------- in place
@@ -152,28 +121,32 @@ def test_in_place_contract_and_remove():
     model = gpt(L)
     cls, keys = type(model), list(model.state_dict())
     params = [id(p) for p in model.parameters()]
-    sig = inspect.signature(model.forward)
-    out = _transformed(model, 1, "fx")
+    sig, layer_sig = inspect.signature(model.forward), inspect.signature(model.layers[0].forward)
+    out = _transformed(model, 1)
     assert out is model and type(model) is cls
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
-    assert inspect.signature(model.forward) == sig
+    assert "forward" not in model.__dict__  # the root forward is the user's, untouched
+    assert inspect.signature(model.forward) == sig and inspect.signature(model.layers[0].forward) == layer_sig
+    assert all("forward" in blk.__dict__ for blk in model.layers)
     assert isinstance(model.offload_plan, OffloadPlan)
     with pytest.raises(OffloadError, match="already transformed.*remove_offload"):
         offload_transform(model, num_layers=1)
     assert remove_offload(model) is model
-    assert "forward" not in model.__dict__ and not hasattr(model, "offload_plan")
+    assert not hasattr(model, "offload_plan") and not any("forward" in m.__dict__ for m in model.modules())
     assert model.forward.__func__ is cls.forward
     with pytest.raises(OffloadError, match="was not transformed"):
         remove_offload(model)
-    _transformed(model, 2, "hooks")  # transformable again
+    with pytest.raises(TypeError, match="remove_offload: model must be the nn.Module"):
+        remove_offload("hello")
+    _transformed(model, 2)  # transformable again
     remove_offload(model)
-    assert all(not blk._forward_pre_hooks and not blk._forward_hooks for blk in model.layers)
+    assert not any(m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__ for m in model.modules())
 
 
 def test_eval_forwards_offload_nothing_and_leave_no_state():
     model = gpt(L)
     ref = copy.deepcopy(model)
-    _transformed(model, 2, "fx")
+    _transformed(model, 2)
     sync = sync_of(model)
     x = X()
     with torch.no_grad():
@@ -185,11 +158,13 @@ def test_eval_forwards_offload_nothing_and_leave_no_state():
     assert_same_step(run_step(model, x), run_step(ref, x))
 
 
-@pytest.mark.parametrize("path", ["fx", "hooks"])
-def test_exception_mid_forward_aborts_and_next_step_is_clean(path):
+@pytest.mark.parametrize("where", ["inside_a_layer", "between_layers"])
+def test_exception_mid_forward_leaves_no_scope_and_next_step_is_clean(where):
+    """Inside a layer (a submodule raises) the layer's forward drops the step at once; between
+    layers (the layer's own pre-hook raises, before its forward) the next step starts clean."""
     model = Stack(L)
     ref = copy.deepcopy(model)
-    _transformed(model, 2, path)
+    _transformed(model, 2)
     calls = {"n": 0}
 
     def boom(module, args):
@@ -197,14 +172,20 @@ def test_exception_mid_forward_aborts_and_next_step_is_clean(path):
         if calls["n"] == 1:
             raise RuntimeError("boom")
 
-    h = model.layers[2].register_forward_pre_hook(boom)
+    target = model.layers[1].fc2 if where == "inside_a_layer" else model.layers[2]
+    h = target.register_forward_pre_hook(boom)
     x = X()
     with pytest.raises(RuntimeError, match="boom"):
         run_step(model, x)
     sync = sync_of(model)
-    assert sync._scope is None and sync._step is None
+    assert sync._scope is None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no hook left installed
+    if where == "inside_a_layer":
+        assert sync._step is None
     h.remove()
-    assert_same_step(run_step(model, x), run_step(ref, x))
+    for _ in range(2):
+        assert_same_step(run_step(model, x), run_step(ref, x))
+        assert set(sync.stats.bytes_offloaded_per_layer) == {0, 1}
 
 
 # --------------------------------------------------------------------------- validation
@@ -235,31 +216,51 @@ def test_last_but_one_warns_like_te_and_points_to_prefetch():
         offload_transform(Stack(L), num_layers=L - 1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        offload_transform(Stack(L), num_layers=L - 1, prefetch_layers=1, release_lag=1)
+        offload_transform(Stack(L), num_layers=L - 1, config=cfg(prefetch_layers=1, release_lag=1))
 
 
-def test_bad_schedule_and_path_arguments():
-    with pytest.raises(ValueError, match="prefetch_layers must be None or an int >= 1, got 0"):
-        offload_transform(Stack(L), num_layers=1, prefetch_layers=0)
-    with pytest.raises(ValueError, match="release_lag must be None or an int >= 0, got -1"):
-        offload_transform(Stack(L), num_layers=1, release_lag=-1)
-    with pytest.raises(ValueError, match="path must be one of"):
-        offload_transform(Stack(L), num_layers=1, path="jit")
-    with pytest.raises(TypeError, match="recompute must be a bool"):
-        offload_transform(Stack(L), num_layers=1, recompute="yes")
-    # fresh-user report (seventh session, second pass) item 6: these lacked the prefix or the type
-    with pytest.raises(TypeError, match=r"offload_transform: policy must be None, 'opt_out' or 'opt_in', got 1 \(int\)"):
-        offload_transform(Stack(L), num_layers=1, policy=1)
-    with pytest.raises(ValueError, match=r"offload_transform: min_offload_numel must be None or an int >= 0, got -5"):
-        offload_transform(Stack(L), num_layers=1, min_offload_numel=-5)
+def test_options_live_in_the_config_and_bad_values_name_the_field():
+    """The schedule, policy, threshold and recompute are config fields, also accepted as keywords
+    over the config; any other keyword is refused naming the ones accepted, and a bad value is
+    refused (by ModelConfig, or here for a duck-typed config or a keyword) before the model
+    changes, naming the field, the value and the fix."""
+    model = Stack(L)
+    for old in ("policy", "path", "cpu_offloading_num_layers"):
+        with pytest.raises(TypeError, match=rf"unexpected keyword '{old}'.*release_lag, prefetch_layers"):
+            offload_transform(model, 1, **{old: 1})
+    with pytest.raises(ValueError, match=r"config.prefetch_layers must be None or an int >= 1, got 0"):
+        offload_transform(model, 1, prefetch_layers=0)
+    assert not hasattr(model, "offload_plan")
+    with pytest.raises(ValueError, match=r"model\.prefetch_layers=0.*Fix"):
+        ModelConfig(cpu_offloading=True, prefetch_layers=0)
+    with pytest.raises(TypeError, match=r"model\.recompute must be bool, got 'yes'"):
+        ModelConfig(cpu_offloading=True, recompute="yes")
+
+    class Duck:  # a config object that is not a ModelConfig: checked by offload_transform
+        cpu_offloading, cpu_offloading_num_layers = True, 1
+        release_lag, prefetch_layers, min_offload_numel, offload_policy, recompute = None, None, 0, None, False
+
+    for field, value, exc, match in [
+        ("prefetch_layers", 0, ValueError, r"config.prefetch_layers must be None or an int >= 1, got 0; pass e.g."),
+        ("release_lag", -1, ValueError, r"config.release_lag must be None or an int >= 0, got -1"),
+        ("min_offload_numel", -5, ValueError, r"config.min_offload_numel must be None or an int >= 0, got -5"),
+        ("offload_policy", 1, TypeError, r"config.offload_policy must be 'opt_out' or 'opt_in', got 1 \(int\)"),
+        ("offload_policy", "all", ValueError, r"config.offload_policy must be 'opt_out' or 'opt_in', got 'all'"),
+        ("recompute", "yes", TypeError, r"config.recompute must be a bool, got 'yes'"),
+    ]:
+        bad = Duck()
+        setattr(bad, field, value)
+        with pytest.raises(exc, match=match):
+            offload_transform(model, config=bad)
     with pytest.raises(TypeError, match=r"(?s)layer_types must be nn.Module subclasses, got MLPBlock.*pass the layer classes"):
-        offload_transform(Stack(L), num_layers=1, layer_types=MLPBlock())
+        offload_transform(model, num_layers=1, layer_types=MLPBlock())
+    assert not any("forward" in m.__dict__ for m in model.modules()) and "offload_plan" not in model.__dict__
 
 
 def test_numpy_integer_counts_are_accepted():
     np = pytest.importorskip("numpy")
     model = Stack(L)
-    offload_transform(model, num_layers=np.int64(2), min_offload_numel=np.int32(0))
+    offload_transform(model, num_layers=np.int64(2))
     assert model.offload_plan.offloaded_layers == (0, 1)
 
 
@@ -270,7 +271,7 @@ def test_auto_needs_budget_and_inputs():
 
 def test_config_gives_num_layers():
     model = Stack(L)
-    offload_transform(model, config=ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=2, min_offload_numel=0))
+    offload_transform(model, config=cfg(cpu_offloading_num_layers=2))
     assert model.offload_plan.offloaded_layers == (0, 1)
     model = Stack(L)
     offload_transform(model, config=Config(model=ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=1)))
@@ -315,7 +316,7 @@ def test_config_off_returns_model_unchanged():
     assert offload_transform(model, config=ModelConfig(cpu_offloading=False)) is model
     assert "forward" not in model.__dict__
     with pytest.raises(ValueError, match="num_layers=2 was given but config.cpu_offloading=False"):
-        offload_transform(model, num_layers=2, config=ModelConfig(cpu_offloading=False))
+        offload_transform(model, num_layers=2, config=ModelConfig(cpu_offloading=False, prefetch_layers=1))
 
 
 def test_config_weights_and_double_buffering_warn():
@@ -343,9 +344,9 @@ def test_config_policy_and_threshold_reach_the_runtime():
 
 def test_plan_repr_is_a_table():
     model = gpt(L)
-    _transformed(model, 1, "hooks")
+    _transformed(model, 1)
     text = repr(model.offload_plan)
-    assert text.splitlines()[0].startswith("OffloadPlan(path=hooks, layers=4, offloaded=1")
+    assert text.splitlines()[0].startswith("OffloadPlan(layers=4, offloaded=1")
     assert "idx  layer" in text and "layers.0  GPTBlock  offload" in text
 
 
@@ -360,7 +361,7 @@ def test_meta_estimate_counts_fused_attention_not_the_math_path():
     torch.manual_seed(0)
     model = GPTStack(GPTConfig(hidden=64, heads=4, layers=3))
     x = torch.randn(2, 128, 64)
-    offload_transform(model, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+    offload_transform(model, 2, example_inputs=(x,), config=cfg(min_offload_numel=1, prefetch_layers=1))
     est = [lp.bytes_per_step for lp in model.offload_plan.layers]
     model(x).square().mean().backward()
     plan = model.offload_plan
@@ -380,7 +381,7 @@ def test_meta_estimate_counts_fused_attention_not_the_math_path():
 def test_meta_estimate_under_bf16_autocast_matches_the_cpu_run(how):
     """Note [Autocast on meta]: with bf16 autocast declared (config.bf16) or active at the call,
     the meta estimate equals what a CPU run under torch.autocast(bfloat16) moves, which is about
-    half of the fp32 estimate (the llama-1b recipe: 2.07 GiB per layer, as moved on the H200)."""
+    half of the fp32 estimate."""
     from annotate_offload.config import ModelConfig
     from annotate_offload.models.gpt import GPTConfig, GPTStack
 
@@ -390,16 +391,16 @@ def test_meta_estimate_under_bf16_autocast_matches_the_cpu_run(how):
 
     x = torch.randn(2, 128, 64)
     fp32 = build()
-    offload_transform(fp32, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+    offload_transform(fp32, 2, example_inputs=(x,), config=cfg(min_offload_numel=1, prefetch_layers=1))
     fp32_est = [lp.bytes_per_step for lp in fp32.offload_plan.layers]
 
     model = build()
     if how == "config_bf16":
-        cfg = ModelConfig(cpu_offloading=True, cpu_offloading_num_layers=2, bf16=True)
-        offload_transform(model, config=cfg, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+        config = cfg(cpu_offloading_num_layers=2, bf16=True, min_offload_numel=1, prefetch_layers=1)
+        offload_transform(model, config=config, example_inputs=(x,))
     else:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            offload_transform(model, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+            offload_transform(model, 2, example_inputs=(x,), config=cfg(min_offload_numel=1, prefetch_layers=1))
     est = [lp.bytes_per_step for lp in model.offload_plan.layers]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
@@ -429,7 +430,7 @@ def test_autocast_on_meta_casts_meta_calls_only():
 
 def test_meta_estimate_under_autocast_skips_frozen_weights_casts():
     """A frozen weight's autocast cast has no autograd node; the runtime keeps it by its shape
-    (add_frozen_weights), and so must the estimate (it counted them as activations: 3.6x)."""
+    (add_frozen_weights), and so must the estimate."""
     from annotate_offload.models.gpt import GPTConfig, GPTStack
 
     torch.manual_seed(0)
@@ -439,7 +440,7 @@ def test_meta_estimate_under_autocast_skips_frozen_weights_casts():
         m.requires_grad_(False)
     x = torch.randn(2, 16, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        offload_transform(model, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+        offload_transform(model, 2, example_inputs=(x,), config=cfg(min_offload_numel=1, prefetch_layers=1))
         est = [lp.bytes_per_step for lp in model.offload_plan.layers]
         out = model(x)
     out.float().square().mean().backward()
@@ -474,7 +475,7 @@ def test_layer_input_is_copied_only_if_saved_under_autocast():
     model = Net()
     x = torch.randn(2, 8, 16, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        offload_transform(model, num_layers=2, min_offload_numel=1, example_inputs=(x,), prefetch_layers=1)
+        offload_transform(model, 2, example_inputs=(x,), config=cfg(min_offload_numel=1, prefetch_layers=1))
         est = [lp.bytes_per_step for lp in model.offload_plan.layers]
         out = model(x)
     out.float().sum().backward()
@@ -499,9 +500,21 @@ def test_bad_example_inputs_and_a_stray_memory_budget_are_refused_before_the_mod
 
 
 def test_example_inputs_that_cannot_run_the_forward_warn():
-    """Fresh-user report (seventh session, second pass) item 6: example_inputs of the wrong shape were
-    accepted with only a plan note."""
+    """example_inputs of the wrong shape are not only a plan note."""
     model = Stack(L)
     with pytest.warns(UserWarning, match=r"example_inputs= could not run the forward: meta estimate failed"):
         offload_transform(model, num_layers=1, example_inputs=(torch.randn(3, 7),))
     assert any("meta estimate failed" in n for n in model.offload_plan.notes)
+
+
+def test_config_fields_as_keywords_override_the_config():
+    """``offload_transform(m, 1, min_offload_numel=0)`` is ``config=ModelConfig(cpu_offloading=True,
+    min_offload_numel=0)``: a keyword wins over the config's value, and the plan offloads under it."""
+    torch.manual_seed(0)
+    x = X()
+    for kwargs in ({"min_offload_numel": 0},
+                   {"config": ModelConfig(cpu_offloading=True, min_offload_numel=1 << 30), "min_offload_numel": 0}):
+        model = Stack(L)
+        offload_transform(model, 1, **kwargs)
+        model(x).sum().backward()
+        assert model.offload_plan.stats.bytes_offloaded > 0, kwargs

@@ -13,13 +13,14 @@ from _dist_harness import LR, batches, full, loss_fn, make_model
 
 from annotate_offload.annotate import offload_transform
 from annotate_offload.distributed import attach_optimizer, clip_grad_norm_, load_checkpoint, local_thread_budget, save_checkpoint
+from annotate_offload.config import ModelConfig
 from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer
 
 
 def _offload(model: nn.Module) -> nn.Module:
     # min_offload_numel=1: the tiny model's activations are below the 256K default
-    return offload_transform(model, num_layers=2, min_offload_numel=1, prefetch_layers=1)
+    return offload_transform(model, 2, config=ModelConfig(cpu_offloading=True, min_offload_numel=1, prefetch_layers=1))
 
 
 def _train(model: nn.Module, opt: Any, rank: int, steps: int, first: int = 0, total: "int | None" = None) -> list[float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist_harness import LR, assert_bitwise, make_model, reference, run_ranks, train_single
+from _dist_harness import LR, assert_bitwise, make_model, run_ranks, train_single
 from _dist_workers import _offload, checkpoint_suite
 
 from annotate_offload.distributed import load_checkpoint, save_checkpoint

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist_harness import assert_bitwise, reference, run_ranks
+from _dist_harness import assert_bitwise, run_ranks
 from _dist_workers import ddp_suite
 
 pytestmark = pytest.mark.slow  # two processes (spawn) per module

@@ -9,11 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist_harness import LR, assert_bitwise, batches, loss_fn, make_model, reference, run_ranks
+from _dist_harness import LR, assert_bitwise, batches, loss_fn, make_model, run_ranks
 from _dist_workers import fsdp_suite
+
+from annotate_offload.config import ModelConfig
 
 pytestmark = pytest.mark.slow  # two processes (spawn) per module
 STEPS = 3
+_CONFIG = ModelConfig(cpu_offloading=True, min_offload_numel=1, prefetch_layers=1)  # tiny activations move too
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def test_fsdp_unsharded_parameters_are_never_offloaded(runs):
     # The bytes moved per step equal those of the same model without FSDP: activations only.
     from annotate_offload.annotate import offload_transform
 
-    model = offload_transform(make_model(), num_layers=2, min_offload_numel=1, prefetch_layers=1)
+    model = offload_transform(make_model(), 2, config=_CONFIG)
     loss_fn(model(batches(1, 2)[0][0])).backward()
     want = model.offload_plan.bytes_per_step
     assert want > 0
@@ -74,8 +77,7 @@ def test_fsdp_low_precision_weights_are_never_offloaded(runs, kind):
     for r in runs:
         assert_bitwise(r[kind]["weights"], r[f"{kind}_plain"]["weights"])
         assert r[kind]["losses"] == r[f"{kind}_plain"]["losses"]
-    single = offload_transform(make_model(torch.bfloat16 if kind == "mp" else torch.float32), num_layers=2,
-                               min_offload_numel=1, prefetch_layers=1)
+    single = offload_transform(make_model(torch.bfloat16 if kind == "mp" else torch.float32), 2, config=_CONFIG)
     x = batches(1, 2)[0][0]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):
         out = single(x.to(torch.bfloat16) if kind == "mp" else x)

@@ -9,7 +9,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from annotate_offload.models import LLAMA_PRESETS, Llama, LlamaConfig
+from annotate_offload.models import Llama, LlamaConfig
+from annotate_offload.models.llama import LLAMA_PRESETS
 from annotate_offload.models.llama import LlamaDecoderLayer, RMSNorm, apply_rotary, rotary_tables
 
 SMALL = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=3, num_attention_heads=4,

@@ -12,17 +12,22 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from annotate_offload.annotate import offload_transform  # noqa: E402
-from annotate_offload.peft import apply_offload_marks, find_lm_head, remove_offload_marks, unwrap_model  # noqa: E402
+from annotate_offload.config import ModelConfig  # noqa: E402
+from annotate_offload.peft import apply_offload_marks, remove_offload_marks  # noqa: E402
+from annotate_offload.peft._apply import find_lm_head, unwrap_model  # noqa: E402
 
 from _peft_helpers import HIDDEN, L, R, VOCAB, OneScope, PackSpy, adapter_weights, assert_same, ids, step, weight_shapes  # noqa: E402
 
 
-def _hf(*, tie=False, targets=("q_proj", "v_proj"), dropout=0.0):
+def _llama(*, tie=False):
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=L,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    tie_word_embeddings=tie)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _lora(model, *, targets=("q_proj", "v_proj"), dropout=0.0):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft warns about LoRA on a tied head
         # init_lora_weights=False: B is random, so every adapter gradient is non-zero
@@ -31,15 +36,22 @@ def _hf(*, tie=False, targets=("q_proj", "v_proj"), dropout=0.0):
         return peft.get_peft_model(model, cfg).train()
 
 
+def _hf(*, tie=False, targets=("q_proj", "v_proj"), dropout=0.0):
+    return _lora(_llama(tie=tie), targets=targets, dropout=dropout)
+
+
 def _sync_of(model):
-    return model.__dict__["_annotate_offload_state"].boundary.sync
+    return model.offload_plan.runtime
+
+
+def _config(policy, **kw):
+    return ModelConfig(cpu_offloading=True, offload_policy=policy, min_offload_numel=0, **kw)
 
 
 def _transform(model, policy):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        offload_transform(model, num_layers=L - 1, policy=policy, min_offload_numel=0, prefetch_layers=1)
-    assert model.offload_plan.path == "hooks"
+        offload_transform(model, L - 1, config=_config(policy, prefetch_layers=1))
     assert [lp.fqn for lp in model.offload_plan.layers] == [f"base_model.model.model.layers.{i}" for i in range(L)]
     return PackSpy(_sync_of(model))
 
@@ -82,8 +94,6 @@ def test_peft_grads_bit_identical_and_marks(policy, dropout):
 def test_peft_without_marks_offloads_rank_r():
     """Negative control: without the marks (offload_transform installs them; removed here),
     peft's rank-r hidden is offloaded in opt-out mode."""
-    from annotate_offload.peft import remove_offload_marks
-
     model = _hf()
     spy = _transform(model, "opt_out")
     assert remove_offload_marks(model)
@@ -137,8 +147,8 @@ def test_offload_transform_applies_the_marks():
 
 
 def test_auto_plan_of_a_peft_model_profiles_without_the_kv_cache():
-    # review of session 5: PeftModel.forward(*args, **kwargs) hides use_cache from the signature,
-    # so profiling ran with the cache on and failed ("backward through the graph a second time")
+    # PeftModel.forward(*args, **kwargs) hides use_cache from the signature: profiling must still
+    # turn the cache off (with it on: "backward through the graph a second time")
     from annotate_offload._example_inputs import for_training
 
     model = _hf()
@@ -155,17 +165,16 @@ def test_auto_plan_of_a_peft_model_profiles_without_the_kv_cache():
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("policy", ["opt_out", "opt_in"])
 def test_peft_with_gradient_checkpointing_is_exact(policy, when):
-    """Fresh-user report (seventh session, second pass) item 1: a peft model with
-    gradient_checkpointing_enable() failed in backward with "CheckpointError: ... different
-    metadata" under offload_transform: the adapters' marking scopes opened inside the checkpoint
-    replaced its saved-tensor hooks (Note [A checkpoint around the layer])."""
+    """A peft model with gradient_checkpointing_enable(): the adapters' marking scopes stand aside
+    inside the checkpoint, whose saved-tensor hooks they would replace ("CheckpointError: ...
+    different metadata" in backward; Note [A checkpoint around the layer])."""
     model, ref = _hf(), _hf()
     ref.gradient_checkpointing_enable()
     if when == "before":
         model.gradient_checkpointing_enable()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        offload_transform(model, num_layers=L - 1, policy=policy, min_offload_numel=0)
+        offload_transform(model, L - 1, config=_config(policy))
     if when == "after":
         model.gradient_checkpointing_enable()
     x = ids()
@@ -173,3 +182,49 @@ def test_peft_with_gradient_checkpointing_is_exact(policy, when):
         assert_same(step(model, x, seed=seed), step(ref, x, seed=seed))
     if policy == "opt_out":  # the checkpoints' inputs moved (opt-in moves only tagged tensors: the
         assert _sync_of(model).stats.bytes_offloaded_per_layer  # adapters' stay inside the checkpoint)
+
+
+@pytest.mark.parametrize("policy", ["opt_out", "opt_in"])
+def test_get_peft_model_after_the_transform_marks_the_adapters_as_before(policy):
+    """The marks follow the model (Note [Following the model]): wrapping with peft after
+    offload_transform (TRL's SFTTrainer(peft_config=...)) keeps and moves exactly what the other
+    order does."""
+    before = _hf()
+    ref = copy.deepcopy(before)
+    spy_before = _transform(before, policy)
+    after = _llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offload_transform(after, L - 1, config=_config(policy, prefetch_layers=1))
+    after = _lora(after)
+    spy_after = PackSpy(_sync_of(after.base_model.model))
+    for s in range(2):
+        spy_before.clear(), spy_after.clear()
+        a, b = step(after, ids(), seed=s), step(before, ids(), seed=s)
+        assert_same(a, b)
+        assert_same(a, step(ref, ids(), seed=s))
+        assert [t.shape for t in spy_after.packed] == [t.shape for t in spy_before.packed] and spy_after.packed
+    assert _sync_of(after.base_model.model).stats.kept == _sync_of(before).stats.kept
+    if policy == "opt_out":
+        assert spy_after.packed_rank_r() == [] and _sync_of(before).stats.kept["marked"] >= 2 * (L - 1)
+
+
+def test_lora_with_checkpointing_and_input_require_grads_offloads_the_first_layer():
+    """TRL's SFT default: LoRA, gradient checkpointing and enable_input_require_grads(). The first
+    layer's checkpointed input is a leaf that requires grad, not a parameter: it is offloaded like
+    every other layer's (only real parameters and their aliases and casts stay)."""
+    model, ref = _hf(), _hf()
+    for m in (model, ref):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.enable_input_require_grads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offload_transform(model, L - 1, config=_config("opt_out"))
+    x = ids()
+    for seed in range(2):
+        assert_same(step(model, x, seed=seed), step(ref, x, seed=seed))
+    per_layer = _sync_of(model).stats.bytes_offloaded_per_layer
+    bt_hidden = x.numel() * HIDDEN * 4  # the checkpoint's saved (B, T, H) fp32 input
+    assert per_layer == {i: bt_hidden for i in range(L - 1)}

@@ -11,15 +11,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from annotate_offload.annotate import offload_transform
+from annotate_offload.config import ModelConfig
 from annotate_offload.models.llama import Llama
-from annotate_offload.peft import LoRALinear, apply_lora, apply_offload_marks, has_offload_marks
+from annotate_offload.peft import LoRALinear, apply_lora, apply_offload_marks
+from annotate_offload.peft._apply import has_offload_marks
 
 import _peft_helpers as h
 from _peft_helpers import L, R, OneScope, PackSpy, adapter_weights, assert_same, ids, lora_llama, step, weight_shapes
 
 
 def _sync_of(model):
-    return model.__dict__["_annotate_offload_state"].boundary.sync
+    return model.offload_plan.runtime
+
+
+def _config(policy, **kw):
+    return ModelConfig(cpu_offloading=True, offload_policy=policy, min_offload_numel=0, **kw)
 
 
 # --------------------------------------------------------------------------- validation
@@ -112,15 +118,14 @@ def test_lora_linear_math():
     assert math.isclose(layer.scaling, 2.0) and layer.in_features == 16 and layer.out_features == 8
 
 
-# --------------------------------------------------------------------------- offload: fx path
+# --------------------------------------------------------------------------- offload
 
 
 def _transformed(policy, **kw):
     model = lora_llama(**kw)
     ref = copy.deepcopy(model)
     apply_offload_marks(model)
-    offload_transform(model, num_layers=L - 1, policy=policy, min_offload_numel=0, prefetch_layers=1)
-    assert model.offload_plan.path == "fx"
+    offload_transform(model, L - 1, config=_config(policy, prefetch_layers=1))
     return model, ref, PackSpy(_sync_of(model))
 
 
@@ -285,15 +290,15 @@ def test_lean_import():
     import subprocess
     import sys
 
-    code = ("import sys, torch, annotate_offload.peft, annotate_offload.bench.lora; "
+    code = ("import sys, torch, annotate_offload.peft, annotate_offload.annotate; "
             "assert not torch.cuda.is_initialized(); "
             "assert 'peft' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_deepcopy_of_a_transformed_lora_model_carries_its_own_marks():
-    # review of session 5: the copy's marks kept a weak reference to the original model, so with
-    # the original gone the copy's frozen-weight casts were offloaded (1775104 vs 1234432 bytes)
+    # the copy's marks follow the copy: with the original gone, the copy's frozen-weight casts
+    # are still recognised (a weak reference to the original would offload them)
     import gc
     import warnings
 
@@ -305,7 +310,7 @@ def test_deepcopy_of_a_transformed_lora_model_carries_its_own_marks():
         apply_lora(m, ["q_proj", "k_proj", "v_proj", "o_proj"], r=8, alpha=16, dropout=0.0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return offload_transform(m, num_layers=2, min_offload_numel=0)
+            return offload_transform(m, 2, config=_config("opt_out"))
 
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
 
@@ -330,16 +335,32 @@ def test_deepcopy_of_a_transformed_lora_model_carries_its_own_marks():
 
 
 @pytest.mark.parametrize("num_layers", [0, 2])
-@pytest.mark.parametrize("path", ["fx", "hooks"])
 @pytest.mark.parametrize("policy", ["opt_out", "opt_in"])
-def test_lora_under_recompute_is_exact(policy, path, num_layers):
-    """Fresh-user report (seventh session) item 1: LoRA under recompute=True (the fix our own errors
-    recommend for checkpointed models) failed in backward with "CheckpointError: ... different
-    metadata": the adapters' marking scopes opened inside the checkpoint replaced its saved-tensor
-    hooks. Inside a checkpoint they now stand aside (Note [A checkpoint around the layer])."""
-    model, ref = lora_llama(), None
+def test_lora_under_recompute_is_exact(policy, num_layers):
+    """LoRA under config.recompute: the adapters' marking scopes stand aside inside the checkpoint,
+    whose saved-tensor hooks they would replace ("CheckpointError: ... different metadata" in
+    backward; Note [A checkpoint around the layer])."""
+    model = lora_llama()
     ref = copy.deepcopy(model)
-    offload_transform(model, num_layers=num_layers, path=path, recompute=True, policy=policy, min_offload_numel=0)
+    offload_transform(model, num_layers, config=_config(policy, recompute=True))
     x = ids()
     for seed in range(2):
         assert_same(step(model, x, seed=seed), step(ref, x, seed=seed))
+
+
+def test_in_place_change_of_a_tensor_kept_by_adapter_marks_raises_like_autograd():
+    """A tensor the adapter's marked scope keeps on the device goes through the runtime's own pack
+    hook, so an in-place change after it was saved raises autograd's error in backward."""
+    from annotate_offload import get_cpu_offload_context
+    from annotate_offload.peft._policy import keep_saves
+
+    x = torch.randn(8, 512, requires_grad=True)
+    ctx, sync_fn = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, min_offload_numel=0)
+    with ctx:
+        h = x * 2
+        with keep_saves():
+            y = h.sin()
+        h.mul_(3)
+    y = sync_fn(y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from annotate_offload.planner import LayerMeasurement, LinkBandwidth, predict
+from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, predict
 
 GB = 10**9
 
@@ -137,8 +137,8 @@ def test_bandwidth_must_be_positive():
 
 
 def test_an_offloaded_layer_keeps_its_unmoved_bytes_and_copies_only_the_rest():
-    # saved tensors under the runtime's min_offload_numel stay on the GPU (fresh-user trial, session 5:
-    # the plan promised a peak the run exceeded, since nothing of a small model moved)
+    # saved tensors under the runtime's min_offload_numel stay on the GPU: a plan that counted them as
+    # moved would promise a peak the run exceeds
     full = layers(4)
     part = [LayerMeasurement(10.0, 20.0, GB, GB // 10, unmoved_bytes=GB // 4, unmoved_input_bytes=GB // 10)
             for _ in range(4)]

@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from annotate_offload.planner import LinkBandwidth, measure_bandwidth, measure_layers
+from annotate_offload.planner._bandwidth import measure_bandwidth
+from annotate_offload.planner._cost_model import LinkBandwidth
+from annotate_offload.planner._measure import measure_layers
 from annotate_offload.planner import _bandwidth
 from annotate_offload.planner._measure import discover_layers
 
@@ -206,8 +208,8 @@ def test_unmoved_bytes_are_the_saved_tensors_under_the_threshold():
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
 def test_a_forward_that_fails_on_the_example_inputs_says_so():
-    """Fresh-user report (seventh session, third pass) item 4: a wrong example_inputs shape raised the
-    model's bare error; it keeps its type and gains a note naming example_inputs."""
+    """A wrong example_inputs shape raises the model's own error, which keeps its type and gains a
+    note naming example_inputs."""
     net = Net(depth=2)
     with pytest.raises(RuntimeError) as info:
         measure_layers(net, None, (torch.randn(4, 7),))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from annotate_offload.models.gpt import GPTConfig, GPTStack
-from annotate_offload.planner import LayerMeasurement, LinkBandwidth, PlannerResult, plan_offload
+from annotate_offload.planner import PlannerResult, plan_offload
+from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth
 
 GB = 10**9
 SAME = tuple(LayerMeasurement(10.0, 20.0, GB, GB // 10, name=f"layers.{i}") for i in range(6))

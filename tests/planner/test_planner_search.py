@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from annotate_offload.planner import LayerMeasurement, LinkBandwidth, predict
+from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, predict
 from annotate_offload.planner._cost_model import allowed_choices
 from annotate_offload.planner._search import candidate_plans, plan_key, search
 

@@ -1,0 +1,362 @@
+"""Layer forwards: how ``offload_transform`` wraps each declared layer, and the state they share.
+
+Note [Layer forwards]. Each declared layer gets an instance-level ``forward`` (the way torchtitan
+applies activation checkpointing to ``model.layers``). ``nn.Module.__call__`` finds it before the
+class's ``forward``, so module hooks (FSDP2's, peft's) still run around it, and inside it the
+layer's own code runs unchanged::
+
+    enter layer i's offload scope -> the layer's forward -> commit its output (close the scope and
+                                     (class or earlier        mark the layer boundary for backward)
+                                     instance forward)
+
+Nothing above the layers is traced or replaced: the root forward, its arguments, every module's
+``training`` flag and Python flags are the user's. The index ``i`` is the layer's position among
+the declared layers, fixed per wrapper, so eval forwards, skipped layers and repeated forwards
+cannot desynchronise it. Outside a training forward (autograd off, or inside backward where a
+checkpoint recomputes the layer), and inside the layer's own open scope (a user forward set later
+that calls the earlier wrapper), the wrapper only calls the forward. Under ``torch.compile`` the
+wrapper runs eagerly: the graph breaks at each layer call. The runtime binds its device from the
+tensors of each step (Note [Device binding] in ``runtime/_synchronizer.py``), so the transform
+and ``.to(device)`` may come in either order.
+
+The wrappers hold weak references to their layer and to the transform's state, which the model
+owns: a transformed model has no reference cycle and is freed when its last reference goes, like
+an untransformed one.
+
+Note [Layer input at entry]: at the entry of an offloaded layer its input is marked ready
+(``mark_ready``: an event, no copy). If autograd saves it in the layer, its D2H waits for that
+event; if only a cast of it is saved (a conv or linear first under autocast), it is never copied.
+
+Note [Following the model]: at the start of each training forward the state checks that every
+slot still holds its layer (O(L) lookups). A layer replaced in place (``model.layers[1] =
+Block()``), or given a new instance ``forward``, is wrapped from that forward on; a layer that is
+gone or moved is refused with its name. When modules were registered anywhere since the last
+forward (peft's ``get_peft_model`` after the transform), the adapter marks are refreshed.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import sys
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as _cp
+from torch.utils._pytree import tree_leaves
+
+from annotate_offload.errors import OffloadError
+from annotate_offload.runtime._context import inside_checkpoint
+from annotate_offload.runtime._marks import mark_ready
+
+__all__: list[str] = []
+
+_ORIG_CHECKPOINT = _cp.checkpoint
+_REENTRANT_FORWARD = _cp.CheckpointFunction.forward.__code__
+_GENERATION = [0]  # modules registered anywhere in the process (Note [Following the model])
+_HOOK: list[Any] = []
+
+
+def _count_registration(module: nn.Module, name: str, submodule: Any) -> None:
+    _GENERATION[0] += 1
+
+
+def generation() -> int:
+    """Module registrations so far (a global hook counts them from the first call on)."""
+    if not _HOOK:
+        _HOOK.append(nn.modules.module.register_module_module_registration_hook(_count_registration))
+    return _GENERATION[0]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Called from ``torch.utils.checkpoint(use_reentrant=True)``'s forward, which runs the layer
+    without autograd (a few frames up, past ``Module.__call__`` and this wrapper)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code is _REENTRANT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (and what it calls) run eagerly under ``torch.compile``: Dynamo does not trace the
+    runtime's Python side effects, it breaks the graph at the layer call. Dynamo is looked up only
+    once something imported it, so eager training never imports it."""
+    skipped: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not skipped:
+            skipped.append(sys.modules["torch._dynamo"].disable(fn))
+        return skipped[0](*args, **kwargs)
+
+    return run
+
+
+def _refuse_pickle(self: Any, protocol: Any = None) -> Any:
+    raise OffloadError(
+        "offload_transform: a model with offloading applied cannot be pickled (torch.save(model)): its "
+        "layers drive a runtime with CUDA side streams and host buffers that do not outlive the process. "
+        "Save model.state_dict() instead (its keys are unchanged by offload_transform), or call "
+        "remove_offload(model) before torch.save(model) and offload_transform again after loading."
+    )
+
+
+class LayerForward:
+    """The instance-level ``forward`` of declared layer ``index`` (Note [Layer forwards]).
+
+    ``prev`` is the instance-level forward the layer had before (``None``: the class's).
+    ``inspect.signature`` sees the wrapped forward's signature.
+    """
+
+    __slots__ = ("state", "module", "index", "prev")
+    __reduce_ex__ = _refuse_pickle
+
+    def __init__(self, state: "OffloadState", module: nn.Module, index: int, prev: Any) -> None:
+        self.state = weakref.ref(state)
+        self.module = weakref.ref(module)
+        self.index, self.prev = index, prev
+
+    def target(self) -> Callable[..., Any]:
+        """The forward this wrapper runs: the earlier instance forward, or the class's, bound."""
+        if self.prev is not None:
+            return self.prev
+        module = self.module()
+        return type(module).forward.__get__(module, type(module))
+
+    @_eager
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = self.state()
+        if state is None:  # the model is gone and the layer lives on: a plain module
+            return self.target()(*args, **kwargs)
+        return state.run(self.index, self.target(), args, kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.target())
+
+    def __deepcopy__(self, memo: dict) -> "LayerForward":
+        # the copy belongs to the copied layer and the copied model's state (both reached through memo)
+        new = LayerForward.__new__(LayerForward)
+        memo[id(self)] = new
+        new.state, new.module = _copied_ref(self.state, memo), _copied_ref(self.module, memo)
+        new.index, new.prev = self.index, copy.deepcopy(self.prev, memo)
+        return new
+
+    def __repr__(self) -> str:
+        return f"<offloaded forward of layer {self.index}>"
+
+
+class OffloadState:
+    """What ``offload_transform`` applied to one model (``model.__dict__["_annotate_offload_state"]``):
+    the runtime, the plan, the layers and their forwards, and the open scope.
+
+    Args:
+        model (nn.Module): the transformed model (held weakly: the model holds this state).
+        fqns (list[str]): the layers' qualified names; layer ``i`` is ``fqns[i]``.
+        layers (list[nn.Module]): the layer modules.
+        sync: the ``DefaultOffloadSynchronizer`` the layers drive.
+        plan (OffloadPlan): the plan attached as ``model.offload_plan``.
+        recompute (frozenset[int]): layers run under ``torch.utils.checkpoint`` (non-reentrant).
+    """
+
+    __reduce_ex__ = _refuse_pickle
+
+    def __init__(self, model: nn.Module, fqns: list[str], layers: list[nn.Module], sync: Any, plan: Any,
+                 recompute: frozenset[int]) -> None:
+        self.model = weakref.ref(model)
+        self.fqns, self.layers = list(fqns), list(layers)
+        self.sync, self.plan, self.recompute = sync, plan, recompute
+        self.offloaded = frozenset(plan.offloaded_layers)
+        self.marks: Any = None  # peft OffloadMarks on the model
+        self.own_marks = False  # installed by offload_transform (removed with it)
+        self.generation = generation()
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.open_layer: int | None = None
+        self.owner: int | None = None  # thread that opened the scope
+        self.last_entered = -1
+        self.measured = False
+        self.estimating: set[int] | None = None  # layers entered in the meta estimate's forward
+
+    # -- wrapping -------------------------------------------------------------------------------
+    def wrapper(self, i: int) -> LayerForward | None:
+        w = self.layers[i].__dict__.get("forward")
+        return w if isinstance(w, LayerForward) and w.state() is self and w.index == i else None
+
+    def wrap(self, i: int) -> None:
+        module = self.layers[i]
+        module.__dict__["forward"] = LayerForward(self, module, i, module.__dict__.get("forward"))
+
+    def unwrap(self, i: int) -> None:
+        w = self.wrapper(i)
+        if w is None:
+            return
+        if w.prev is None:
+            del self.layers[i].__dict__["forward"]
+        else:
+            self.layers[i].__dict__["forward"] = w.prev
+
+    def remove(self) -> None:
+        self.sync.abort()
+        for i in range(len(self.layers)):
+            self.unwrap(i)
+        if self.own_marks and self.marks is not None:
+            self.marks.remove()
+
+    # -- one layer call -------------------------------------------------------------------------
+    def run(self, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if index in self.recompute and torch.is_grad_enabled():
+            fn = _checkpointed(fn)
+        if not torch.is_grad_enabled() or _in_backward():
+            if index in self.offloaded and not torch.is_grad_enabled() and _in_reentrant_checkpoint():
+                self._refuse_checkpoint(index, "torch.utils.checkpoint(use_reentrant=True), which runs it without "
+                                        "autograd")
+            return fn(*args, **kwargs)
+        if inside_checkpoint():
+            # Note [A checkpoint around the layer] (runtime/_context.py): kept layers stand aside
+            if index in self.offloaded:
+                self._refuse_checkpoint(index, "torch.utils.checkpoint(use_reentrant=False)")
+            return fn(*args, **kwargs)
+        if self.open_layer == index and self.owner == threading.get_ident():
+            return fn(*args, **kwargs)  # inside its own scope: a user forward wrapping an earlier wrapper
+        self._enter(index, args, kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            self.abort()
+            raise
+        return self._commit(out, index)
+
+    def _enter(self, index: int, args: tuple, kwargs: dict) -> None:
+        me = threading.get_ident()
+        if self.open_layer is not None:
+            if self.owner != me:
+                raise OffloadError(
+                    f"offload_transform: layer {index} ({self.fqns[index]}) started on one thread while another "
+                    f"thread is running layer {self.open_layer} ({self.fqns[self.open_layer]}) of the same model: "
+                    "the model is in use on another thread, and one transformed model runs one training forward "
+                    "at a time. Give each thread its own copy (copy.deepcopy(model) has its own runtime)."
+                )
+            raise OffloadError(
+                f"offload_transform: layer {index} ({self.fqns[index]}) started inside layer {self.open_layer} "
+                f"({self.fqns[self.open_layer]}); offload scopes cannot nest. Declare only the outer one a layer "
+                "(layer_types= or filter_fn=)."
+            )
+        if self.estimating is not None:
+            if index in self.estimating:
+                raise OffloadError(
+                    f"offload_transform: layer {index} ({self.fqns[index]}) runs more than once in one forward "
+                    "(found with example_inputs=); one layer must be one offload unit. Leave it out of the layers "
+                    "(filter_fn=, layer_types=) or give each call its own module."
+                )
+            self.estimating.add(index)
+        elif index <= self.last_entered or self.last_entered < 0:
+            self._follow_model()  # a new forward
+        self.sync.enter_layer(index)
+        self.open_layer, self.owner, self.last_entered = index, me, index
+        if index in self.offloaded:
+            t = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+            if t is not None and t.requires_grad:
+                mark_ready(t)  # Note [Layer input at entry]
+
+    def _commit(self, out: Any, index: int) -> Any:
+        self.open_layer = self.owner = None
+        out = self.sync.commit_layer(out, index)
+        if index == len(self.layers) - 1 and not self.measured and self.estimating is None:
+            # every offloaded layer's copies were issued at save time: the first step's bytes are known
+            self.measured = True
+            self.plan._with_bytes(dict(self.sync.stats.bytes_offloaded_per_layer), "measured")
+        return out
+
+    def abort(self) -> None:
+        """After an exception in a layer: close the scope and drop this step's runtime state."""
+        self.open_layer = self.owner = None
+        self.last_entered = -1
+        self.sync.abort()
+
+    def _refuse_checkpoint(self, index: int, how: str) -> None:
+        raise OffloadError(
+            f"offload_transform: layer {index} ({self.fqns[index]}) runs inside {how} around its call. That "
+            "checkpoint saves only the layer's input, before the layer's offload scope opens, and recomputes the "
+            "rest, so nothing could be offloaded. Fix: remove the checkpoint around the layer and pass "
+            "config=ModelConfig(cpu_offloading=True, recompute=True) to offload_transform (it checkpoints each "
+            "layer inside its scope and offloads what the checkpoint saves), or keep this layer on the device."
+        )
+
+    # -- Note [Following the model] -------------------------------------------------------------
+    def _follow_model(self) -> None:
+        model = self.model()
+        if model is None:
+            return
+        for i, fqn in enumerate(self.fqns):
+            try:
+                found = model.get_submodule(fqn)
+            except AttributeError:
+                found = None
+            if found is not self.layers[i] or self.wrapper(i) is None:
+                self._adopt(i, found)
+        now = generation()
+        if now != self.generation:
+            self.generation = now
+            if self.marks is not None:
+                self.marks.refresh()
+
+    def _adopt(self, i: int, found: nn.Module | None) -> None:
+        fqn = self.fqns[i]
+        other = None if found is None else next((j for j, m in enumerate(self.layers) if m is found and j != i), None)
+        if found is None or other is not None or isinstance(found.__dict__.get("forward"), LayerForward):
+            what = ("is gone" if found is None else
+                    f"now holds layer {other} ({self.fqns[other]})" if other is not None else
+                    "now holds a layer of another transformed model")
+            raise OffloadError(
+                f"offload_transform: {fqn} (layer {i}) {what} since the transform; the layers changed. Call "
+                "remove_offload(model) and offload_transform(model, ...) again after changing the layers."
+            )
+        if found is not self.layers[i]:
+            self.unwrap(i)
+            self.layers[i] = found
+            self.plan._replace_layer(i, type(found).__name__)
+        self.wrap(i)
+
+    # -- copies ---------------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict) -> "OffloadState":
+        # Note [Copying a synchronizer] (runtime/_synchronizer.py): the copy of a model runs its own
+        # runtime (a fresh one, same configuration) on its own layers
+        new = OffloadState.__new__(OffloadState)
+        memo[id(self)] = new
+        new.model = _copied_ref(self.model, memo)
+        new.fqns, new.recompute, new.offloaded = self.fqns, self.recompute, self.offloaded
+        new.layers = copy.deepcopy(self.layers, memo)
+        new.sync, new.plan = copy.deepcopy(self.sync, memo), copy.deepcopy(self.plan, memo)
+        new.marks, new.own_marks = copy.deepcopy(self.marks, memo), self.own_marks
+        new.generation = self.generation
+        new._fresh()
+        return new
+
+
+def _copied_ref(ref: weakref.ref, memo: dict) -> weakref.ref:
+    """A weak reference to the deep copy of ``ref``'s referent (a dead reference stays dead)."""
+    obj = ref()
+    return ref if obj is None else weakref.ref(copy.deepcopy(obj, memo))
+
+
+def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return _ORIG_CHECKPOINT(fn, *args, use_reentrant=False, **kwargs)
+
+    return run

@@ -1,0 +1,35 @@
+"""Which saved tensors stay on the device as weights (DESIGN.md runtime rules 3 and 6): real
+parameters, their views and their autocast casts; any other saved tensor, a leaf that requires
+grad included, is eligible."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from annotate_offload.runtime import DefaultOffloadSynchronizer
+
+
+def _one_layer(fn):
+    sync = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0)
+    sync.enter_layer(0)
+    y = sync.commit_layer(fn(), 0)
+    sync.enter_layer(1)
+    loss = sync.commit_layer(y.float().sum(), 1)
+    loss.backward()
+    return sync.stats
+
+
+def test_a_leaf_that_requires_grad_is_offloaded_and_a_parameter_is_not():
+    """A model input with requires_grad (HF's enable_input_require_grads gives the first layer one)
+    is an activation and is offloaded; the weight is kept, and so are its bf16 cast and views."""
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)  # a leaf, not a parameter
+    ref = torch.autograd.grad((x @ w).sum(), (x, w))
+    stats = _one_layer(lambda: x @ w)
+    assert stats.bytes_offloaded == x.nbytes and stats.kept["parameter"] == 1  # x moved, w kept
+    assert torch.equal(x.grad, ref[0]) and torch.equal(w.grad, ref[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stats = _one_layer(lambda: F.linear(x, w))
+    assert stats.bytes_offloaded == x.numel() * 2  # the bf16 cast of x; w's cast stays
+    assert stats.kept["parameter"] >= 1
