@@ -307,8 +307,11 @@ def _plan(model: nn.Module, refs: list[LayerRef], settings: Any, example_inputs:
     device_type = leaf.device.type if leaf is not None else "cpu"
     region = (torch.autocast(device_type, dtype=dtype) if dtype is not None and not torch.is_autocast_enabled(device_type)
               else contextlib.nullcontext())
+    section = getattr(config, "optimizer", None)  # a Config's OptimizerConfig: may the optimizer offload?
+    optimizer = "device" if getattr(section, "optimizer_cpu_offload", True) is False else "hybrid"
     with region:
         return plan_offload(model, memory_budget=settings.memory_budget, example_inputs=example_inputs,
+                            optimizer=optimizer,
                             layers=[r.module for r in refs], min_offload_numel=_min_numel(settings.min_offload_numel),
                             release_lag=settings.release_lag, prefetch_layers=settings.prefetch_layers,
                             keep=[i for i, k in enumerate(declared_keep) if k])
