@@ -56,7 +56,7 @@ Note [Planner memory model]
     largest of these ``2L + 1`` sums::
 
         base   = static + Adam state of the parameters stepped on the device (2 x the parameter's bytes)
-        fwd_j  = base + sum_{i<j} held_f(i, j) + c_j + F+_j
+        fwd_j  = base + sum_{i<j} (held_f(i, j) + w_i if i recomputed) + c_j + F+_j
         bwd_j  = base + other_grads + sum_{i>=j} g_i + sum_{i<j} held_b(i, j) + c_j + act_j
         opt    = base + other_grads + sum_i g_i
         held_f(i, j) = a_i (keep), c_i (recompute), moved_i + unmoved_i while j <= i + k else unmoved_i
@@ -65,7 +65,8 @@ Note [Planner memory model]
         act_j  = a_j + B+_j (keep, offload);  c_j + max(F+_j, a_j + B+_j) (recompute, recompute_offload)
 
     ``c_j`` in ``fwd_j`` is the layer's input and in ``bwd_j`` the gradient of its output (a block maps
-    hidden states to hidden states of one shape). Gradients exist only between their backward and the
+    hidden states to hidden states of one shape). ``w_i``: a recomputed layer's weight casts, which
+    autocast's cache holds to the end of the forward. Gradients exist only between their backward and the
     optimizer step (``zero_grad(set_to_none=True)``), so in backward only those of layers ``>= j`` and,
     an upper bound, of everything outside the layers. An offloaded layer must be released before the
     last layer's forward (``i + 1 + k <= L-1``), else its copy frees nothing where the peak is: such
@@ -124,6 +125,9 @@ class LayerMeasurement:
         backward_peak_bytes (int): ``B+``: device bytes the backward allocates at its peak beyond its
             saved tensors and output gradient, its parameter gradients excluded. Default: ``0``.
         grad_bytes (int): ``g``: bytes of the layer's parameter gradients. Default: ``0``.
+        cast_bytes (int): ``w``: the part of ``saved_bytes`` that is autocast's casts of weights: the
+            runtime never offloads them (they are in ``unmoved_bytes``), and autocast's cache holds them
+            to the end of the forward even when the layer is recomputed. Default: ``0``.
 
     Raises:
         TypeError, ValueError: a field that is not a finite non-negative number.
@@ -139,10 +143,11 @@ class LayerMeasurement:
     forward_peak_bytes: int = 0
     backward_peak_bytes: int = 0
     grad_bytes: int = 0
+    cast_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field in ("forward_ms", "backward_ms", "saved_bytes", "checkpoint_input_bytes", "unmoved_bytes",
-                      "unmoved_input_bytes", "forward_peak_bytes", "backward_peak_bytes", "grad_bytes"):
+                      "unmoved_input_bytes", "forward_peak_bytes", "backward_peak_bytes", "grad_bytes", "cast_bytes"):
             _check_number("LayerMeasurement", field, getattr(self, field))
         for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes")):
             if getattr(self, part) > getattr(self, whole):
@@ -321,6 +326,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
     moved = [m.moved_bytes(rec[i]) if off[i] else 0 for i, m in enumerate(layers)]
     whole = [m.checkpoint_input_bytes if rec[i] else m.saved_bytes for i, m in enumerate(layers)]
     kept = [w - moved[i] for i, w in enumerate(whole)]  # what a layer holds once released (all, if not offloaded)
+    cached = [m.cast_bytes if rec[i] else 0 for i, m in enumerate(layers)]  # autocast's casts, to the end of forward
 
     # --- time (Note [Planner time model]) ---
     t = d2h_free = h2d_free = 0.0
@@ -352,11 +358,11 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
     grads_above = [0] * (n + 1)  # grads_above[j] = sum of g_i over i >= j
     for i in range(n - 1, -1, -1):
         grads_above[i] = grads_above[i + 1] + layers[i].grad_bytes
-    held_before = 0  # sum over i < j of what layer i holds once released
+    held_before = cached_before = 0  # sums over i < j of what layer i holds once released, and of casts
     peaks = []
     for j, m in enumerate(layers):
         in_flight_f = sum(moved[i] for i in range(max(0, j - k), j))
-        fwd = held_before + in_flight_f + m.checkpoint_input_bytes + m.forward_peak_bytes
+        fwd = held_before + cached_before + in_flight_f + m.checkpoint_input_bytes + m.forward_peak_bytes
         in_flight_b = sum(moved[i] for i in range(max(0, j - p), j))  # reloads started at the entry of i + p
         act = m.saved_bytes + m.backward_peak_bytes
         if rec[j]:
@@ -364,6 +370,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
         bwd = (step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + m.checkpoint_input_bytes + act)
         peaks.append(step.static_bytes + max(fwd, bwd))
         held_before += kept[j]
+        cached_before += cached[j]
     opt = step.static_bytes + step.other_grad_bytes + grads_above[0]
     return t + step.other_ms, max(peaks + [opt]), tuple(layer_ms), tuple(peaks)
 

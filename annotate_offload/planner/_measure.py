@@ -22,6 +22,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from annotate_offload._example_inputs import for_training, split
 
+# the runtime's rule for what it never offloads (weights and their casts), so the plan counts as it moves
+from annotate_offload.runtime._layer_state import _is_weight, frozen_shapes
+
 from ._bandwidth import measure_adamw
 from ._cost_model import LayerMeasurement, StepMeasurement
 
@@ -170,22 +173,24 @@ class _Timer:
         return (self.t1 - self.t0) * 1e3
 
 
-def _unmoved_bytes(saved: list, skip: set, min_numel: int) -> int:
-    """Bytes of the storages only tensors under ``min_numel`` elements saved: the runtime keeps
-    those on the device (reason ``too_small``) even when their layer is offloaded."""
-    if min_numel <= 0:
-        return 0
-    big = [t for t in saved if isinstance(t, torch.Tensor) and t.numel() >= min_numel]
-    moved = {(t.device, t.untyped_storage().data_ptr()) for t in big}
-    small = [t for t in saved if isinstance(t, torch.Tensor) and t.numel() < min_numel
-             and (t.device, t.untyped_storage().data_ptr()) not in moved]
-    return _unique_storage_bytes(small, skip)
+def _unmoved_bytes(saved: list, skip: set, min_numel: int, frozen: set = frozenset()) -> int:
+    """Bytes of the storages only tensors the runtime keeps on the device saved, even when their layer
+    is offloaded: those under ``min_numel`` elements (reason ``too_small``) and weights' autocast casts."""
+    def stays(t: torch.Tensor) -> bool:
+        return t.numel() < min_numel or _is_weight(t, frozen)
+
+    tensors = [t for t in saved if isinstance(t, torch.Tensor)]
+    moved = {(t.device, t.untyped_storage().data_ptr()) for t in tensors if not stays(t)}
+    return _unique_storage_bytes([t for t in tensors if stays(t) and (t.device, t.untyped_storage().data_ptr())
+                                  not in moved], skip)
 
 
-def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device, min_numel: int) -> tuple:
-    """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+)`` of one run of ``layer``
-    (bytes; ``F+``, ``B+`` as in Note [Planner memory model]: from the CUDA allocator's peak, on a CPU the
-    new saved tensors and output, and the input gradients)."""
+def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device, min_numel: int,
+                   frozen: set) -> tuple:
+    """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+, casts)`` of one run of
+    ``layer`` (bytes; ``F+``, ``B+`` as in Note [Planner memory model]: from the CUDA allocator's peak, on a
+    CPU the new saved tensors and output, and the input gradients). Autocast's cache of weight casts is
+    cleared first: a step's forward casts each weight anew."""
     args, kwargs = captured
 
     def fresh(x):
@@ -205,6 +210,7 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
         saved.append(t)
         return t
 
+    torch.clear_autocast_cache()
     before = _allocated(device)
     with _Timer(device) as fwd, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(*args, **kwargs)
@@ -212,7 +218,8 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     known = param_ptrs | {x.untyped_storage().data_ptr() for x in inputs}
     fwd_peak = (_peak(device) - before) if cuda else _unique_storage_bytes(saved + outs, known)
     saved_bytes = _unique_storage_bytes(saved, param_ptrs)
-    unmoved = _unmoved_bytes(saved, param_ptrs, min_numel)
+    unmoved = _unmoved_bytes(saved, param_ptrs, min_numel, frozen)
+    casts = _unique_storage_bytes([t for t in saved if _is_weight(t, frozen)], param_ptrs)
     saved.clear()
     grads = [torch.ones_like(o) for o in outs]
     before = _allocated(device)
@@ -222,7 +229,8 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     bwd_peak = _peak(device) - before if cuda else _unique_storage_bytes([x for x in inputs if x.requires_grad], set())
     if cuda and outs:  # the parameter gradients are counted apart (LayerMeasurement.grad_bytes)
         bwd_peak -= _bytes(g for g in got[sum(x.requires_grad for x in inputs):] if g is not None)
-    return fwd.ms(), bwd.ms(), saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved, max(fwd_peak, 0), max(bwd_peak, 0)
+    return (fwd.ms(), bwd.ms(), saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved, max(fwd_peak, 0), max(bwd_peak, 0),
+            casts)
 
 
 def _allocated(device: torch.device) -> int:
@@ -274,8 +282,8 @@ def measure(
             shapes of a training step (their batch and sequence decide the bytes).
         warmup (int): untimed runs per layer before timing. Default: ``1``.
         repeats (int): timed runs per layer; the median is kept. Default: ``3``.
-        min_offload_numel (int): the runtime's threshold: saved tensors under it stay on the device
-            when their layer is offloaded (``LayerMeasurement.unmoved_bytes``). Default: ``0``.
+        min_offload_numel (int): the runtime's threshold: saved tensors under it (and weights' casts)
+            stay on the device when their layer is offloaded (``LayerMeasurement.unmoved_bytes``). Default: ``0``.
         optimizer (bool): the step ends with AdamW over ``model.parameters()`` (their state and time are
             in the :class:`StepMeasurement`). Default: ``True``.
 
@@ -322,6 +330,7 @@ def measure(
         static = _bytes([*params, *model.buffers()])
     # parameters and buffers stay on the GPU whatever the plan: not activation memory
     param_ptrs = {t.untyped_storage().data_ptr() for t in (*params, *model.buffers())}
+    frozen = frozen_shapes(p for p in params if not p.requires_grad)
     state = _ModelState(model)
     try:
         model.train()
@@ -329,7 +338,7 @@ def measure(
         result = []
         for (name, layer), inputs in zip(named, captured):
             dev = _device_of(layer, inputs)
-            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel)
+            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen)
                     for _ in range(warmup + repeats)][warmup:]
             result.append(
                 LayerMeasurement(
@@ -342,6 +351,7 @@ def measure(
                     forward_peak_bytes=max(r[6] for r in runs),
                     backward_peak_bytes=max(r[7] for r in runs),
                     grad_bytes=_bytes(p for p in layer.parameters() if p.requires_grad),
+                    cast_bytes=max(r[8] for r in runs),
                     name=name,
                 )
             )

@@ -89,6 +89,14 @@ def test_recompute_adds_the_forward_and_holds_the_input():
     assert rec_offload.step_ms == 130.0  # 0.1 GB input copies hide
 
 
+def test_autocast_holds_a_recomputed_layers_weight_casts_to_the_end_of_forward():
+    m = layers(3, cast_bytes=GB // 5, forward_peak_bytes=5 * GB)  # the forward phase is each layer's peak
+    rec = predict(m, ["recompute", "recompute", "keep"], FAST)
+    plain = predict(layers(3, forward_peak_bytes=5 * GB), ["recompute", "recompute", "keep"], FAST)
+    diff = [a - b for a, b in zip(rec.layer_peak_bytes, plain.layer_peak_bytes)]
+    assert diff[0] == 0 and diff[2] == 2 * GB // 5  # layer 2's forward: both earlier layers' casts are cached
+
+
 def test_unmoved_bytes_stay_on_the_device():
     part = layers(4, unmoved_bytes=GB // 4)
     plan = ["offload", "keep", "keep", "keep"]

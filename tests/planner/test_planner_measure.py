@@ -101,6 +101,16 @@ def test_the_step_measurement_counts_weights_gradients_peaks_and_the_optimizer(m
     assert measure(net, None, (x,), warmup=0, repeats=1, optimizer=False)[1].param_numels == ()
 
 
+def test_weights_autocast_casts_are_counted_as_staying_on_the_device():
+    net = Net(width=64, depth=2)
+    x = torch.randn(32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    cast = 64 * 64 * 2  # the bf16 copy of each block's Linear weight, saved for its backward
+    assert all(q.cast_bytes == cast and q.unmoved_bytes >= cast for q in m)
+    assert measure_layers(net, None, (x,), warmup=0, repeats=1)[0].cast_bytes == 0
+
+
 def test_adamw_speed_is_measured_once_per_device(monkeypatch):
     monkeypatch.setattr(_bandwidth, "_ADAMW_CACHE", {})
     first = measure_adamw("cpu", numel=1 << 12)
