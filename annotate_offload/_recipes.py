@@ -302,7 +302,8 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
     measured per layer (``OffloadPlan.measure``). An out-of-memory error ends the run and is recorded
     in :attr:`RunResult.failure`.
     """
-    res, cuda, iters = RunResult(label or ("offload" if offload else "baseline")), device.type == "cuda", cfg.train.train_iters
+    res = RunResult(label or ("offload" if offload else "baseline"))
+    cuda, iters = device.type == "cuda", cfg.train.train_iters
     model = opt = tracer = bar = None
     outer = contextlib.ExitStack()
     try:
@@ -316,7 +317,8 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = recipe.build(cfg, device).train()
-            res.fraction = cfg.optimizer.optimizer_offload_fraction if offload and cfg.optimizer.optimizer_cpu_offload else 0.0
+            hybrid = offload and cfg.optimizer.optimizer_cpu_offload
+            res.fraction = cfg.optimizer.optimizer_offload_fraction if hybrid else 0.0
             if offload and cfg.model.cpu_offloading:
                 from .annotate import offload_transform
 

@@ -7,8 +7,9 @@ offloaded per step. With ``model.memory_budget`` (``llama-1b``'s default: ``20Gi
 Megatron Bridge's names) the planner chooses the plan, and the table adds the predicted peak and step
 time beside the measured ones and the plan per layer, predicted and measured;
 ``--compare-strategies`` adds full activation checkpointing and offload-only at the same budget and
-``--rounds N`` repeats every method in rotated order. Parity (exit status 1 when it fails): with activation offload only, the losses
-must be identical; with optimizer offload, ``|Δloss| < 0.001`` (Megatron Bridge's criterion).
+``--rounds N`` repeats every method in rotated order. Parity (exit status 1 when it fails): with
+activation offload only, the losses must be identical; with optimizer offload, ``|Δloss| < 0.001``
+(Megatron Bridge's criterion).
 A baseline that runs out of memory is reported in the table, not raised.
 
 Bad input (unknown recipe, override key or value, missing or empty data file, a recipe that

@@ -572,7 +572,8 @@ def run_budgets(w: Workload, args, device: torch.device, log: Callable[[str], No
     grad = torch.randn_like(x) * 1e-3
     reference = (BudgetRow("full recompute", lambda m, x_, k, t: make_checkpoint(m, x_, w.layers, t)) if w.name == "W1"
                  else BudgetRow(f"offload {w.offload}/{w.layers}, TE schedule", make_te_context))
-    rows = [BudgetRow("baseline", make_baseline), reference] + [BudgetRow(f"plan, budget {b}", budget=b) for b in args.budget]
+    rows = [BudgetRow("baseline", make_baseline), reference]
+    rows += [BudgetRow(f"plan, budget {b}", budget=b) for b in args.budget]
     probe = plan_offload(model, memory_budget=2**60, example_inputs=(x,), layers=list(model.layers),
                          min_offload_numel=w.min_offload_numel, optimizer=None)  # measures once
     report = BudgetReport(w, device_name(device), args.tiny, rows, probe)
@@ -602,7 +603,8 @@ def run_budgets(w: Workload, args, device: torch.device, log: Callable[[str], No
                                             warmup=args.warmup, steps=args.steps))
             finally:
                 runner.close()
-            log(f"  round {r + 1}: {row.name}: {row.times[-1].step:.2f} ms, peak {fmt_bytes(row.times[-1].peak_total_bytes)}")
+            t = row.times[-1]
+            log(f"  round {r + 1}: {row.name}: {t.step:.2f} ms, peak {fmt_bytes(t.peak_total_bytes)}")
     return report
 
 

@@ -111,10 +111,10 @@ class OffloadPlan:
         from its output's gradient to its inputs' and parameters' gradients.
 
         Returns:
-            dict: :attr:`measured`.
+            dict: :attr:`measured` (a layer that did not run forward and backward in ``step`` gets ``None``).
 
         Raises:
-            RuntimeError: the model is gone or a layer did not run in ``step``.
+            RuntimeError: the model is gone (or ``remove_offload`` was called).
         """
         model = self.model() if self.model is not None else None
         if model is None:
@@ -161,15 +161,13 @@ class OffloadPlan:
         finally:
             for h in handles:
                 h.remove()
-        missing = [i for i in range(n) for ph in ("fwd", "bwd") for e in ("start", "end") if (i, ph, e) not in marks]
-        if missing:
-            raise RuntimeError(f"OffloadPlan.measure: layer {missing[0]} did not run forward and backward in step().")
         ms = ((lambda a, b: a.elapsed_time(b)) if cuda else (lambda a, b: (b - a) * 1e3))
+        ran = [all((i, ph, e) in marks for ph in ("fwd", "bwd") for e in ("start", "end")) for i in range(n)]
         layer_ms = tuple(sum(ms(marks[(i, ph, "start")][0], marks[(i, ph, "end")][0]) for ph in ("fwd", "bwd"))
-                         for i in range(n))
+                         if ran[i] else None for i in range(n))
         peaks = None
         if cuda:  # the peak between a boundary and the next is read at the next one
-            peaks = tuple(max(marks[(i, ph, "end")][1] for ph in ("fwd", "bwd")) for i in range(n))
+            peaks = tuple(max(marks[(i, ph, "end")][1] for ph in ("fwd", "bwd")) if ran[i] else None for i in range(n))
             peak = max([m[1] for m in marks.values()] + [torch.cuda.max_memory_allocated()])
         self.measured = {"step_ms": step_ms, "peak_bytes": peak if cuda else None, "layer_ms": layer_ms,
                          "layer_peak_bytes": peaks}
@@ -220,7 +218,8 @@ class OffloadPlan:
             for figures in (pred and (pred.layer_ms, pred.layer_peak_bytes), meas and (meas["layer_ms"],
                                                                                         meas["layer_peak_bytes"])):
                 if figures:
-                    row += [f"{figures[0][lp.index]:.2f}", _opt_bytes(figures[1] and figures[1][lp.index])]
+                    ms = figures[0][lp.index]
+                    row += ["-" if ms is None else f"{ms:.2f}", _opt_bytes(figures[1] and figures[1][lp.index])]
             rows.append(row)
         if pred is not None or meas is not None:
             row = ["", "step", "", "", ""] + ([""] if show_estimate else [])

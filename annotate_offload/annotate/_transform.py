@@ -53,9 +53,11 @@ def offload_transform(
     methods (``generate``), parameters and ``state_dict`` keys. ``model.offload_plan``
     (:class:`~annotate_offload.annotate._plan.OffloadPlan`) shows per layer the choice and the bytes
     moved per step; with a budget also the predicted time and peak (and, after
-    ``model.offload_plan.measure(step)``, the measured ones), and ``model.offload_plan.optimizer_kwargs()``
-    gives the optimizer split the plan assumed: ``HybridDeviceOptimizer(model.parameters(), **kwargs)``. ``remove_offload(model)`` undoes it; ``copy.deepcopy(model)`` is an independent
-    transformed model; ``torch.save(model)`` is refused (save the ``state_dict``).
+    ``model.offload_plan.measure(step)``, the measured ones), and
+    ``HybridDeviceOptimizer(model.parameters(), **model.offload_plan.optimizer_kwargs())`` takes the
+    optimizer split the plan assumed (a ``Config`` whose ``optimizer.optimizer_cpu_offload`` is
+    ``False`` keeps it on the device). ``remove_offload(model)`` undoes it; ``copy.deepcopy(model)`` is
+    an independent transformed model; ``torch.save(model)`` is refused (save the ``state_dict``).
 
     Layers are numbered in module registration order and should run in that order once per
     forward. ``torch.utils.checkpoint`` inside a layer (Hugging Face's gradient checkpointing) is
@@ -272,6 +274,7 @@ def remove_offload(model: nn.Module) -> nn.Module:
         del model._forward_pre_hooks[key]
     del model.__dict__[_STATE]
     model.__dict__.pop("offload_plan", None)
+    state.plan.model = None  # OffloadPlan.measure refuses from now on
     return model
 
 
