@@ -140,13 +140,6 @@ def offload_transform(
         )
     if example_inputs is not None:
         split_inputs(example_inputs, "offload_transform")  # a TypeError now, not a note in the plan
-    if memory_budget is not None:
-        from annotate_offload.config import parse_memory_budget
-
-        try:
-            parse_memory_budget(memory_budget)  # a TypeError now; a bad value is named with the smallest budget
-        except ValueError:
-            pass
     settings = resolve(num_layers, config, config_fields, memory_budget)
     if settings is None:
         return model

@@ -105,7 +105,6 @@ def test_bad_budgets_name_the_smallest_feasible_budget_and_leave_the_model_alone
         (dict(num_layers=2, memory_budget="1GiB", example_inputs=(X,)), ValueError,
          r"memory_budget='1GiB' plans the layers itself, but num_layers=2"),
         (dict(memory_budget="1GiB"), ValueError, r"memory_budget='1GiB' needs example_inputs="),
-        (dict(memory_budget=[1], example_inputs=(X,)), TypeError, "memory_budget must be bytes"),
         (dict(memory_budget="1GiB", example_inputs=(X,), config=cfg(recompute=True)), ValueError,
          "config.recompute=True with memory_budget=; the planner chooses recompute per layer"),
         (dict(memory_budget="1GiB", example_inputs=(X,), config=cfg(memory_budget="2GiB")), ValueError,
@@ -116,6 +115,16 @@ def test_budget_arguments_are_checked_before_anything_is_measured(monkeypatch, k
     monkeypatch.setattr(planner, "plan_offload", lambda *a, **k: pytest.fail("measured before checking"))
     with pytest.raises(error, match=match):
         offload_transform(Stack(4), **kwargs)
+
+
+def test_a_budget_of_the_wrong_type_is_refused_before_measuring(monkeypatch):
+    from annotate_offload.planner import _plan
+
+    monkeypatch.setattr(_plan, "measure", lambda *a, **k: pytest.fail("measured before checking"))
+    model = Stack(4)
+    with pytest.raises(TypeError, match="memory_budget must be bytes"):
+        offload_transform(model, memory_budget=[1], example_inputs=(X,))
+    assert "offload_plan" not in model.__dict__
 
 
 def test_the_configs_budget_plans_too(monkeypatch):
