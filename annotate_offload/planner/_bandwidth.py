@@ -141,7 +141,8 @@ def measure_adamw(device: Any = None, *, numel: int | None = None) -> tuple[floa
         before = torch.get_num_threads()
         try:
             cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            torch.set_num_threads(max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))))
+            ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+            torch.set_num_threads(max(1, cpus // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1)))
             host = _adamw_ms(torch.device("cpu"), numel) * 1e9 / numel
         finally:
             torch.set_num_threads(before)
