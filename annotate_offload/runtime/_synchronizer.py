@@ -192,9 +192,11 @@ class OffloadSynchronizer:
             else _check_int("min_offload_numel", min_offload_numel, 0)
         )
         # Note [Device binding]: without a device (and no ANNOTATE_OFFLOAD_DEVICE), the backend is
-        # bound per step from the first tensor an offloaded layer saves, not here: a model that is
-        # transformed and then moved (.to("cuda"), Trainer, accelerate) offloads on the device it
-        # trains on. Until then the CPU backend stands in (no stream, no CUDA initialisation).
+        # bound per step from the first CUDA tensor an offloaded layer saves, not here: a model that
+        # is transformed and then moved (.to("cuda"), Trainer, accelerate) offloads on the device it
+        # trains on. Each step starts on the CPU backend (no stream, no CUDA initialisation), and a
+        # CPU tensor saved first (the empty tensor non-reentrant checkpoint saves with its inputs,
+        # a CPU scalar) does not bind the step, or its CUDA tensors would all stay on the device.
         self._offload_stream = offload_stream
         self._lazy_device = device is None and not os.environ.get("ANNOTATE_OFFLOAD_DEVICE")
         self._bind(get_backend("cpu" if self._lazy_device else device))
@@ -220,11 +222,9 @@ class OffloadSynchronizer:
         self.pool = get_pool(backend.device_type)
 
     def _bind_to(self, t: torch.Tensor) -> None:
-        """Bind this step to ``t``'s device (Note [Device binding]); its layers that saved nothing yet
-        take the backend."""
+        """Bind this step to CUDA tensor ``t``'s device (Note [Device binding]); its layers that saved
+        nothing yet take the backend."""
         self._bound_step = self._step
-        if t.device.type not in ("cpu", "cuda"):
-            return  # meta and other devices: kept on the device (reason not_on_device)
         self._bind(get_backend(t.device))
         for state in self._step.layers.values():
             if not state.fwd_gpu_tensor_group.tensor_list:
@@ -308,7 +308,7 @@ class OffloadSynchronizer:
             position in its layer's group, as in TransformerEngine) for :meth:`pop_tensor`.
         """
         state = self._cur
-        if state is not None and self._lazy_device and self._bound_step is not self._step:
+        if state is not None and self._lazy_device and self._bound_step is not self._step and tensor.is_cuda:
             self._bind_to(tensor)
         reason = "layer_not_offloaded" if state is None else self._keep_reason(tensor)
         if reason is not None:
@@ -353,7 +353,7 @@ class OffloadSynchronizer:
     def _start_offload_now(self, t: torch.Tensor) -> None:
         """``start_offload`` inside an open scope: enqueue the copy before autograd saves ``t``."""
         state = self._cur
-        if state is not None and self._lazy_device and self._bound_step is not self._step:
+        if state is not None and self._lazy_device and self._bound_step is not self._step and t.is_cuda:
             self._bind_to(t)
         if state is None or not state.eager_d2h or self._keep_reason(t) is not None:
             return
@@ -509,6 +509,8 @@ class OffloadSynchronizer:
         self.stats = OffloadStats(step=self._steps)
         self._steps += 1
         self._step = _Step()
+        if self._lazy_device:
+            self._bind(get_backend("cpu"))  # until the step's first CUDA tensor (Note [Device binding])
 
     def _release_step(self, step: _Step) -> None:
         step.shared.clear()  # borrowing happens only within a step's forward

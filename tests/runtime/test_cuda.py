@@ -434,3 +434,21 @@ def test_offload_on_a_device_that_is_not_current_keeps_the_current_device():
         run_plain(ref_blocks, x).square().mean().backward()
     assert ctx.offload_synchronizer.stats.bytes_offloaded > 0
     assert_bit_identical(grads(blocks), grads(ref_blocks))
+
+
+def test_a_checkpointed_layer_offloads_its_inputs_on_cuda_without_a_device():
+    """Note [Device binding]: the empty CPU tensor that non-reentrant checkpoint saves first must not
+    bind the step to the CPU backend; the layer's CUDA input is offloaded."""
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    ctx, sync_fn = ao.get_cpu_offload_context(True, 1, 2)
+    with ctx:
+        h = torch.utils.checkpoint.checkpoint(torch.tanh, x, use_reentrant=False)
+    h = sync_fn(h)
+    with ctx:
+        y = h.sum()
+    sync_fn(y).backward()
+    assert ctx.offload_synchronizer.backend.device_type == "cuda"
+    assert ctx.offload_synchronizer.stats.bytes_offloaded == x.nbytes
+    xr = x.detach().clone().requires_grad_()
+    torch.tanh(xr).sum().backward()
+    assert torch.equal(x.grad, xr.grad)
