@@ -559,7 +559,7 @@ class Report:
         base = self.step_ms("baseline") if "baseline" in rounds else math.nan
         delta = self.max_delta
         crit = "identical losses (activation offload only)" if self.exact else "< 0.001 (optimizer offload)"
-        steps = "median, first step excluded" + (f"; median of {n_rounds} rotated rounds" if n_rounds > 1 else "")
+        steps = "median, first step excluded" + (f"; median of {n_rounds} rounds, order rotated" if n_rounds > 1 else "")
         lines += ["", "| | " + " | ".join(rounds) + " |", "|---|" + "---:|" * len(rounds),
                   f"| peak device memory ({self.memory_source}) | "
                   f"{cells(lambda _, r: _fmt_bytes(peak(r, 'peak_bytes')))} |",
