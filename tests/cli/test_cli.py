@@ -55,7 +55,7 @@ def test_a_memory_budget_prints_the_plan_predicted_and_measured_beside_the_singl
     assert code == 0, out + err
     assert "activations planned for memory_budget=12MiB" in out
     assert re.search(r"^\| \| offload \| baseline \| full recompute \| offload only \|$", out, flags=re.M)
-    assert "median of 2 rotated rounds" in out and "| predicted peak |" in out and "| predicted step time |" in out
+    assert "median of 2 rounds, order rotated" in out and "| predicted peak |" in out and "| predicted step time |" in out
     assert "plan for memory_budget=12.00 MiB" in out and "pred. ms" in out and "meas. ms" in out
     assert re.search(r"the plan is -?[\d.]+% faster than the best single strategy", out) or "does not fit" in out
 
