@@ -99,15 +99,17 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe("llama-tiny", "built-in Llama (RMSNorm, rotary, SwiGLU, GQA), 4 layers, 0.8M params; CPU in ~1 min",
                _SMALL, _llama("llama-tiny")),
-        Recipe("llama-1b", "Llama 3.2 1B decoder shape (0.97B params, byte vocab), bf16 autocast; one GPU",
+        Recipe("llama-1b", "Llama 3.2 1B decoder shape (0.97B params, byte vocab), bf16 autocast; one GPU, "
+               "planned for a 20 GiB memory budget",
                Config(
-                   model=ModelConfig(cpu_offloading=True, num_layers=16, cpu_offloading_num_layers=12,
-                                     seq_length=4096, bf16=True),
+                   # model.memory_budget extends Megatron Bridge's names: the planner picks the layers'
+                   # choices, the schedule and the optimizer's offload_fraction for the step's peak memory
+                   model=ModelConfig(cpu_offloading=True, num_layers=16, memory_budget="20GiB", seq_length=4096,
+                                     bf16=True),
                    # a larger rate without warm-up makes the first steps chaotic, and chaotic steps amplify
                    # the last-bit CPU-vs-CUDA AdamW differences past the 1e-3 parity criterion
-                   optimizer=OptimizerConfig(lr=3e-5, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5,
-                                             overlap_cpu_optimizer_d2h_h2d=True),
-                   train=TrainConfig(train_iters=10, micro_batch_size=4, seed=1234)),
+                   optimizer=OptimizerConfig(lr=3e-5, optimizer_cpu_offload=True, overlap_cpu_optimizer_d2h_h2d=True),
+                   train=TrainConfig(train_iters=20, micro_batch_size=4, seed=1234)),
                _llama("llama-1b"), needs_cuda=True),
         Recipe("hf-llama", "transformers LlamaForCausalLM from a small LlamaConfig (no download)",
                _SMALL, _hf_llama, needs_module="transformers"),
@@ -243,6 +245,9 @@ class RunResult:
         failure (str | None): why the run stopped early (``"out of memory: ..."``).
         plan (str | None): ``repr(model.offload_plan)``.
         notes (list[str]): warnings raised while setting up.
+        planned (PlannerResult | None): the planner's result with ``model.memory_budget``.
+        predicted (Prediction | None): the predicted step time and peak, when planned.
+        fraction (float): the optimizer's ``offload_fraction`` (``0``: ``torch.optim.AdamW`` on the device).
     """
 
     label: str
@@ -254,16 +259,24 @@ class RunResult:
     failure: Optional[str] = None
     plan: Optional[str] = None
     notes: list = field(default_factory=list)
+    planned: object = None
+    predicted: object = None
+    fraction: float = 0.0
+
+    @property
+    def median_ms(self) -> float:
+        """Median step time without the first step, ms (``nan`` without steps)."""
+        return statistics.median(self.step_ms[1:] or self.step_ms) if self.step_ms else math.nan
 
 
-def _optimizer(model: nn.Module, cfg: Config, offload: bool):
+def _optimizer(model: nn.Module, cfg: Config, fraction: float):
     o = cfg.optimizer
     hyper = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay)
-    if offload and o.optimizer_cpu_offload:
+    if fraction > 0:
         from .optim import HybridDeviceOptimizer
 
         return HybridDeviceOptimizer(
-            model.parameters(), offload_fraction=o.optimizer_offload_fraction, pin_cpu_grads=o.pin_cpu_grads,
+            model.parameters(), offload_fraction=fraction, pin_cpu_grads=o.pin_cpu_grads,
             pin_cpu_params=o.pin_cpu_params, overlap_cpu_optimizer_d2h_h2d=o.overlap_cpu_optimizer_d2h_h2d,
             use_torch_optimizer_for_cpu_offload=o.use_torch_optimizer_for_cpu_offload, **hyper)
     return torch.optim.AdamW(model.parameters(), fused=True, **hyper)
@@ -280,27 +293,44 @@ def _forward_ctx(cfg: Config, device: torch.device, sdpa_backend: str) -> contex
     return stack
 
 
-def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: bool,
+def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: bool, label: str = "",
         progress: bool = False, sdpa_backend: str = "efficient") -> RunResult:
     """Train ``cfg.train.train_iters`` steps of ``recipe``, with (``offload=True``) or without offloading.
 
-    An out-of-memory error ends the run and is recorded in :attr:`RunResult.failure`.
+    With ``model.memory_budget`` the transform plans on the first batch, in the step's autocast and
+    attention settings, and the optimizer takes the plan's ``offload_fraction``; the last step is then
+    measured per layer (``OffloadPlan.measure``). An out-of-memory error ends the run and is recorded
+    in :attr:`RunResult.failure`.
     """
-    res, cuda, iters = RunResult("offload" if offload else "baseline"), device.type == "cuda", cfg.train.train_iters
+    res = RunResult(label or ("offload" if offload else "baseline"))
+    cuda, iters = device.type == "cuda", cfg.train.train_iters
     model = opt = tracer = bar = None
     outer = contextlib.ExitStack()
     try:
         if cuda:
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+        if cuda and sdpa_backend == "efficient":
+            # the efficient SDPA backward is bit-reproducible only with deterministic algorithms on
+            from .testing import bit_reproducible
+
+            outer.enter_context(bit_reproducible())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = recipe.build(cfg, device).train()
+            hybrid = offload and cfg.optimizer.optimizer_cpu_offload
+            res.fraction = cfg.optimizer.optimizer_offload_fraction if hybrid else 0.0
             if offload and cfg.model.cpu_offloading:
                 from .annotate import offload_transform
 
-                offload_transform(model, config=cfg.model)
-            opt = _optimizer(model, cfg, offload)
+                budget = cfg.model.memory_budget is not None
+                with _forward_ctx(cfg, device, sdpa_backend):
+                    offload_transform(model, config=cfg,
+                                      example_inputs=(batches[0][0].to(device),) if budget else None)
+                res.planned = model.offload_plan.planner
+                if res.planned is not None:
+                    res.predicted = res.planned.prediction
+                    res.fraction = res.planned.offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0
+            opt = _optimizer(model, cfg, res.fraction)
         res.notes = list(dict.fromkeys(str(w.message) for w in caught))
         saved = None if cuda else _SavedBytes(model)
         if saved is not None:
@@ -319,16 +349,10 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
             from tqdm.auto import tqdm
 
             bar = tqdm(total=iters, desc=res.label, unit="step", leave=False, file=sys.stderr)
-        if cuda and sdpa_backend == "efficient":
-            # the efficient SDPA backward is bit-reproducible only with deterministic algorithms on
-            from .testing import bit_reproducible
+        act_peak, peak = 0, 0
 
-            outer.enter_context(bit_reproducible())
-        act_peak = 0
-        for step in range(iters):
-            if step == iters - 1:
-                tracer = _Tracer(model, read)
-            t0 = time.perf_counter()
+        def one_step(step: int):
+            nonlocal act_peak
             x, y = (t.to(device, non_blocking=True) for t in batches[step])
             in_step[0] = True
             with _forward_ctx(cfg, device, sdpa_backend):
@@ -346,6 +370,22 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
                 (clip or (lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c)))(cfg.optimizer.clip_grad)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            return loss, stats
+
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)  # after planning: the step's peak only
+        for step in range(iters):
+            if step == iters - 1:
+                tracer = _Tracer(model, read)
+            t0 = time.perf_counter()
+            if step == iters - 1 and res.planned is not None:  # one measured step, per layer
+                peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+                box: list = []
+                peak = max(peak, model.offload_plan.measure(lambda: box.append(one_step(step)))["peak_bytes"] or 0)
+                loss, stats = box[0]
+            else:
+                loss, stats = one_step(step)
             if cuda:
                 torch.cuda.synchronize(device)
             res.step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -357,7 +397,7 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
         if tracer is not None:
             tracer.mark("step end")
             res.trace = tracer.samples
-        res.peak_bytes = torch.cuda.max_memory_allocated(device) if cuda else static + act_peak
+        res.peak_bytes = max(peak, torch.cuda.max_memory_allocated(device)) if cuda else static + act_peak
         plan = getattr(model, "offload_plan", None)
         res.plan = None if plan is None else repr(plan)  # after the steps: bytes per layer are measured
     except torch.OutOfMemoryError as exc:
@@ -373,6 +413,33 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
     return res
 
 
+def strategies(planned, cfg: Config) -> dict[str, tuple | str]:
+    """The single strategies a user could pick for the plan's budget, sized by the planner from the plan's
+    measurements: full recompute (every layer checkpointed) and offload-only (the first ``N`` layers,
+    TransformerEngine's choice, with its best schedule), each with the optimizer fraction it needs to
+    fit. Per name, ``(config to run, its Prediction)``, or why there is none (``"does not fit ..."``)."""
+    from .planner._search import Infeasible, search
+
+    n, out = len(planned.choices), {}
+    options = {"full recompute": [("recompute",) * n],
+               "offload only": [tuple("offload" if i < k else "keep" for i in range(n)) for k in range(n)]}
+    for name, plans in options.items():
+        try:
+            r = search(planned.measurements, planned.bandwidth, planned.memory_budget, planned.step, plans=plans,
+                       host_optimizer=cfg.optimizer.optimizer_cpu_offload)
+        except Infeasible as exc:
+            out[name] = f"does not fit (needs {_fmt_bytes(exc.smallest)})"
+            continue
+        model = dataclasses.replace(cfg.model, memory_budget=None, recompute=name == "full recompute",
+                                    cpu_offloading_num_layers=r.choices.count("offload"),
+                                    release_lag=r.release_lag, prefetch_layers=r.prefetch_layers)
+        optimizer = dataclasses.replace(cfg.optimizer, optimizer_offload_fraction=r.prediction.offload_fraction)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a 0.0 fraction with optimizer offload on warns; run() uses AdamW then
+            out[name] = (dataclasses.replace(cfg, model=model, optimizer=optimizer), r.prediction)
+    return out
+
+
 def _fmt_bytes(n: Optional[int]) -> str:
     if n is None:
         return "-"
@@ -384,12 +451,13 @@ def _fmt_bytes(n: Optional[int]) -> str:
 
 @dataclass
 class Report:
-    """Both runs of :func:`compare` and the parity verdict.
+    """The runs of :func:`compare` and the parity verdict.
 
     Attributes:
         recipe (Recipe), cfg (Config), device (torch.device): what ran.
-        offload (RunResult): the offloaded run.
+        offload (RunResult): the offloaded run (the first round's).
         baseline (RunResult | None): the run without offloading (``None`` with ``--no-compare-baseline``).
+        rounds (dict[str, list[RunResult]]): every method's run per round, ``offload`` and ``baseline`` included.
     """
 
     recipe: Recipe
@@ -397,6 +465,7 @@ class Report:
     device: torch.device
     offload: RunResult
     baseline: Optional[RunResult]
+    rounds: dict = field(default_factory=dict)
 
     @property
     def exact(self) -> bool:
@@ -408,12 +477,16 @@ class Report:
         return ("torch.cuda.max_memory_allocated" if self.device.type == "cuda"
                 else "CPU: runtime accounting, an upper bound, see Note [CPU memory accounting]")
 
+    def delta(self, run: RunResult) -> Optional[float]:
+        """``max |loss - loss_baseline|`` over the steps both completed, or ``None``."""
+        if self.baseline is None or self.baseline.failure or not self.baseline.losses or not run.losses:
+            return None
+        return max(abs(a - b) for a, b in zip(run.losses, self.baseline.losses))
+
     @property
     def max_delta(self) -> Optional[float]:
         """``max |loss_offload - loss_baseline|`` over the steps both completed, or ``None``."""
-        if self.baseline is None or self.baseline.failure or not self.baseline.losses:
-            return None
-        return max(abs(a - b) for a, b in zip(self.offload.losses, self.baseline.losses))
+        return self.delta(self.offload)
 
     @property
     def ok(self) -> bool:
@@ -438,14 +511,28 @@ class Report:
             return f"PASS: max |Δloss| = {delta:.3g} < 0.001"
         return f"FAIL: max |Δloss| = {delta} >= 0.001 (Megatron Bridge's criterion)"
 
+    @property
+    def runs(self) -> dict:
+        """:attr:`rounds`, or the offloaded run and the baseline as one round each."""
+        return self.rounds or {r.label: [r] for r in (self.offload, self.baseline) if r is not None}
+
+    def step_ms(self, label: str) -> float:
+        """The method's step time: the median over rounds of each run's median step, ms."""
+        return statistics.median(r.median_ms for r in self.runs[label]) if self.runs.get(label) else math.nan
+
     def table(self) -> str:
         """The report printed by ``annotate-offload train`` (markdown tables)."""
-        c, runs = self.cfg, [r for r in (self.offload, self.baseline) if r is not None]
+        c, rounds = self.cfg, self.runs
         m, o = c.model, c.optimizer
-        acts = (f"activations of the first {m.cpu_offloading_num_layers} of {m.num_layers} layers"
-                if m.cpu_offloading else "activations: off")
-        opt = (f"optimizer: {o.optimizer_offload_fraction:g} of parameters stepped on the host"
-               if o.optimizer_cpu_offload else "optimizer: on device")
+        if not m.cpu_offloading:
+            acts = "activations: off"
+        elif m.memory_budget is not None:
+            acts = f"activations planned for memory_budget={m.memory_budget} (the plan is below)"
+        else:
+            acts = f"activations of the first {m.cpu_offloading_num_layers} of {m.num_layers} layers"
+        opt = (f"optimizer: {self.offload.fraction:g} of parameters stepped on the host"
+               if self.offload.fraction > 0 else "optimizer: on device")
+        n_rounds = max(len(v) for v in rounds.values())
         lines = [f"annotate-offload train: recipe {self.recipe.name} on {self.device.type}, torch {torch.__version__}, "
                  f"{c.train.train_iters} steps of {c.train.micro_batch_size}x{m.seq_length} tokens, seed {c.train.seed}",
                  f"offload: {acts}; {opt}", ""]
@@ -463,18 +550,36 @@ class Report:
             lines.append(f"(every {every}th step shown; the delta is over all steps)")
 
         def cells(fn) -> str:
-            return " | ".join(r.failure if r.failure else fn(r) for r in runs)
+            return " | ".join(runs[0].failure if runs[0].failure else fn(label, runs) for label, runs in rounds.items())
 
-        def med(r: RunResult) -> str:
-            return f"{statistics.median(r.step_ms[1:] or r.step_ms):.1f} ms" if r.step_ms else "-"
+        def peak(runs, key) -> Optional[int]:
+            values = [getattr(r, key) if key == "peak_bytes" else r.predicted and r.predicted.peak_bytes for r in runs]
+            return max((v for v in values if v is not None), default=None)
 
+        base = self.step_ms("baseline") if "baseline" in rounds else math.nan
         delta = self.max_delta
         crit = "identical losses (activation offload only)" if self.exact else "< 0.001 (optimizer offload)"
-        lines += ["", "| | " + " | ".join(r.label for r in runs) + " |", "|---|" + "---:|" * len(runs),
-                  f"| peak device memory ({self.memory_source}) | {cells(lambda r: _fmt_bytes(r.peak_bytes))} |",
-                  f"| step time (median, first step excluded) | {cells(med)} |",
-                  f"| bytes offloaded per step | {cells(lambda r: _fmt_bytes(max(r.bytes_offloaded, default=0)))} |",
-                  "", f"max |Δloss| = {'-' if delta is None else f'{delta:.3g}'} (criterion: {crit}) -> {self.verdict}"]
+        steps = "median, first step excluded" + (f"; median of {n_rounds} rounds, order rotated" if n_rounds > 1 else "")
+        lines += ["", "| | " + " | ".join(rounds) + " |", "|---|" + "---:|" * len(rounds),
+                  f"| peak device memory ({self.memory_source}) | "
+                  f"{cells(lambda _, r: _fmt_bytes(peak(r, 'peak_bytes')))} |",
+                  f"| step time ({steps}) | {cells(lambda label, _: f'{self.step_ms(label):.1f} ms')} |",
+                  f"| bytes offloaded per step | {cells(lambda _, r: _fmt_bytes(max(r[0].bytes_offloaded, default=0)))} |"]
+        if any(r[0].predicted is not None for r in rounds.values()):
+            lines += [f"| predicted peak | {cells(lambda _, r: _fmt_bytes(peak(r, 'predicted')))} |",
+                      f"| predicted step time | "
+                      f"{cells(lambda _, r: f'{r[0].predicted.step_ms:.1f} ms' if r[0].predicted else '-')} |",
+                      f"| optimizer offload_fraction | {cells(lambda _, r: f'{r[0].fraction:.3f}')} |"]
+        if math.isfinite(base):
+            lines += [f"| step / baseline | {cells(lambda label, _: f'{self.step_ms(label) / base:.2f}x')} |",
+                      f"| max abs Δloss vs baseline | {cells(lambda _, r: f'{self.delta(r[0]):.3g}')} |"]
+        singles = {k: self.step_ms(k) for k in ("full recompute", "offload only") if k in rounds}
+        singles = {k: v for k, v in singles.items() if math.isfinite(v)}
+        if singles:
+            best = min(singles, key=singles.get)
+            lines.append(f"\nthe plan is {(1 - self.step_ms('offload') / singles[best]) * 100:.1f}% faster than the "
+                         f"best single strategy ({best}, {singles[best]:.1f} ms)")
+        lines += ["", f"max |Δloss| = {'-' if delta is None else f'{delta:.3g}'} (criterion: {crit}) -> {self.verdict}"]
         if self.offload.plan:
             lines += ["", self.offload.plan]
         return "\n".join(lines + [f"note: {w}" for w in self.offload.notes])
@@ -507,44 +612,73 @@ class Report:
 
 
 def compare(recipe: Recipe, cfg: Config, device: torch.device, batches, *, baseline: bool = True,
-            progress: bool = False, sdpa_backend: str = "efficient") -> Report:
-    """Run ``recipe`` with offloading, then (``baseline=True``) without, same seed and data."""
+            rounds: int = 1, compare_strategies: bool = False, progress: bool = False,
+            sdpa_backend: str = "efficient") -> Report:
+    """Run ``recipe`` with offloading, then (``baseline=True``) without, same seed and data; with
+    ``compare_strategies`` (needs ``model.memory_budget``) also the single strategies of :func:`strategies`.
+    ``rounds`` repeats every method, each round in an order rotated by one."""
     kw = dict(progress=progress, sdpa_backend=sdpa_backend)
-    off = run(recipe, cfg, device, batches, offload=True, **kw)
-    base = run(recipe, cfg, device, batches, offload=False, **kw) if baseline else None
-    return Report(recipe, cfg, device, off, base)
+    methods = ["offload"] + ["baseline"] * baseline + ["full recompute", "offload only"] * compare_strategies
+    runs: dict[str, list[RunResult]] = {name: [] for name in methods}
+    singles: dict = {}
+    for r in range(rounds):
+        for name in methods[r % len(methods):] + methods[:r % len(methods)]:
+            if name in ("offload", "baseline"):
+                res = run(recipe, cfg, device, batches, offload=name == "offload", **kw)
+            else:
+                planned = runs["offload"][0].planned
+                singles = singles or (strategies(planned, cfg) if planned is not None else {})
+                entry = singles.get(name, "not planned (the offloaded run has no plan)")
+                if isinstance(entry, str):
+                    res = RunResult(name, failure=entry)
+                else:
+                    res = run(recipe, entry[0], device, batches, offload=True, label=name, **kw)
+                    res.predicted = entry[1]
+            runs[name].append(res)
+    return Report(recipe, cfg, device, runs["offload"][0], runs["baseline"][0] if baseline else None, runs)
 
 
 def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
     """What ``annotate-offload plan`` prints: the offload plan, its bytes per layer estimated on the meta
     device from one micro-batch, and the predicted device memory of parameters, gradients and optimizer
-    state with and without offloading. Nothing is trained.
+    state with and without offloading. Nothing is trained. With ``model.memory_budget`` the planner
+    measures the layers on ``device`` and the plan shows its predicted step time and peak per layer.
 
     A recipe that trains only on CUDA is planned elsewhere from a model built on the meta device and
-    given uninitialised storage (``nn.Module.to_empty``): only shapes and dtypes are read."""
+    given uninitialised storage (``nn.Module.to_empty``): only shapes and dtypes are read, so a memory
+    budget (which needs measured layers) is not planned there."""
     lines = [f"annotate-offload plan: recipe {recipe.name} on {device.type} ({recipe.summary})"]
-    if recipe.needs_cuda and device.type != "cuda":
+    elsewhere = recipe.needs_cuda and device.type != "cuda"
+    if elsewhere:
         model = recipe.build(cfg, torch.device("meta")).to_empty(device=device)
         lines.append(f"(planned without a GPU: weights uninitialised, shapes and dtypes only; "
                      f"train --recipe {recipe.name} needs a CUDA GPU)")
     else:
         model = recipe.build(cfg, device)
     notes: list[str] = []
-    if cfg.model.cpu_offloading:
+    host = cfg.optimizer.optimizer_offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0
+    if cfg.model.cpu_offloading and cfg.model.memory_budget is not None and elsewhere:
+        host = 0.0
+        lines.append(f"model.memory_budget={cfg.model.memory_budget}: the planner measures the layers on the GPU the "
+                     f"recipe trains on; run this on a CUDA machine, or pass model.memory_budget=None "
+                     f"model.cpu_offloading_num_layers=N for a fixed plan's estimate")
+    elif cfg.model.cpu_offloading:
         from .annotate import offload_transform
 
         x = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.int64, device=device)
-        with warnings.catch_warnings(record=True) as caught:
+        measured = cfg.model.memory_budget is not None  # the planner measures in the step's autocast
+        with warnings.catch_warnings(record=True) as caught, (
+                _forward_ctx(cfg, device, "default") if measured else contextlib.nullcontext()):
             warnings.simplefilter("always")
-            offload_transform(model, config=cfg.model, example_inputs=(x,))
+            offload_transform(model, config=cfg, example_inputs=(x,))
         notes = list(dict.fromkeys(str(w.message) for w in caught))
         lines.append(repr(model.offload_plan))
+        if model.offload_plan.planner is not None:
+            host = model.offload_plan.planner.offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0
     else:
         lines.append("activation offload is off (model.cpu_offloading=False)")
     params = list({id(p): p for p in model.parameters()}.values())
     p_bytes, adam = sum(p.numel() * p.element_size() for p in params), 8 * sum(p.numel() for p in params)
-    o = cfg.optimizer
-    host = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     rows = [("parameters", p_bytes, p_bytes), ("gradients", p_bytes, p_bytes),
             ("optimizer state (fp32 Adam moments)", adam, round(adam * (1 - host)))]
     lines += ["", "| predicted device memory | baseline | offload |", "|---|---:|---:|"]

@@ -3,8 +3,13 @@
 ``train --recipe NAME [section.field=value ...]`` trains a real architecture on real text with
 offloading, then (by default) the same steps without it, from the same seed and data, and prints
 a table: loss per step for both runs, max ``|Δloss|``, peak device memory, step time and bytes
-offloaded per step. Parity (exit status 1 when it fails): with activation offload only, the losses
-must be identical; with optimizer offload, ``|Δloss| < 0.001`` (Megatron Bridge's criterion).
+offloaded per step. With ``model.memory_budget`` (``llama-1b``'s default: ``20GiB``; an extension of
+Megatron Bridge's names) the planner chooses the plan, and the table adds the predicted peak and step
+time beside the measured ones and the plan per layer, predicted and measured;
+``--compare-strategies`` adds full activation checkpointing and offload-only at the same budget and
+``--rounds N`` repeats every method in rotated order. Parity (exit status 1 when it fails): with
+activation offload only, the losses must be identical; with optimizer offload, ``|Δloss| < 0.001``
+(Megatron Bridge's criterion).
 A baseline that runs out of memory is reported in the table, not raised.
 
 Bad input (unknown recipe, override key or value, missing or empty data file, a recipe that
@@ -61,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", metavar="PATH", help="train on this text file (default: CPython's documentation topics)")
     train.add_argument("--compare-baseline", action=argparse.BooleanOptionalAction, default=True,
                        help="also run the same steps without offloading and check parity (default: on)")
+    train.add_argument("--compare-strategies", action="store_true",
+                       help="with model.memory_budget: also run full activation checkpointing and offload-only, "
+                            "each with the optimizer fraction the planner finds it needs to fit")
+    train.add_argument("--rounds", type=int, default=1, metavar="N",
+                       help="run every method N times, each round in an order rotated by one; step times are "
+                            "the median over rounds (default: 1)")
     train.add_argument("--plot", metavar="OUT.png", help="draw device memory over one step and both loss curves")
     train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                        help="tqdm progress bar when tqdm is installed (default: on)")
@@ -82,14 +93,14 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _check_offload_layers(cfg: Config, recipe) -> None:
-    """A recipe has no ``num_layers=`` argument to fall back on: activation offload needs the count here."""
+    """A recipe has no ``num_layers=`` argument to fall back on: activation offload needs the count or a budget."""
     m = cfg.model
-    if m.cpu_offloading and m.cpu_offloading_num_layers is None:
+    if m.cpu_offloading and m.cpu_offloading_num_layers is None and m.memory_budget is None:
         layers = m.num_layers or recipe.config.model.num_layers
         raise _UsageError(
             f"model.cpu_offloading_num_layers=None with model.cpu_offloading=True: give a number "
-            f"0..{layers - 1} (e.g. model.cpu_offloading_num_layers={max(layers - 1, 0)}), "
-            f"or set model.cpu_offloading=False.")
+            f"0..{layers - 1} (e.g. model.cpu_offloading_num_layers={max(layers - 1, 0)}) or a memory budget "
+            f"(e.g. model.memory_budget=20GiB), or set model.cpu_offloading=False.")
 
 
 def _load_config(args: argparse.Namespace, *, train: bool = True) -> tuple[object, Config, torch.device]:
@@ -138,8 +149,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
     _check_plot_target(args.plot)
-    report = _train.compare(recipe, cfg, device, batches, baseline=args.compare_baseline,
-                            progress=args.progress, sdpa_backend=args.sdpa_backend)
+    if args.rounds < 1:
+        raise _UsageError(f"--rounds {args.rounds}: give at least 1.")
+    if args.compare_strategies and (cfg.model.memory_budget is None or not cfg.model.cpu_offloading):
+        raise _UsageError("--compare-strategies sizes the strategies for model.memory_budget; set one "
+                          "(e.g. model.memory_budget=20GiB), or drop --compare-strategies.")
+    report = _train.compare(recipe, cfg, device, batches, baseline=args.compare_baseline, rounds=args.rounds,
+                            compare_strategies=args.compare_strategies, progress=args.progress,
+                            sdpa_backend=args.sdpa_backend)
     print(report.table())
     if args.plot:
         report.plot(args.plot)

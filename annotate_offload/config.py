@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
+import re
 import types
 import typing
 import warnings
@@ -34,6 +36,7 @@ __all__ = [
     "Config",
     "from_overrides",
     "check_offload_num_layers",
+    "parse_memory_budget",
 ]
 
 
@@ -135,6 +138,36 @@ def check_offload_num_layers(cpu_offloading_num_layers: int, num_layers: Optiona
         )
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory_budget(value: Any) -> int:
+    """A memory budget in bytes: an int, a whole float (``4e9``) or a string such as ``"20GiB"``,
+    ``"1.5 GB"`` or ``"500MiB"`` (units ``B``, ``KB``/``MB``/``GB``/``TB`` in powers of 1000,
+    ``KiB``/``MiB``/``GiB``/``TiB`` in powers of 1024, any case).
+
+    Raises:
+        TypeError: not an int, float or str.
+        ValueError: a string that is not a size, a fraction of a byte, or a size that is not positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"memory_budget must be bytes (an int) or a string such as '20GiB', got {value!r} "
+                        f"({type(value).__name__}).")
+    fix = "pass bytes (an int) or a string such as '20GiB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+    number, unit = value, 1
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory_budget={value!r} is not a memory size; {fix}.")
+        number, unit = float(match.group(1)), _UNITS[match.group(2).lower()]
+    if not math.isfinite(number) or unit == 1 and number != int(number):
+        raise ValueError(f"memory_budget={value!r} is not a whole number of bytes; {fix}.")
+    if number <= 0:
+        raise ValueError(f"memory_budget={value!r} must be positive; {fix}.")
+    return int(round(number * unit))
+
+
 # --------------------------------------------------------------------------- sections
 
 
@@ -169,6 +202,12 @@ class ModelConfig:
         release_lag (int | None): runtime release schedule, ``None`` = TE's bound. Default: ``None``.
         prefetch_layers (int | None): reload look-ahead in layers (``>= 1``), ``None`` = TE's
             distance. Default: ``None``.
+        memory_budget (int | str | None): the training step's peak device memory
+            (``torch.cuda.max_memory_allocated``: weights, gradients, optimizer state on the device and
+            activations), bytes or a string such as ``"20GiB"`` (:func:`parse_memory_budget`). The planner
+            then chooses per layer keep, offload, recompute or both, the schedule and the optimizer's
+            ``offload_fraction``. An extension of Megatron Bridge's names; exclusive with
+            ``cpu_offloading_num_layers`` and ``recompute``. Default: ``None``.
         recompute (bool): ``offload_transform`` runs every declared layer under
             ``torch.utils.checkpoint`` (non-reentrant) inside its offload scope, so offloaded layers
             move only the checkpoint's saved inputs. Unlike ``recompute_granularity`` (Megatron's
@@ -196,6 +235,7 @@ class ModelConfig:
     min_offload_numel: int = 256 * 1024
     release_lag: Optional[int] = None
     prefetch_layers: Optional[int] = None
+    memory_budget: Optional[Union[int, str]] = None
     recompute: bool = False
     seq_length: int = 128
     bf16: bool = False
@@ -229,6 +269,17 @@ class ModelConfig:
         if self.seq_length < 1:
             raise _fail("seq_length must be positive", "model.seq_length", self.seq_length,
                         "use e.g. model.seq_length=128.")
+        if self.memory_budget is not None:
+            try:
+                parse_memory_budget(self.memory_budget)
+            except ValueError as exc:
+                raise _fail("memory_budget must be a positive size", "model.memory_budget", self.memory_budget,
+                            str(exc).split("; ", 1)[-1].rstrip(".") + ", or None.") from None
+            for name in ("cpu_offloading_num_layers", "recompute"):
+                if getattr(self, name) not in (None, False):
+                    raise _fail("memory_budget lets the planner choose the layers", f"model.{name}",
+                                getattr(self, name), f"set model.{name}={None if name[0] == 'c' else False} with "
+                                "a memory budget, or model.memory_budget=None for a fixed plan.")
         if self.cpu_offloading_num_layers is not None and self.cpu_offloading_num_layers < 0:
             # Megatron checks this only with cpu_offloading on; a negative count is never meaningful.
             check_offload_num_layers(self.cpu_offloading_num_layers, self.num_layers)

@@ -22,7 +22,8 @@ __all__ = ["bit_reproducible"]
 def bit_reproducible() -> Iterator[None]:
     """Pin a bit-reproducible SDPA backend and deterministic algorithms for the block.
 
-    On CUDA: ``SDPBackend.EFFICIENT_ATTENTION`` plus ``torch.use_deterministic_algorithms(True)``
+    On CUDA: ``SDPBackend.EFFICIENT_ATTENTION`` (``MATH`` for inputs it does not support, such as
+    grouped-query attention with ``enable_gqa=True``; both are reproducible) plus ``torch.use_deterministic_algorithms(True)``
     (``warn_only=False``: the efficient backward only switches to its deterministic kernel then,
     and an op without a deterministic implementation raises instead of silently differing), and
     ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset (cuBLAS reads it when a workspace is created). The
@@ -39,7 +40,7 @@ def bit_reproducible() -> Iterator[None]:
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=False)
     try:
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

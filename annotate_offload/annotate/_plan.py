@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+import copy
+import time
+import weakref
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Literal
+
+import torch
 
 __all__ = ["LayerPlan", "OffloadPlan"]
 
@@ -25,7 +30,6 @@ class LayerPlan:
             training step (``0`` for a kept or recompute-only layer). ``None`` until known.
         estimated_bytes (int | None): the meta-device estimate of ``bytes_per_step`` made from
             ``example_inputs`` (kept after the measurement replaces it, for comparison).
-        reason (str): why this choice (the planner's explanation with ``num_layers="auto"``).
     """
 
     index: int
@@ -35,7 +39,6 @@ class LayerPlan:
     declared_keep: bool = False
     bytes_per_step: int | None = None
     estimated_bytes: int | None = None
-    reason: str = ""
 
     @property
     def offloaded(self) -> bool:
@@ -45,7 +48,8 @@ class LayerPlan:
 
 @dataclass
 class OffloadPlan:
-    """What ``offload_transform`` did: per layer the choice and its bytes.
+    """What ``offload_transform`` did: per layer the choice and its bytes; with a memory budget also
+    the prediction, per layer and in total, and after :meth:`measure` the measured figures.
 
     Attributes:
         layers (tuple[LayerPlan, ...]): every declared layer, in registration (and run) order.
@@ -56,6 +60,9 @@ class OffloadPlan:
         notes (tuple[str, ...]): warnings given while planning, for the record.
         runtime (DefaultOffloadSynchronizer): the runtime engine the layers' forwards drive
             (``plan.stats`` is its ``OffloadStats``).
+        planner (PlannerResult | None): the planner's result for ``memory_budget=`` (``None`` otherwise).
+        measured (dict | None): from :meth:`measure`: ``step_ms``, ``peak_bytes`` (``None`` on a CPU),
+            ``layer_ms`` and ``layer_peak_bytes`` (per layer: forward plus backward ms, the peak during either).
     """
 
     layers: tuple[LayerPlan, ...]
@@ -63,6 +70,9 @@ class OffloadPlan:
     bytes_source: str = "pending"
     notes: tuple[str, ...] = field(default_factory=tuple)
     runtime: Any = field(default=None, repr=False, compare=False)
+    planner: Any = field(default=None, repr=False, compare=False)
+    measured: dict | None = field(default=None, repr=False, compare=False)
+    model: Any = field(default=None, repr=False, compare=False)  # weakref to the model
 
     @property
     def stats(self) -> Any:
@@ -85,6 +95,84 @@ class OffloadPlan:
         vals = [lp.bytes_per_step for lp in self.layers if lp.offloaded]
         return None if any(v is None for v in vals) else sum(vals)  # type: ignore[arg-type]
 
+    def optimizer_kwargs(self) -> dict[str, float]:
+        """The optimizer settings the plan assumed, for ``HybridDeviceOptimizer(model.parameters(), **kwargs)``
+        (its exact mode): ``{"offload_fraction": f}``; ``0.0`` (also without a memory budget) keeps the
+        optimizer on the device."""
+        return self.planner.optimizer_kwargs() if self.planner is not None else {"offload_fraction": 0.0}
+
+    def measure(self, step: Callable[[], Any]) -> dict:
+        """Run ``step()`` (one training step: forward, backward, optimizer) once with timing and memory
+        hooks at the layers' boundaries, remove them, and keep the figures in :attr:`measured` (shown
+        beside the prediction by ``repr``).
+
+        On CUDA, times come from CUDA events and memory from the allocator's peak between boundaries
+        (``torch.cuda.reset_peak_memory_stats`` at each); on a CPU, times only. A layer's backward runs
+        from its output's gradient to its inputs' and parameters' gradients.
+
+        Returns:
+            dict: :attr:`measured` (a layer that did not run forward and backward in ``step`` gets ``None``).
+
+        Raises:
+            RuntimeError: the model is gone (or ``remove_offload`` was called).
+        """
+        model = self.model() if self.model is not None else None
+        if model is None:
+            raise RuntimeError("OffloadPlan.measure: the transformed model is gone (or remove_offload was called).")
+        mods = [model.get_submodule(lp.fqn) for lp in self.layers]
+        cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+        n, handles = len(mods), []
+        marks: dict[tuple, tuple] = {}  # (layer, phase, "start" | "end") -> (time or event, peak so far)
+
+        def mark(key) -> None:
+            if cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                marks[key] = (event, torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                marks[key] = (time.perf_counter(), None)
+
+        def on_output(i: int, out: Any) -> None:
+            mark((i, "fwd", "end"))
+            tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                tensors[0].register_hook(lambda g: mark((i, "bwd", "start")))
+
+        def on_input(i: int, mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            mark((i, "fwd", "start"))
+            ends = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                    and t.requires_grad] + [p for p in mod.parameters() if p.requires_grad]
+            if ends:
+                torch.autograd.graph.register_multi_grad_hook(ends, lambda g: mark((i, "bwd", "end")))
+
+        for i, mod in enumerate(mods):
+            handles.append(mod.register_forward_pre_hook(lambda m, a, k, i=i: on_input(i, m, a, k), with_kwargs=True))
+            handles.append(mod.register_forward_hook(lambda m, a, out, i=i: on_output(i, out)))
+        try:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            step_ms = (time.perf_counter() - t0) * 1e3
+        finally:
+            for h in handles:
+                h.remove()
+        ms = ((lambda a, b: a.elapsed_time(b)) if cuda else (lambda a, b: (b - a) * 1e3))
+        ran = [all((i, ph, e) in marks for ph in ("fwd", "bwd") for e in ("start", "end")) for i in range(n)]
+        layer_ms = tuple(sum(ms(marks[(i, ph, "start")][0], marks[(i, ph, "end")][0]) for ph in ("fwd", "bwd"))
+                         if ran[i] else None for i in range(n))
+        peaks = None
+        if cuda:  # the peak between a boundary and the next is read at the next one
+            peaks = tuple(max(marks[(i, ph, "end")][1] for ph in ("fwd", "bwd")) if ran[i] else None for i in range(n))
+            peak = max([m[1] for m in marks.values()] + [torch.cuda.max_memory_allocated()])
+        self.measured = {"step_ms": step_ms, "peak_bytes": peak if cuda else None, "layer_ms": layer_ms,
+                         "layer_peak_bytes": peaks}
+        return self.measured
+
     def _with_bytes(self, per_layer: dict[int, int], source: str) -> None:
         def value(lp: LayerPlan) -> int:
             return per_layer.get(lp.index, 0) if lp.offloaded else 0
@@ -98,6 +186,16 @@ class OffloadPlan:
     def _replace_layer(self, index: int, module_type: str) -> None:
         self.layers = tuple(replace(lp, module_type=module_type) if lp.index == index else lp for lp in self.layers)
 
+    def __deepcopy__(self, memo: dict) -> "OffloadPlan":
+        # the copy's model reference is to the copied model (reached through memo), as the state's is
+        new = OffloadPlan.__new__(OffloadPlan)
+        memo[id(self)] = new
+        for f in fields(self):
+            setattr(new, f.name, copy.deepcopy(getattr(self, f.name), memo) if f.name != "model" else None)
+        model = self.model() if self.model is not None else None
+        new.model = None if model is None else weakref.ref(copy.deepcopy(model, memo))
+        return new
+
     def __repr__(self) -> str:
         head = f"OffloadPlan(layers={self.num_layers}, offloaded={len(self.offloaded_layers)}"
         total = self.bytes_per_step
@@ -105,16 +203,32 @@ class OffloadPlan:
         lines = [head]
         if self.layer_source:
             lines.append(f"  layers: {self.layer_source}")
+        if self.planner is not None:
+            lines += ["  " + line for line in self.planner.summary().splitlines()]
         show_estimate = self.bytes_source == "measured" and any(lp.estimated_bytes is not None for lp in self.layers)
-        rows = [("idx", "layer", "type", "choice", "bytes/step") + (("estimate",) if show_estimate else ())]
+        pred, meas = getattr(self.planner, "prediction", None), self.measured
+        cols = ["idx", "layer", "type", "choice", "bytes/step"] + (["estimate"] if show_estimate else [])
+        cols += ["pred. ms", "pred. peak"] if pred is not None else []
+        cols += ["meas. ms", "meas. peak"] if meas is not None else []
+        rows = [cols]
         for lp in self.layers:
             choice = lp.choice + (" (declared)" if lp.declared_keep else "")
-            row = (str(lp.index), lp.fqn, lp.module_type, choice, _opt_bytes(lp.bytes_per_step))
-            rows.append(row + ((_opt_bytes(lp.estimated_bytes),) if show_estimate else ()))
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+            row = [str(lp.index), lp.fqn, lp.module_type, choice, _opt_bytes(lp.bytes_per_step)]
+            row += [_opt_bytes(lp.estimated_bytes)] if show_estimate else []
+            for figures in (pred and (pred.layer_ms, pred.layer_peak_bytes), meas and (meas["layer_ms"],
+                                                                                        meas["layer_peak_bytes"])):
+                if figures:
+                    ms = figures[0][lp.index]
+                    row += ["-" if ms is None else f"{ms:.2f}", _opt_bytes(figures[1] and figures[1][lp.index])]
+            rows.append(row)
+        if pred is not None or meas is not None:
+            row = ["", "step", "", "", ""] + ([""] if show_estimate else [])
+            row += [f"{pred.step_ms:.2f}", _fmt_bytes(pred.peak_bytes)] if pred is not None else []
+            row += [f"{meas['step_ms']:.2f}", _opt_bytes(meas["peak_bytes"])] if meas is not None else []
+            rows.append(row)
+        widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
         for r in rows:
             lines.append("  " + "  ".join(v.ljust(w) if c < 4 else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths))))
-        lines.extend(f"  why {lp.index}: {lp.reason}" for lp in self.layers if lp.reason)
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 

@@ -18,6 +18,7 @@ class Settings:
     release_lag: int | None = None
     prefetch_layers: int | None = None
     recompute: bool = False
+    memory_budget: Any = None  # the budget (keyword or config.memory_budget); with it num_layers is "auto"
     config_layers: int | None = None  # config.num_layers, checked against the model
     notes: list[str] = field(default_factory=list)
 
@@ -41,26 +42,28 @@ FIELDS = {"release_lag": "release_lag", "prefetch_layers": "prefetch_layers",
           "min_offload_numel": "min_offload_numel", "recompute": "recompute", "offload_policy": "policy"}
 
 
-def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None) -> Settings | None:
-    """``num_layers``, the config's fields and keyword ``fields`` over them, checked; ``None`` means
-    the config turns offloading off."""
+def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
+            memory_budget: Any = None) -> Settings | None:
+    """``num_layers``, ``memory_budget``, the config's fields and keyword ``fields`` over them, checked;
+    ``None`` means the config turns offloading off."""
     unknown = sorted(set(fields or ()) - set(FIELDS))
     if unknown:
         raise TypeError(
             f"offload_transform: unexpected keyword {unknown[0]!r}; the config fields it also takes as "
             f"keywords are {', '.join(FIELDS)} (other settings go in config=ModelConfig(...))."
         )
-    s = Settings(num_layers=num_layers)
+    s = Settings(num_layers=num_layers, memory_budget=memory_budget)
     if config is not None:
         validate = getattr(config, "validate", None)
         if callable(validate):
             validate()  # dataclass configs validate in __post_init__; duck-typed ones may offer this
         cfg = _model_section(config)
         if getattr(cfg, "cpu_offloading", True) is False:
-            if num_layers is not None:
+            if num_layers is not None or memory_budget is not None:
+                given = f"num_layers={num_layers!r}" if num_layers is not None else f"memory_budget={memory_budget!r}"
                 raise ValueError(
-                    f"offload_transform: num_layers={num_layers!r} was given but config.cpu_offloading=False; "
-                    "set cpu_offloading=True in the config (ModelConfig(cpu_offloading=True, ...)), or drop num_layers."
+                    f"offload_transform: {given} was given but config.cpu_offloading=False; "
+                    "set cpu_offloading=True in the config (ModelConfig(cpu_offloading=True, ...)), or drop it."
                 )
             return None
         if getattr(cfg, "cpu_offloading_weights", False):
@@ -92,16 +95,36 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None) 
             )
         for name in ("release_lag", "prefetch_layers", "min_offload_numel", "recompute"):
             setattr(s, name, getattr(cfg, name, getattr(s, name)))
+        budget = getattr(cfg, "memory_budget", None)
+        if budget is not None and memory_budget is not None and budget != memory_budget:
+            raise ValueError(
+                f"offload_transform: memory_budget={memory_budget!r} differs from config.memory_budget={budget!r}; "
+                "give the budget once (drop memory_budget=, or make them equal)."
+            )
+        s.memory_budget = budget if memory_budget is None else memory_budget
         p = getattr(cfg, "offload_policy", None)
         s.policy = getattr(p, "value", p)
         s.config_layers = getattr(cfg, "num_layers", None)
     for name, value in (fields or {}).items():
         setattr(s, FIELDS[name], getattr(value, "value", value))
+    if s.num_layers is None and s.memory_budget is not None:
+        s.num_layers = "auto"
     if s.num_layers is None:
         raise ValueError(
-            "offload_transform: num_layers is required (None given and no config with "
+            "offload_transform: num_layers is required (None given, no memory_budget and no config with "
             "cpu_offloading_num_layers); pass num_layers=N to offload the first N layers, or "
-            "num_layers='auto' with memory_budget= and example_inputs=."
+            "memory_budget='20GiB' (the step's peak device memory) with example_inputs= to plan for it."
+        )
+    if s.num_layers == "auto" and s.memory_budget is None:
+        raise ValueError(
+            "offload_transform: num_layers='auto' requires memory_budget= (the training step's peak device "
+            "memory, bytes or e.g. '20GiB'); pass it with example_inputs=, or pass num_layers=N."
+        )
+    if s.num_layers != "auto" and s.memory_budget is not None:
+        raise ValueError(
+            f"offload_transform: memory_budget={s.memory_budget!r} plans the layers itself, but num_layers="
+            f"{s.num_layers!r} was given; drop num_layers= (or cpu_offloading_num_layers in the config) to plan "
+            "for the budget, or drop memory_budget= to offload the first N layers."
         )
     n = s.num_layers
     if n != "auto" and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):

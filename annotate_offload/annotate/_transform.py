@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from annotate_offload._example_inputs import split as split_inputs
 from annotate_offload.errors import OffloadError
 
 from ._discover import LayerRef, find_layers
 from ._estimate import autocast_dtype_of, estimate_bytes
-from ._layers import LayerForward, OffloadState
+from ._layers import LayerForward, OffloadState, _refuse_pickle
 from ._plan import LayerPlan, OffloadPlan
 from ._settings import check_count, resolve
 
@@ -25,14 +29,15 @@ def offload_transform(
     model: nn.Module,
     num_layers: int | str | None = None,
     *,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     example_inputs: Any = None,
     config: Any = None,
     layer_types: type | Sequence[type] | None = None,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     **config_fields: Any,
 ) -> nn.Module:
-    """Offload the saved activations of a model's first ``num_layers`` layers to host memory, in place.
+    """Offload the saved activations of a model's first ``num_layers`` layers to host memory, or plan
+    keep / offload / recompute per layer to fit a ``memory_budget``, in place.
 
     Finds the layers (``@offload_layer`` marks, ``layer_types=``/``filter_fn=``, or the repeated
     blocks of an ``nn.ModuleList``/``nn.Sequential``) and wraps each layer's own ``forward`` on the
@@ -47,8 +52,12 @@ def offload_transform(
     The model object is changed in place, like torchao's ``quantize_``: same object, class,
     methods (``generate``), parameters and ``state_dict`` keys. ``model.offload_plan``
     (:class:`~annotate_offload.annotate._plan.OffloadPlan`) shows per layer the choice and the bytes
-    moved per step. ``remove_offload(model)`` undoes it; ``copy.deepcopy(model)`` is an independent
-    transformed model; ``torch.save(model)`` is refused (save the ``state_dict``).
+    moved per step; with a budget also the predicted time and peak (and, after
+    ``model.offload_plan.measure(step)``, the measured ones), and
+    ``HybridDeviceOptimizer(model.parameters(), **model.offload_plan.optimizer_kwargs())`` takes the
+    optimizer split the plan assumed (a ``Config`` whose ``optimizer.optimizer_cpu_offload`` is
+    ``False`` keeps it on the device). ``remove_offload(model)`` undoes it; ``copy.deepcopy(model)`` is
+    an independent transformed model; ``torch.save(model)`` is refused (save the ``state_dict``).
 
     Layers are numbered in module registration order and should run in that order once per
     forward. ``torch.utils.checkpoint`` inside a layer (Hugging Face's gradient checkpointing) is
@@ -58,25 +67,31 @@ def offload_transform(
     Args:
         model (nn.Module): the model, on any device (the runtime binds at the first training forward).
         num_layers (int | "auto" | None): offload the first ``N`` of the ``L`` offloadable layers,
-            ``0 <= N < L`` (Megatron Bridge's ``cpu_offloading_num_layers``). ``"auto"`` lets
-            ``annotate_offload.planner.plan_offload`` choose keep/offload/recompute per layer for
-            ``memory_budget``. Required unless ``config`` gives ``cpu_offloading_num_layers``.
-        memory_budget (int | None): bytes of saved activations allowed on the GPU; only with
-            ``num_layers="auto"``. Default: ``None``.
+            ``0 <= N < L`` (Megatron Bridge's ``cpu_offloading_num_layers``), with the overlap schedule
+            tuned from the measured link (Note [Default schedule from the link]) unless the config
+            sets ``release_lag``/``prefetch_layers``. ``"auto"`` (or ``None`` with a budget) plans
+            for ``memory_budget``. Required unless a budget or ``cpu_offloading_num_layers`` is given.
+        memory_budget (int | str | None): the training step's peak device memory
+            (``torch.cuda.max_memory_allocated``: weights, gradients, optimizer state on the device,
+            activations), bytes or a string such as ``"20GiB"``. ``annotate_offload.planner.plan_offload``
+            measures the layers on their device and chooses per layer keep, offload, recompute or
+            recompute with its input offloaded, the schedule and the optimizer split, the fastest
+            predicted plan that fits; a model that fits keeps everything (with a one-line warning).
+            Default: ``None`` (the config's ``memory_budget``).
         example_inputs (Tensor | tuple | dict | None): one training step's inputs; used to estimate
-            bytes per layer on the meta device (and to profile with ``"auto"``, which adds
+            bytes per layer on the meta device (and to profile with a budget, which adds
             ``use_cache=False`` for models whose forward takes it) and to refuse a layer that runs
             twice per forward. Without them bytes are measured on the first training step. The
             estimate emulates bf16 autocast when ``config`` says ``bf16=True`` or the call runs
             inside ``torch.autocast`` (Note [Autocast on meta] in ``_estimate.py``). Default: ``None``.
         config (ModelConfig | Config | None): the offload settings, Megatron Bridge names:
             ``cpu_offloading`` (``False`` returns the model unchanged), ``cpu_offloading_num_layers``,
-            the schedule ``release_lag`` (``None``: TransformerEngine's bound) and ``prefetch_layers``
-            (``None``: TE's distance), ``offload_policy`` (``"opt_out"``/``"opt_in"``),
+            ``memory_budget``, the schedule ``release_lag`` and ``prefetch_layers`` (``None``: chosen
+            from the link, or by the planner), ``offload_policy`` (``"opt_out"``/``"opt_in"``),
             ``min_offload_numel`` (smaller saved tensors stay on the device) and ``recompute`` (run
             every layer under non-reentrant ``torch.utils.checkpoint``; offloaded layers then move the
-            checkpoint's saved inputs). Without a config: TE's schedule, the runtime's default policy,
-            256K elements, no recompute. Default: ``None``.
+            checkpoint's saved inputs; not with a budget). Without a config: the schedule from the
+            link, the runtime's default policy, 256K elements, no recompute. Default: ``None``.
         layer_types (type | tuple[type, ...] | None): classes whose outermost instances are the layers.
         filter_fn (Callable[[nn.Module, str], bool] | None): ``filter_fn(module, fqn)`` picks the layers.
         **config_fields: the config fields ``release_lag``, ``prefetch_layers``, ``min_offload_numel``,
@@ -87,20 +102,20 @@ def offload_transform(
         nn.Module: ``model`` itself.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``; ``num_layers`` not an int or ``"auto"``; a
-            bad ``layer_types``/``filter_fn``/``config``; ``example_inputs`` not a tensor,
-            tuple/list or dict with str keys.
+        TypeError: ``model`` is not an ``nn.Module``; ``num_layers`` not an int or ``"auto"``;
+            ``memory_budget`` not an int, float or str; a bad ``layer_types``/``filter_fn``/``config``;
+            ``example_inputs`` not a tensor, tuple/list or dict with str keys.
         ValueError: ``num_layers`` missing, out of ``[0, L)``, or different from the config's;
-            no layers found; ``"auto"`` without ``memory_budget``/``example_inputs``, or with
-            ``config.recompute``; ``memory_budget`` without ``"auto"``; empty ``example_inputs``;
-            a config rule (raised by the config before the model is touched).
+            no layers found; ``"auto"`` without ``memory_budget``; a budget without
+            ``example_inputs``, with ``num_layers=N`` or with ``config.recompute``; a budget that is
+            not a size (``"abc"``), not positive, or below what any plan needs (these three after
+            measuring, naming the smallest feasible budget); empty ``example_inputs``; a config rule.
         OffloadError: the model was already transformed; a layer is registered at two positions
             or belongs to another transformed model; with ``example_inputs``, a layer runs twice in
             one forward. All raised before the model changes.
 
     Warns:
-        UserWarning: ``num_layers == L - 1`` with TransformerEngine's schedule (no overlap is
-            possible; ``prefetch_layers``/``release_lag`` in the config can overlap there);
+        UserWarning: a model that fits its budget (nothing planned);
             ``cpu_offloading_weights``/``cpu_offloading_double_buffering`` (no effect);
             ``example_inputs`` that cannot run the forward.
 
@@ -111,6 +126,9 @@ def offload_transform(
         model.to("cuda")  # before or after the transform
         model(x).sum().backward()
         print(model.offload_plan)
+
+        offload_transform(model, memory_budget="20GiB", example_inputs=(x,))  # on the training device
+        opt = HybridDeviceOptimizer(model.parameters(), **model.offload_plan.optimizer_kwargs())
     """
     # ---- validate everything before touching the model
     if not isinstance(model, nn.Module):
@@ -122,7 +140,7 @@ def offload_transform(
         )
     if example_inputs is not None:
         split_inputs(example_inputs, "offload_transform")  # a TypeError now, not a note in the plan
-    settings = resolve(num_layers, config, config_fields)
+    settings = resolve(num_layers, config, config_fields, memory_budget)
     if settings is None:
         return model
     refs, how = find_layers(model, layer_types=layer_types, filter_fn=filter_fn)
@@ -135,67 +153,42 @@ def offload_transform(
         )
     auto = settings.num_layers == "auto"
     if auto:
-        if memory_budget is None or example_inputs is None:
+        if example_inputs is None:
             raise ValueError(
-                f"offload_transform: num_layers='auto' needs memory_budget= (bytes) and example_inputs= "
-                f"(got memory_budget={memory_budget!r}, example_inputs={'None' if example_inputs is None else 'given'}); "
-                "pass both, e.g. memory_budget=4 * 2**30, example_inputs=(x,)."
+                f"offload_transform: memory_budget={settings.memory_budget!r} needs example_inputs= (one training "
+                "step's inputs, on the device it trains on) so the planner can measure the layers; pass e.g. "
+                "example_inputs=(x,)."
             )
         if settings.recompute:
             raise ValueError(
-                "offload_transform: config.recompute=True with num_layers='auto'; the planner chooses recompute per "
+                "offload_transform: config.recompute=True with memory_budget=; the planner chooses recompute per "
                 "layer. Set recompute=False in the config, or pass num_layers=N to recompute every layer."
             )
     else:
-        if memory_budget is not None:
-            raise ValueError(
-                f"offload_transform: memory_budget={memory_budget!r} is used only by num_layers='auto' (got "
-                f"num_layers={settings.num_layers!r}); drop memory_budget=, or pass num_layers='auto' with "
-                "example_inputs= to let the planner fit the budget."
-            )
         check_count(settings.num_layers, eligible, len(refs))  # type: ignore[arg-type]
 
     # ---- choose per layer
     declared_keep = [not r.offload for r in refs]
     notes = list(settings.notes)
+    planned = None
     if auto:
-        from annotate_offload.planner import plan_offload
-
-        kwargs = {k: v for k, v in (("release_lag", settings.release_lag), ("prefetch_layers", settings.prefetch_layers))
-                  if v is not None}
-        result = plan_offload(model, memory_budget=memory_budget, example_inputs=example_inputs,
-                              layers=[r.module for r in refs], min_offload_numel=_min_numel(settings.min_offload_numel),
-                              **kwargs)
-        if len(result.choices) != len(refs):
-            raise OffloadError(
-                f"offload_transform: the planner returned {len(result.choices)} choices for {len(refs)} layers; "
-                "this is a bug in annotate_offload.planner, please report it."
-            )
-        choices = list(result.choices)
-        reasons = list(getattr(result, "reasons", ())) or [""] * len(choices)
-        for i, keep in enumerate(declared_keep):
-            if keep and choices[i] in ("offload", "recompute_offload"):
-                choices[i] = "keep" if choices[i] == "offload" else "recompute"
-                notes.append(f"layer {i}: planner chose offload but it is declared offload=False")
-        settings.release_lag = result.release_lag if settings.release_lag is None else settings.release_lag
-        settings.prefetch_layers = result.prefetch_layers if settings.prefetch_layers is None else settings.prefetch_layers
-        notes.append(f"auto: predicted {result.predicted_step_ms:.2f} ms/step, peak {result.predicted_peak_bytes} B "
-                     f"for budget {result.memory_budget} B")
+        planned = _plan(model, refs, settings, example_inputs, config, declared_keep)
+        choices = list(planned.choices)
+        settings.release_lag, settings.prefetch_layers = planned.release_lag, planned.prefetch_layers
+        if planned.fits:
+            notes.append(planned.summary())
+            warnings.warn(f"offload_transform: {planned.summary()}.", UserWarning, stacklevel=2)
     else:
-        reasons = [""] * len(refs)
         n = settings.num_layers
         eligible_idx = [i for i, r in enumerate(refs) if r.offload][:n]  # type: ignore[misc]
         choices = ["offload" if i in eligible_idx else "keep" for i in range(len(refs))]
         if settings.recompute:
             choices = ["recompute_offload" if c == "offload" else "recompute" for c in choices]
-        if n == eligible - 1 and n > 0 and settings.release_lag is None and settings.prefetch_layers is None:
-            msg = (f"offload_transform: num_layers={n} offloads all but the last of {eligible} layers; with "
-                   "TransformerEngine's schedule no overlap of copies and compute is possible there. Set "
-                   "prefetch_layers=1 (reload one layer ahead) and/or release_lag=1 in the config to overlap, "
-                   "or offload fewer layers.")
-            warnings.warn(msg, UserWarning, stacklevel=2)
-            notes.append(f"num_layers=L-1={n}: no overlap with TE's schedule (see prefetch_layers/release_lag)")
     offloaded = frozenset(i for i, c in enumerate(choices) if c in ("offload", "recompute_offload"))
+    # Note [Default schedule from the link]: the overlap schedule, tuned at the first training forward
+    tune = tuple(k for k in ("release_lag", "prefetch_layers") if getattr(settings, k) is None) if offloaded else ()
+    for k in tune:
+        setattr(settings, k, 1)
 
     # ---- build the runtime, the plan and the state (the model is still untouched)
     from annotate_offload.runtime import DefaultOffloadSynchronizer
@@ -206,9 +199,9 @@ def offload_transform(
         min_offload_numel=settings.min_offload_numel,
     )  # no device: bound at the first training forward (Note [Device binding], runtime/_synchronizer.py)
     plan = OffloadPlan(
-        layers=tuple(LayerPlan(i, r.fqn, type(r.module).__name__, c, declared_keep[i], reason=why)  # type: ignore[arg-type]
-                     for i, (r, c, why) in enumerate(zip(refs, choices, reasons))),
-        layer_source=how, notes=tuple(notes), runtime=sync,
+        layers=tuple(LayerPlan(i, r.fqn, type(r.module).__name__, c, declared_keep[i])  # type: ignore[arg-type]
+                     for i, (r, c) in enumerate(zip(refs, choices))),
+        layer_source=how, notes=tuple(notes), runtime=sync, planner=planned, model=weakref.ref(model),
     )
     recompute = frozenset(i for i, c in enumerate(choices) if c in ("recompute", "recompute_offload"))
     state = OffloadState(model, [r.fqn for r in refs], [r.module for r in refs], sync, plan, recompute)
@@ -225,6 +218,8 @@ def offload_transform(
         state.wrap(i)
     model.__dict__[_STATE] = state
     model.offload_plan = plan
+    if tune:
+        _TuneSchedule(model, tune)
 
     if example_inputs is not None:
         try:
@@ -268,8 +263,11 @@ def remove_offload(model: nn.Module) -> nn.Module:
             "already); nothing to remove."
         )
     state.remove()
+    for key in [k for k, hook in model._forward_pre_hooks.items() if isinstance(hook, _TuneSchedule)]:
+        del model._forward_pre_hooks[key]
     del model.__dict__[_STATE]
     model.__dict__.pop("offload_plan", None)
+    state.plan.model = None  # OffloadPlan.measure refuses from now on
     return model
 
 
@@ -292,6 +290,84 @@ def _check_positions(model: nn.Module, refs: list[LayerRef]) -> None:
                 f"offload_transform: {r.fqn} is already a layer of another transformed model; call "
                 "remove_offload on that model first (or transform only one of the two)."
             )
+
+
+def _plan(model: nn.Module, refs: list[LayerRef], settings: Any, example_inputs: Any, config: Any,
+          declared_keep: list[bool]) -> Any:
+    """The planner's result for the budget, measured under the autocast the step runs in."""
+    from annotate_offload.planner import plan_offload
+
+    dtype = autocast_dtype_of(config)
+    leaf = next((t for t in tree_leaves(split_inputs(example_inputs, "offload_transform")) if isinstance(t, torch.Tensor)),
+                None)
+    device_type = leaf.device.type if leaf is not None else "cpu"
+    region = (torch.autocast(device_type, dtype=dtype) if dtype is not None and not torch.is_autocast_enabled(device_type)
+              else contextlib.nullcontext())
+    section = getattr(config, "optimizer", None)  # a Config's OptimizerConfig: may the optimizer offload?
+    optimizer = "device" if getattr(section, "optimizer_cpu_offload", True) is False else "hybrid"
+    with region:
+        return plan_offload(model, memory_budget=settings.memory_budget, example_inputs=example_inputs,
+                            optimizer=optimizer,
+                            layers=[r.module for r in refs], min_offload_numel=_min_numel(settings.min_offload_numel),
+                            release_lag=settings.release_lag, prefetch_layers=settings.prefetch_layers,
+                            keep=[i for i, k in enumerate(declared_keep) if k])
+
+
+class _TuneSchedule:
+    """Note [Default schedule from the link]. With ``num_layers=N`` and no schedule in the config, the
+    runtime starts with the overlap schedule (``release_lag = prefetch_layers = 1``: a layer's copies
+    hide behind the next layer's compute). At the first training forward on CUDA the link is measured
+    (once per process), and the layers' forward times and the bytes each offloaded layer saved in that
+    forward are read at its end; then the cost model (Note [Planner time model], backward taken as twice
+    the forward) picks, of the schedules up to TransformerEngine's gap ``L - N - 1`` (at least 1), the
+    fastest one, the smallest on ties. One-off: this root forward pre-hook removes itself at the first
+    training forward (on a CPU without measuring), and its layer hooks at the end of that forward."""
+
+    __reduce_ex__ = _refuse_pickle
+
+    def __init__(self, model: nn.Module, tune: tuple[str, ...]) -> None:
+        self.tune = tune
+        self.id = model.register_forward_pre_hook(self, with_kwargs=True).id
+
+    def __deepcopy__(self, memo: dict) -> "_TuneSchedule":  # a model's copy tunes its own runtime
+        new = _TuneSchedule.__new__(_TuneSchedule)
+        new.tune, new.id = self.tune, self.id
+        return new
+
+    def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> None:
+        state = root.__dict__.get(_STATE)
+        if (state is not None and not torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return  # wait for a training forward that runs eagerly (Note [Traced layers] in _layers.py)
+        root._forward_pre_hooks.pop(self.id, None)
+        leaf = next((t for t in tree_leaves((args, kwargs, list(root.parameters()))) if isinstance(t, torch.Tensor)),
+                    None)
+        if state is None or leaf is None or leaf.device.type != "cuda":
+            return
+        from annotate_offload.planner._bandwidth import measure_bandwidth
+
+        bandwidth = measure_bandwidth(leaf.device)
+        events, hooks = [], []
+        for layer in state.layers:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events.append((start, end))
+            hooks.append(layer.register_forward_pre_hook(lambda *_, e=start: e.record()))
+            hooks.append(layer.register_forward_hook(lambda *_, e=end: e.record()))
+        hooks.append(state.layers[-1].register_forward_hook(lambda *_: self.choose(state, bandwidth, events, hooks)))
+
+    def choose(self, state: Any, bandwidth: Any, events: list, hooks: list) -> None:
+        from annotate_offload.planner._search import choose_schedule
+
+        for h in hooks:
+            h.remove()
+        events[-1][1].synchronize()
+        fwd = [start.elapsed_time(end) for start, end in events]
+        chosen = choose_schedule(fwd, dict(state.sync.stats.bytes_offloaded_per_layer), bandwidth,
+                                 max(1, len(fwd) - len(state.offloaded) - 1))
+        for name, value in zip(("release_lag", "prefetch_layers"), chosen):
+            if name in self.tune:
+                setattr(state.sync, name, value)
+        state.plan.notes += (f"schedule from the link ({bandwidth.d2h_gbps:.1f} / {bandwidth.h2d_gbps:.1f} GB/s): "
+                             f"release_lag={state.sync.release_lag}, prefetch_layers={state.sync.prefetch_layers}",)
 
 
 def _min_numel(v: int | None) -> int:

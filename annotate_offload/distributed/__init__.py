@@ -1,14 +1,11 @@
 """Offload under torch.distributed, one process per device (DDP, FSDP2 ``fully_shard``), launched with torchrun.
 
-* optimizer wiring: :func:`attach_optimizer` (DDP or FSDP2), :func:`register_offload_comm_hook`
-  (DDP: reduced gradients, each bucket's D2H after its all-reduce), :func:`clip_grad_norm_`
+* optimizer wiring: :func:`attach_optimizer` (DDP: reduced gradients, each bucket's D2H after its
+  all-reduce, the host step sharded across ranks; FSDP2: local shards), :func:`clip_grad_norm_`
   (global norm over FSDP2 shards, seen by the host step);
-* host threads: :func:`local_thread_budget` (cores / local ranks, NUMA-aware), :class:`ThreadBudget`,
-  :func:`bind_to_budget`;
-* shards: :func:`local_shard` (a DTensor parameter -> this rank's tensor);
+* host threads: :func:`local_thread_budget` (cores / local ranks, NUMA-aware), :func:`bind_to_budget`;
 * checkpoints through ``torch.distributed.checkpoint`` at any world size and offload fraction:
-  :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`optimizer_state_dict`,
-  :func:`set_optimizer_state_dict`.
+  :func:`save_checkpoint`, :func:`load_checkpoint`.
 
 Activation offload needs nothing extra: ``offload_transform`` works per rank, and FSDP2's
 unsharded parameters (and their bf16 all-gathers or autocast casts) are parameters, so the runtime
@@ -32,28 +29,16 @@ Usage (one process per GPU, under torchrun)::
 Importing this module does not initialise CUDA or a process group.
 """
 
-from ._attach import ShardedAttachment, attach_optimizer
+from ._attach import attach_optimizer
+from ._checkpoint import load_checkpoint, save_checkpoint
 from ._clip import clip_grad_norm_
-from ._checkpoint import load_checkpoint, optimizer_state_dict, save_checkpoint, set_optimizer_state_dict
-from ._ddp import OffloadCommHook, register_offload_comm_hook
-from ._shards import local_shard
-from ._threads import ThreadBudget, bind_to_budget, local_thread_budget
+from ._threads import bind_to_budget, local_thread_budget
 
 __all__ = [
-    # optimizer wiring
-    "attach_optimizer",
-    "register_offload_comm_hook",
-    "OffloadCommHook",
-    "ShardedAttachment",
-    "clip_grad_norm_",
-    # host threads and shards
-    "local_thread_budget",
+    "attach_optimizer",  # DDP (comm hook, sharded host step) or FSDP2
+    "clip_grad_norm_",  # global norm over FSDP2 shards, seen by the host step
+    "local_thread_budget",  # host threads of one local rank, NUMA-aware
     "bind_to_budget",
-    "ThreadBudget",
-    "local_shard",
-    # checkpoints (torch.distributed.checkpoint)
-    "save_checkpoint",
+    "save_checkpoint",  # torch.distributed.checkpoint, any world size and fraction
     "load_checkpoint",
-    "optimizer_state_dict",
-    "set_optimizer_state_dict",
 ]

@@ -1,8 +1,7 @@
 """``attach_optimizer``: wire a ``HybridDeviceOptimizer`` to a DDP or FSDP2 model (private).
 
 FSDP2 needs no change of the gradient path: it calls the sharded parameters' post-accumulate-grad
-hooks after the reduce-scatter (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), with the
-reduce-scatter stream current, so the optimizer's own hooks copy the reduced local shard
+hooks after the reduce-scatter, with the reduce-scatter stream current, so the optimizer's own hooks copy the reduced local shard
 (``to_local()``) and each rank offloads exactly its shard. What the attachment adds there is the
 guard of Note [Local shards] (``_shards.py``) and a refusal of the optimizer's own
 ``clip_grad_norm_``, whose norm would cover only this rank's shard. Clip with this package's
@@ -21,9 +20,8 @@ import torch
 from torch import nn
 
 from ..errors import OffloadError
-from . import _seams
 from ._ddp import OffloadCommHook, register_offload_comm_hook
-from ._shards import check_local_shards, is_dtensor, local_shard, param_owners
+from ._shards import check_local_shards, check_optimizer, is_dtensor, param_owners
 
 __all__: list[str] = []
 
@@ -31,14 +29,14 @@ __all__: list[str] = []
 class _SeenVersion:
     """Post-accumulate-grad hook (runs after the optimizer's): the DTensor gradient's version when copied."""
 
-    __slots__ = ("seen", "slot")
+    __slots__ = ("seen",)
 
-    def __init__(self, seen: dict[int, int], slot: Any) -> None:
-        self.seen, self.slot = seen, slot
+    def __init__(self, seen: dict[int, int]) -> None:
+        self.seen = seen
 
     def __call__(self, p: torch.Tensor) -> None:
         if p.grad is not None:
-            self.seen[id(self.slot)] = p.grad._version
+            self.seen[id(p)] = p.grad._version
 
 
 class ShardedAttachment:
@@ -48,10 +46,9 @@ class ShardedAttachment:
     already copied in backward when the local tensor's version is unchanged. For a DTensor
     gradient that signal is blind: in-place ops on a DTensor bump only the wrapper's version (the
     local tensor's never moves), and ``torch._foreach_*`` ops (``torch.nn.utils.clip_grad_norm_``,
-    ``GradScaler.unscale_``) bump neither (measured on torch 2.13). The attachment records the
-    wrapper's version when the gradient lands and makes ``step()`` copy again when it moved; for
-    foreach transforms use :func:`clip_grad_norm_` of this package or call
-    :meth:`mark_gradients_changed` after them.
+    ``GradScaler.unscale_``) bump neither. The attachment records the wrapper's version when the
+    gradient lands and makes ``step()`` copy again when it moved; for foreach transforms use
+    :func:`clip_grad_norm_` of this package or call :meth:`mark_gradients_changed` after them.
 
     Attributes:
         sharded (bool): some parameters are DTensors (each rank steps its local shard).
@@ -64,36 +61,31 @@ class ShardedAttachment:
         self._opt = opt
         self._owners = param_owners(model)
         self.sharded = sharded
-        self.recopied = 0
-        self.copied_at_step = 0
+        self.recopied = self.copied_at_step = 0
         self._seen: dict[int, int] = {}
-        self._watched: list[Any] = []
-        self._hooks = []
-        for slot, on_host in _seams.slots(opt):
-            if on_host and is_dtensor(slot.param) and slot.param.requires_grad:
-                self._watched.append(slot)
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(_SeenVersion(self._seen, slot)))
-        self._handle = opt.register_step_pre_hook(self._before_step)
+        pl = opt.pipeline
+        self._watched = [p for p in pl.params if is_dtensor(p) and p.requires_grad]
+        self._hooks = [p.register_post_accumulate_grad_hook(_SeenVersion(self._seen)) for p in self._watched]
+        self._handle: Any = opt.register_step_pre_hook(self._before_step)
 
     def _before_step(self, *_: Any) -> None:
         check_local_shards(self._opt, self._owners, who="HybridDeviceOptimizer.step")
-        for slot in self._watched:
-            g = slot.param.grad
-            if g is not None and self._seen.get(id(slot), g._version) != g._version:
-                _seams.forget_grad_copy(slot)
+        pl = self._opt.pipeline
+        for p in self._watched:
+            g = p.grad
+            if g is not None and self._seen.get(id(p), g._version) != g._version:
+                pl.forget_copy(p)
                 self.recopied += 1
         self._seen.clear()
-        for slot, on_host in _seams.slots(self._opt):
-            if (on_host and slot.param.grad is not None and not _seams.batched(self._opt, slot)
-                    and not _seams.grad_copied(slot, local_shard(slot.param.grad))):
-                self.copied_at_step += 1  # tiny ones are copied at step() by design (Note [Tiny gradients at step()])
+        # tiny gradients are copied at step() by design (Note [Tiny gradients at step()])
+        self.copied_at_step += sum(1 for p in pl.params if p.grad is not None and not pl.batched(p) and not pl.grad_copied(p))
 
     def mark_gradients_changed(self) -> None:
         """Declare that gradients were modified in place after backward in a way versions do not show
         (``torch._foreach_*``): ``step()`` copies every host-stepped gradient again."""
-        for slot in self._watched:
-            if slot.param.grad is not None:
-                _seams.forget_grad_copy(slot)
+        for p in self._watched:
+            if p.grad is not None:
+                self._opt.pipeline.forget_copy(p)
                 self.recopied += 1
         self._seen.clear()
 
@@ -152,7 +144,7 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
         raise TypeError(f"attach_optimizer: model must be an nn.Module, got {type(model).__name__}.")
     if isinstance(model, DistributedDataParallel):
         return register_offload_comm_hook(model, optimizer, shard_host_step=shard_host_step)
-    opt = _seams.check_optimizer(optimizer, "attach_optimizer")
+    opt = check_optimizer(optimizer, "attach_optimizer")
     owned = {id(p) for p in model.parameters()}
     params = [p for g in opt.param_groups for p in g["params"]]
     foreign = [tuple(p.shape) for p in params if id(p) not in owned]

@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import OffloadError
-from . import _seams
-from ._shards import is_dtensor, local_shard, param_owners, shard_of
+from ._shards import check_optimizer, is_dtensor, local_shard, param_owners, shard_of
 
 __all__: list[str] = []
 
@@ -124,7 +123,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
 
 
 def _optimizer_state_dict(model: nn.Module, optimizer: Any, who: str) -> dict[str, Any]:
-    opt = _seams.check_optimizer(optimizer, who)
+    opt = check_optimizer(optimizer, who)
     fqns = _fqns(model, opt, who)
     opt.flush()
     state: dict[str, dict[str, Any]] = {}
@@ -133,8 +132,7 @@ def _optimizer_state_dict(model: nn.Module, optimizer: Any, who: str) -> dict[st
             st = opt.state.get(p)
             if not st:
                 continue
-            slot = _seams.host_slot(opt, p)
-            if slot is not None and not _seams.steps_here(opt, slot):
+            if opt.pipeline.is_host(p) and not opt.pipeline.steps_here(p):
                 continue  # its owner writes it (Note [Host-step sharding]); this rank's copy may be stale
             out = {}
             for k, v in st.items():
@@ -190,7 +188,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any, state_dict: dict[
         ValueError: the checkpoint's param groups do not hold the same parameters (by FQN) as the
             optimizer's, group by group.
     """
-    opt = _seams.check_optimizer(optimizer, "set_optimizer_state_dict")
+    opt = check_optimizer(optimizer, "set_optimizer_state_dict")
     fqns = _fqns(model, opt, "set_optimizer_state_dict")
     saved_groups = json.loads(state_dict["param_groups"]) if isinstance(state_dict["param_groups"], str) else state_dict["param_groups"]
     if [g["params"] for g in saved_groups] != fqns:
@@ -258,7 +256,7 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
     import torch.distributed.checkpoint as dcp
 
     inner = _unwrap(model)
-    opt = _seams.check_optimizer(optimizer, "load_checkpoint") if optimizer is not None else None
+    opt = check_optimizer(optimizer, "load_checkpoint") if optimizer is not None else None
     msd = inner.state_dict()
     md = dcp.FileSystemReader(checkpoint_id).read_metadata()
     saved = {k[len(_MODEL) + 1 :] for k in md.state_dict_metadata if k.startswith(_MODEL + ".")}

@@ -7,8 +7,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..errors import OffloadError
-from . import _seams
-from ._shards import is_dtensor
+from ._shards import check_optimizer, is_dtensor
 
 __all__: list[str] = []
 
@@ -47,7 +46,7 @@ def clip_grad_norm_(
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be a positive number, got {max_norm!r}.")
-    if optimizer is not None and _seams.offloads_gradients(_seams.check_optimizer(optimizer, "clip_grad_norm_")):
+    if optimizer is not None and check_optimizer(optimizer, "clip_grad_norm_").defaults["offload_gradients"]:
         raise OffloadError(
             "clip_grad_norm_: the optimizer has offload_gradients=True, so the host-stepped gradients are no longer on "
             "the device and would be left out of the norm. Build it with offload_gradients=False to clip under FSDP2."

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OffloadError
-from . import _seams
+from ._shards import check_optimizer
 
 __all__: list[str] = []
 
@@ -50,7 +50,7 @@ class OffloadCommHook:
     """
 
     def __init__(self, opt: Any, process_group: Any, overlapped: bool) -> None:
-        self._opt = opt
+        self._pipeline = opt.pipeline
         self._pg = process_group
         self._lock = threading.Lock()  # gloo runs bucket callbacks on several worker threads
         self.overlapped = overlapped
@@ -73,23 +73,17 @@ class OffloadCommHook:
             return out
         lo = out.data_ptr()
         hi = lo + out.numel() * out.element_size()
+        pl = self._pipeline
         with self._lock:
             for p in params:
-                slot = _seams.host_slot(self._opt, p)
-                g = p.grad
-                if slot is None or g is None or not lo <= g.data_ptr() < hi:
-                    continue  # device-stepped, or the grad is not (yet) the reduced bucket view
-                if not _seams.steps_here(self._opt, slot):
-                    continue  # another rank steps it (Note [Host-step sharding])
-                _seams.grad_ready(self._opt, slot)
-                self.copied_in_hook += 1
+                g = p.grad  # device-stepped, or not (yet) the reduced bucket view: copied at step()
+                if pl.is_host(p) and g is not None and lo <= g.data_ptr() < hi and pl.grad_ready(p):
+                    self.copied_in_hook += 1  # (grad_ready skips parameters another rank steps)
         return out
 
     def _before_step(self, *_: Any) -> None:
-        for slot, on_host in _seams.slots(self._opt):
-            if (on_host and slot.param.grad is not None and _seams.steps_here(self._opt, slot)
-                    and not _seams.grad_copied(slot, slot.param.grad)):
-                self.copied_at_step += 1
+        pl = self._pipeline
+        self.copied_at_step += sum(1 for p in pl.params if p.grad is not None and pl.steps_here(p) and not pl.grad_copied(p))
 
     def __repr__(self) -> str:
         return f"OffloadCommHook(overlapped={self.overlapped}, copied_in_hook={self.copied_in_hook}, copied_at_step={self.copied_at_step})"
@@ -141,8 +135,8 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
             f"register_offload_comm_hook: ddp_model must be a torch.nn.parallel.DistributedDataParallel, got "
             f"{type(ddp_model).__name__}; for FSDP2 (fully_shard) models use attach_optimizer(model, optimizer)."
         )
-    opt = _seams.check_optimizer(optimizer, "register_offload_comm_hook")
-    if _seams.offloads_gradients(opt):
+    opt = check_optimizer(optimizer, "register_offload_comm_hook")
+    if opt.defaults["offload_gradients"]:
         raise ValueError(
             "register_offload_comm_hook: the optimizer has offload_gradients=True; under DDP the gradient bucket stays "
             "allocated, so freeing p.grad saves no GPU memory and breaks gradient_as_bucket_view. Build it with "
@@ -180,10 +174,10 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
             f"({e}); attach_optimizer / register_offload_comm_hook must be called once per DDP model, and not on a "
             "model that has another comm hook."
         ) from e
-    _seams.remove_grad_hooks(opt)
+    opt.pipeline.remove_grad_hooks()
     if shard_host_step and dist.get_world_size(ddp_model.process_group) > 1:
         from ._host_shard import HostShard
 
-        hook.shard = _seams.set_shard(opt, HostShard(opt, ddp_model.process_group))
+        hook.shard = HostShard(opt, ddp_model.process_group)
     hook._pre_step = opt.register_step_pre_hook(hook._before_step)
     return hook

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import OffloadError
-from . import _seams
+from ..optim import HybridDeviceOptimizer
 
 __all__: list[str] = []
 
@@ -77,29 +77,47 @@ def param_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str, str]]:
     return out
 
 
-def check_local_shards(opt: Any, owners: Optional[dict[int, tuple[nn.Module, str, str]]] = None, who: str = "HybridDeviceOptimizer") -> None:
+def check_optimizer(opt: Any, who: str) -> HybridDeviceOptimizer:
+    """``opt`` as a ``HybridDeviceOptimizer``.
+
+    Raises:
+        TypeError: it is not one.
+    """
+    if not isinstance(opt, HybridDeviceOptimizer):
+        raise TypeError(f"{who}: optimizer must be an annotate_offload.optim.HybridDeviceOptimizer, got {type(opt).__name__}.")
+    return opt
+
+
+def check_local_shards(opt: HybridDeviceOptimizer, owners: Optional[dict[int, tuple[nn.Module, str, str]]] = None,
+                       who: str = "HybridDeviceOptimizer") -> None:
     """Raise if a parameter of ``opt`` was replaced, or its local storage moved, since construction.
 
     Raises:
         OffloadError: naming the parameter and what to do (build the optimizer after loading, or
             load weights in place).
     """
-    for slot, _ in _seams.slots(opt):
-        p = slot.param
-        name = "?"
-        if owners is not None and id(p) in owners:
-            mod, attr, name = owners[id(p)]
-            if getattr(mod, attr, None) is not p:
+    pl = opt.pipeline
+    for g in opt.param_groups:
+        for p in g["params"]:
+            name = "?"
+            if owners is not None and id(p) in owners:
+                mod, attr, name = owners[id(p)]
+                if getattr(mod, attr, None) is not p:
+                    raise OffloadError(
+                        f"{who}: parameter {name!r} was replaced after the optimizer was built (e.g. load_state_dict(assign=True) "
+                        "or to_empty); the optimizer would keep updating the old tensor. Load weights in place "
+                        "(load_state_dict() without assign, or annotate_offload.distributed.load_checkpoint), or build the "
+                        "optimizer after replacing the parameters.")
+            # what the optimizer writes: the host pipeline's H2D target, or the tensor the device half steps
+            if pl.is_host(p):
+                mine = pl.where(p)[1]
+            elif p not in opt.param_to_fp32_param:
+                mine = opt.param_to_inner_param[p]
+            else:
+                continue
+            if not _same_storage(mine, local_shard(p)):
                 raise OffloadError(
-                    f"{who}: parameter {name!r} was replaced after the optimizer was built (e.g. load_state_dict(assign=True) "
-                    "or to_empty); the optimizer would keep updating the old tensor. Load weights in place "
-                    "(load_state_dict() without assign, or annotate_offload.distributed.load_checkpoint), or build the "
-                    "optimizer after replacing the parameters."
-                )
-        if not _same_storage(slot.local, local_shard(p)):
-            raise OffloadError(
-                f"{who}: the local shard of parameter {name!r} (shape {tuple(slot.local.shape)}) now lives in other storage "
-                "than when the optimizer was built (FSDP re-padding after an assign-style load, or .data replaced); its "
-                "updates would be lost. Build the HybridDeviceOptimizer after the model's first forward / after loading, "
-                "or load weights in place."
-            )
+                    f"{who}: the local shard of parameter {name!r} (shape {tuple(mine.shape)}) now lives in other storage "
+                    "than when the optimizer was built (FSDP re-padding after an assign-style load, or .data replaced); its "
+                    "updates would be lost. Build the HybridDeviceOptimizer after the model's first forward / after loading, "
+                    "or load weights in place.")

@@ -1,10 +1,9 @@
 """Host-thread budget of one local rank, NUMA-aware where ``/sys`` tells (private).
 
 Note [Rank thread budget]: ranks on one host share its cores and, above all, its memory
-bandwidth (issue 9: fused CPU AdamW gave 2.9 G params/s per rank with two ranks stepping at
-once, 16 threads each, against 4.2 G params/s for one process on a 16-core machine). torchrun
-sets ``OMP_NUM_THREADS=1`` for every rank when it starts more than one per node, which would make
-each rank's host optimizer step single-threaded; the budget here ignores ``OMP_NUM_THREADS``.
+bandwidth, so each rank's host optimizer step gets its own share of the cores, on the NUMA node of
+its GPU where known. torchrun sets ``OMP_NUM_THREADS=1`` for every rank when it starts more than one
+per node, which would make each host step single-threaded; the budget ignores ``OMP_NUM_THREADS``.
 
     cpus     = this process's affinity (``os.sched_getaffinity``: honours taskset/numactl/cgroups)
     nodes    = NUMA nodes from /sys/devices/system/node/node*/cpulist, each restricted to ``cpus``
@@ -17,12 +16,11 @@ each rank's host optimizer step single-threaded; the budget here ignores ``OMP_N
     threads  = max(1, len(share(r)) - (1 if len(share(r)) >= 4 else 0))
 
 One core of a share of four or more is left to the Python thread that launches GPU work (the
-optimizer's own rule for ``step_in_backward`` and ``delayed_param_update``, Note [Thread budget]
-in ``optim/_threads.py``; its default mode steps on the training thread and takes the whole
-share, ``len(budget.cpus)``, which measured the same on W3: 407.1 vs 407.7 ms with 16 and 15
-threads). With one node this is ``usable cpus // local ranks`` (the remainder goes to the lowest
-ranks). The CPU list is returned so a launcher can bind the rank (:func:`bind_to_budget`); nothing
-is bound unless asked.
+optimizer's rule for ``step_in_backward`` and ``delayed_param_update``, Note [Thread budget] in
+``optim/_threads.py``; its default mode steps on the training thread and may take the whole share,
+``len(budget.cpus)``). With one node this is ``usable cpus // local ranks`` (the remainder goes to the
+lowest ranks). The CPU list is returned so a launcher can bind the rank (:func:`bind_to_budget`);
+nothing is bound unless asked.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Optimizer-state offload: :class:`HybridDeviceOptimizer` steps a fraction of the parameters on the host."""
 
 from ._hybrid import HybridDeviceOptimizer
-from ._split import Placement
 
-__all__ = ["HybridDeviceOptimizer", "Placement"]
+__all__ = ["HybridDeviceOptimizer"]

@@ -1,155 +1,109 @@
-"""Stream/event layer of :class:`HybridDeviceOptimizer` (private).
+"""Streams, events and pinned host slabs of :class:`HybridDeviceOptimizer` (private).
 
-Two backends with one small interface, chosen from where the model's parameters live:
+:class:`Side` wraps CUDA streams and events on one device. Without CUDA the "device" parameters are
+CPU tensors and every stream and event is ``None``: waits are no-ops, copies are synchronous, and
+splitting, hooks, chunks, state and all numerics run as on a GPU. Nothing touches CUDA at import.
 
-* ``_CudaSide``: real CUDA side streams (one D2H, one H2D) and events.
-* ``_CpuSide``: for machines without a GPU. The "device" parameters are CPU tensors, streams
-  and events are no-ops that are always complete, copies run synchronously, and pinning is
-  off (there is no accelerator to pin for). Splitting, hooks, chunking, state handling and all
-  numerics run exactly as on a GPU; only the concurrency is missing.
-
-Nothing here touches CUDA at import time.
+Note [Host slabs]: torch's caching host allocator rounds every pinned allocation up to a power of
+two, so pinning each master and gradient buffer separately can waste up to half the pinned memory.
+:func:`carve` allocates power-of-two slabs (at least ``MIN_SLAB_BYTES`` and the largest tensor),
+packs the views into them in order at 64-byte alignment and sizes only the last slab to what it
+holds. Slabs live as long as the optimizer; loads copy into them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import warnings
+from typing import Any
 
 import torch
 
 __all__: list[str] = []
 
+MIN_SLAB_BYTES = 64 << 20
 
-class _CpuSide:
-    """No-op streams and events; the "GPU side" is CPU tensors (tests, CI)."""
 
-    __slots__ = ("device",)
-    is_accel = False
-    can_pin = False
+class Side:
+    """Streams and events of the parameters' device; every stream and event is ``None`` without CUDA.
 
-    def __init__(self) -> None:
-        self.device = torch.device("cpu")
+    Raises (constructor):
+        ValueError: parameters on several CUDA devices or on another accelerator.
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        devices = {p.device for p in params if p.device.type == "cuda"}
+        other = next((p.device for p in params if p.device.type not in ("cpu", "cuda", "meta")), None)
+        if other is not None or len(devices) > 1:
+            raise ValueError(f"HybridDeviceOptimizer: parameters on {other or sorted(map(str, devices))}: pass CUDA "
+                             "parameters of one device (build one optimizer per device) or CPU parameters.")
+        self.can_pin = self.cuda = bool(devices)
+        self.device = devices.pop() if devices else torch.device("cpu")
 
     def owns(self, t: torch.Tensor) -> bool:
-        return True
+        """True for a tensor the device half would step (any tensor without CUDA)."""
+        return t.device.type == "cuda" or not self.cuda
 
     def new_stream(self) -> Any:
-        return None
+        return torch.cuda.Stream(device=self.device) if self.cuda else None
 
     def current_stream(self) -> Any:
-        return None
-
-    @contextlib.contextmanager
-    def use(self, stream: Any) -> Iterator[None]:
-        yield
-
-    def record(self, stream: Any = None, timing: bool = False) -> Any:
-        return None
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        return None
-
-    def wait_stream(self, stream: Any, other: Any) -> None:
-        return None
-
-    def synchronize(self, event: Any) -> None:
-        return None
-
-    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
-        return None
+        return torch.cuda.current_stream(self.device) if self.cuda else None
 
     def bind_thread(self) -> None:
-        return None
+        if self.cuda:
+            torch.cuda.set_device(self.device)
 
-    def __repr__(self) -> str:
-        return "_CpuSide()"
+    @staticmethod
+    def use(stream: Any) -> Any:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
+    @staticmethod
+    def record(stream: Any) -> Any:
+        return stream.record_event() if stream is not None else None
 
-class _CudaSide:
-    """Real CUDA streams/events on one device."""
-
-    __slots__ = ("device",)
-    is_accel = True
-    can_pin = True
-
-    def __init__(self, device: torch.device) -> None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device = torch.device("cuda", index)
-
-    def owns(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cuda"
-
-    def new_stream(self) -> Any:
-        return torch.cuda.Stream(device=self.device)
-
-    def current_stream(self) -> Any:
-        return torch.cuda.current_stream(self.device)
-
-    def use(self, stream: Any) -> Any:
-        return torch.cuda.stream(stream)
-
-    def record(self, stream: Any = None, timing: bool = False) -> Any:
-        ev = torch.cuda.Event(enable_timing=timing)
-        ev.record(stream if stream is not None else self.current_stream())
-        return ev
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        if event is not None:
+    @staticmethod
+    def wait_event(stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
             stream.wait_event(event)
 
-    def wait_stream(self, stream: Any, other: Any) -> None:
-        stream.wait_stream(other)
-
-    def synchronize(self, event: Any) -> None:
+    @staticmethod
+    def synchronize(event: Any) -> None:
         if event is not None:
             event.synchronize()
 
-    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
-        t.record_stream(stream)
 
-    def bind_thread(self) -> None:
-        torch.cuda.set_device(self.device)
+def carve(numels: list[int], dtypes: list[torch.dtype], *, pin: bool, what: str) -> list[torch.Tensor]:
+    """1-D host views of ``numels[i]`` elements of ``dtypes[i]`` from power-of-two slabs (Note [Host slabs]).
 
-    def __repr__(self) -> str:
-        return f"_CudaSide({self.device})"
-
-
-def pick_side(params: list[torch.Tensor]) -> "_CpuSide | _CudaSide":
-    """The backend for ``params``: CUDA if any parameter is on CUDA, else the CPU stand-in.
-
-    Raises:
-        ValueError: parameters on more than one CUDA device, or on an accelerator other than CUDA.
+    A pinning failure falls back to pageable memory with one ``ResourceWarning``; it never raises.
     """
-    devices: set[torch.device] = set()
-    for p in params:
-        if p.device.type == "cuda":
-            devices.add(p.device)
-        elif p.device.type not in ("cpu", "meta"):
-            raise ValueError(
-                f"HybridDeviceOptimizer: parameters on device {p.device} are not supported; "
-                "only CUDA parameters (offloaded to the host) or CPU parameters (test backend) are."
-            )
-    if len(devices) > 1:
-        raise ValueError(
-            f"HybridDeviceOptimizer: parameters live on several CUDA devices {sorted(map(str, devices))}; "
-            "one optimizer serves one device (use one per rank/device)."
-        )
-    if devices:
-        return _CudaSide(devices.pop())
-    return _CpuSide()
-
-
-def empty_host(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, bool]:
-    """A 1-D host tensor of ``numel`` elements; pinned if asked and possible.
-
-    Returns ``(tensor, pinned)``. A pinning failure (e.g. the locked-memory limit) falls back to
-    pageable memory; the caller warns once.
-    """
-    if pin:
-        try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True), True
-        except RuntimeError:
-            pass
-    return torch.empty(numel, dtype=dtype), False
-
+    out: list[Any] = [None] * len(numels)
+    unpinned = False
+    pow2 = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731
+    for dtype in dict.fromkeys(dtypes):
+        idx = [i for i, d in enumerate(dtypes) if d == dtype]
+        esize = torch.empty((), dtype=dtype).element_size()
+        align = max(1, 64 // esize)
+        slab = max(MIN_SLAB_BYTES, pow2(max(numels[i] * esize for i in idx))) // esize
+        places, used = [], []  # (slab, offset) per view; elements used per slab
+        for i in idx:
+            if not used or used[-1] + numels[i] > slab:
+                used.append(0)
+            places.append((len(used) - 1, used[-1]))
+            used[-1] += -(-numels[i] // align) * align
+        slabs = []
+        for k, u in enumerate(used):
+            size = slab if k < len(used) - 1 else max(align, pow2(u * esize) // esize)
+            try:
+                slabs.append(torch.empty(size, dtype=dtype, pin_memory=pin))
+            except RuntimeError:  # e.g. the locked-memory limit
+                slabs.append(torch.empty(size, dtype=dtype))
+                unpinned = True
+        for i, (k, off) in zip(idx, places):
+            out[i] = slabs[k].narrow(0, off, numels[i])
+    if unpinned:
+        warnings.warn(f"HybridDeviceOptimizer: could not pin host memory for {what}; using pageable memory, so its "
+                      "copies are staged and synchronous. Raise the locked-memory limit (ulimit -l) or pass "
+                      "pin_cpu_params=False / pin_cpu_grads=False.", ResourceWarning, stacklevel=4)
+    return out

@@ -1,480 +1,676 @@
-"""The per-step pipeline of :class:`HybridDeviceOptimizer`: hooks, D2H, host chunks, H2D (private).
+"""The host pipeline of :class:`HybridDeviceOptimizer`: slots, chunks, streams and the worker (private).
 
-See Note [Host step lifecycle] in ``_slots.py``.
+Note [Host step lifecycle] (one host-stepped parameter, overlap on):
+
+1. backward: its post-accumulate-grad hook records a *ready* event on the compute stream; the D2H
+   stream waits on it and copies the gradient into the slot's pinned buffer, recording which gradient
+   tensor and version it copied (EMPTY/CONSUMED -> COPIED).
+2. ``step()``: a gradient never copied, or changed since (clipping, unscaling), is copied again. The
+   device half is queued first; then each chunk, in the order its gradients landed, waits for its D2H,
+   is stepped by its host optimizer (COPIED -> SUBMITTED -> STEPPED), writes the bf16 staging copy of a
+   bf16 model, and enqueues its H2D on the H2D stream, which waited for the compute stream at entry.
+3. ``step()`` returns once the compute stream waits on the last H2D, so no forward reads a stale
+   weight; the gradients are consumed (-> CONSUMED, Note [Consumed gradients]).
+
+Note [Failed steps]: a unit of work (the device optimizer, one host chunk) completes or leaves its
+parameters untouched. After an exception ``step()`` keeps what it did (``device_done``, STEPPED
+slots) and the gradients of the rest (SUBMITTED -> COPIED), so a retried ``step()`` steps each
+untouched parameter once. In delayed mode a chunk of step ``t`` runs during step ``t + 1``; a failed
+one keeps its arguments, and the next ``step()`` or ``flush()`` runs it again first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import functools
-import time
+import threading
+import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.profiler import record_function
 
 from ..errors import OffloadError
 from . import _amp
-from ._clip import _host_scale
-from ._phases import StepPhases
-from ._slots import Chunk, HostSlot
-from ._split import local_grad
-from ._threads import num_threads
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ._hybrid import HybridDeviceOptimizer
+from ._device import carve
+from ._split import local_grad, make_chunks, split_serial
+from ._threads import CpuWorker, num_threads
 
 __all__: list[str] = []
 
-
-# Note [One optimizer per parameter]: an optimizer that is replaced but still referenced (an LR
-# finder's, one a scheduler or a closure keeps) kept its gradient hooks, and with
-# offload_gradients its hook freed p.grad under the new optimizer (fresh-user report, seventh
-# session: weights 0.031 off after 3 steps; with step_in_backward the new one raised a misleading
-# "second gradient" error). The newest optimizer built over a parameter owns it: older ones' hooks
-# stand aside (they still step correctly, copying the gradient at their own step()), and building
-# over parameters a live, unclosed optimizer owns warns, naming close().
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, owning optimizer)
-
-
-def claim(params: list[torch.Tensor], opt: "HybridDeviceOptimizer") -> list[int]:
-    """Make ``opt`` the owner of ``params``; the positions of those a live, unclosed optimizer owned."""
-    for k in [k for k, (p, _) in _OWNERS.items() if p() is None]:
-        del _OWNERS[k]
-    taken = []
-    for i, p in enumerate(params):
-        prev = _OWNERS.get(id(p))
-        if prev is not None and prev[0]() is p:
-            o = prev[1]()
-            if o is not None and o is not opt and not o._closed:
-                taken.append(i)
-        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
-    return taken
-
-
-def _owns(param: torch.Tensor, opt: "HybridDeviceOptimizer") -> bool:
-    e = _OWNERS.get(id(param))
-    return e is not None and e[1]() is opt and e[0]() is param
-
-
-class _GradHook:
-    """Post-accumulate-grad hook of one host slot; holds the optimizer weakly (no cycle through C++)."""
-
-    __slots__ = ("opt", "slot")
-
-    def __init__(self, opt: "HybridDeviceOptimizer", slot: HostSlot) -> None:
-        self.opt = weakref.ref(opt)
-        self.slot = slot
-
-    def __call__(self, param: torch.Tensor) -> None:
-        opt = self.opt()
-        if opt is not None and _owns(param, opt):  # Note [One optimizer per parameter]
-            opt._on_grad(self.slot)
-
-
-class _VersionHook:
-    """Post-accumulate-grad hook of a parameter whose gradient stays on the device under
-    ``offload_gradients``: records the gradient's version, so ``step()`` can tell that code after
-    backward changed device gradients in place (Note [Gradient transforms that miss host gradients])."""
-
-    __slots__ = ("opt",)
-
-    def __init__(self, opt: "HybridDeviceOptimizer") -> None:
-        self.opt = weakref.ref(opt)
-
-    def __call__(self, param: torch.Tensor) -> None:
-        opt = self.opt()
-        g = local_grad(param)
-        if opt is not None and g is not None:
-            opt._grad_vers[id(param)] = (param, id(g), g._version)
-
-
-# Note [Gradient transforms that miss host gradients]: with offload_gradients, host-held gradients
-# have p.grad None on the device, so code that edits p.grad after backward cannot reach them.
-# torch.nn.utils.clip_grad_norm_ is such code, and HF Trainer (max_grad_norm, default 1.0, and its
-# grad_norm logging even at 0) and accelerate's clip_grad_norm_ call it: it clipped only the
-# gradients still on the device and returned their norm alone (fresh-user trial, eighth session:
-# logged grad_norm 0.03 against torch's 1.93, weights 1.6e-2 off after 6 steps). Parameters whose
-# gradients stay on the device get a hook that records their version; step() warns once when one
-# changed while host-held gradients exist and this optimizer's own clip_grad_norm_ was not called.
-# Such a hook only stores a tuple (no event, no stream switch, no copy: Note [Tiny gradients at
-# step()]'s costs); on W3 its backward cost was not measurable (benchmarks/NOTES.md, G1 of
-# session 9: backward() 77-94 ms with the hooks, 81-91 ms without).
-def _unseen_transform(opt: "HybridDeviceOptimizer") -> "str | None":
-    """The warning for Note [Gradient transforms that miss host gradients], or ``None``."""
-    if opt._warned_unseen or opt._clipped or not opt._grad_vers:
-        return None
-    held = sum(1 for s in opt._host_slots if s.valid and local_grad(s.param) is None)
-    if not held:
-        return None
-    changed = 0
-    for param, gid, ver in opt._grad_vers.values():
-        g = local_grad(param)
-        if g is not None and (id(g) != gid or g._version != ver):
-            changed += 1
-    if not changed:
-        return None
-    opt._warned_unseen = True
-    return (
-        f"HybridDeviceOptimizer(offload_gradients=True): after backward, code changed {changed} gradients in place, "
-        f"but {held} host-held gradients were not changed: their p.grad is None on the device, so that code cannot "
-        "see them. torch.nn.utils.clip_grad_norm_ is such code (HF Trainer calls it for max_grad_norm and for its "
-        "grad_norm log, accelerate's clip_grad_norm_ too): it clipped only the device gradients and its norm left the "
-        "host ones out. Clip with opt.clip_grad_norm_(max_norm), or build the optimizer with offload_gradients=False "
-        "under HF Trainer/accelerate. Warned once."
-    )
-
-
-# Note [Tiny gradients at step()]: each gradient hook costs the backward thread two events, a
-# stream switch and a copy launch (~40-70 us on the H200 host). W3's GPT has 288 parameters, 144
-# of them under 4096 elements (LayerNorm weights and biases, small biases: 0.05% of the bytes);
-# with a hook each, the exact-mode backward was CPU-bound (S7 traces: autograd thread 75.4 ms vs
-# a 66.5 ms compute stream; torchao, which keeps such tensors on the GPU, 60.5 ms). Host
-# parameters under BATCHED_NUMEL elements (torchao's ``minimal_size``) get no hook: ``step()``
-# copies their gradients in one batch, one stream switch and one event for all. Not with
-# ``step_in_backward`` (its chunks start in backward when every gradient has landed).
+# Implementation switches of torch optimizers: constructor arguments, never kept in param_groups.
+IMPL_KEYS = ("foreach", "capturable", "differentiable", "fused")
+# HybridDeviceOptimizer's own options: kept in ``defaults`` (Megatron's DistributedOptimizer rebuilds
+# it as ``cls(groups, **opt.defaults)``), never pushed into sub-optimizers nor taken from a load.
+STRUCTURAL_KEYS = ("offload_fraction", "param_update_in_fp32", "pin_cpu_grads", "pin_cpu_params",
+                   "overlap_cpu_optimizer_d2h_h2d", "offload_gradients", "step_in_backward", "delayed_param_update",
+                   "use_torch_optimizer_for_cpu_offload", "cpu_threads", "chunk_bytes")
+# Note [Tiny gradients at step()]: a gradient hook costs the backward thread two events, a stream
+# switch and a copy launch. Host parameters under BATCHED_NUMEL elements (norm weights, biases: many
+# tensors, few bytes; torchao's ``minimal_size``) get no hook: ``step()`` copies their gradients in one
+# batch, one stream switch and one event. Not with step_in_backward (its chunks start in backward).
 BATCHED_NUMEL = 4096
 
 
-def _sparse_grad(s: HostSlot, g: torch.Tensor) -> TypeError:
-    """The error for a non-strided (sparse) gradient of a host-stepped parameter."""
+class SlotState(enum.Enum):
+    EMPTY = "empty"  # the host buffer holds no gradient of this step
+    COPIED = "copied"  # the D2H of this step's gradient is enqueued
+    SUBMITTED = "submitted"  # its chunk's host step is queued or running
+    STEPPED = "stepped"  # its chunk's host step ran in this step
+    CONSUMED = "consumed"  # a finished step used the gradient the buffer holds
+
+
+S = SlotState
+
+
+class HostSlot:
+    """One parameter stepped by a host optimizer."""
+
+    __slots__ = ("param", "flat", "group", "index", "local", "master", "bufs", "staging", "scratch", "chunk",
+                 "grad_ref", "grad_ver", "grad_ptr", "d2h_ev", "ready_ev", "scales", "p_ver", "seq", "state")
+
+    def __init__(self, param: torch.Tensor, flat: int, group: int, index: int, local: torch.Tensor) -> None:
+        self.param, self.flat, self.group, self.index, self.local = param, flat, group, index, local
+        self.master = local  # then a view of a host slab
+        self.bufs: list[torch.Tensor] = []  # host gradient buffers (two in delayed mode)
+        self.staging: Optional[torch.Tensor] = None  # model-dtype pinned copy for the H2D
+        self.scratch: Optional[torch.Tensor] = None  # landing buffer for accumulation (lazy)
+        self.chunk = self.grad_ver = self.grad_ptr = self.p_ver = self.seq = -1
+        self.grad_ref: Optional[weakref.ref] = None
+        self.d2h_ev = self.ready_ev = None
+        self.scales: list[tuple[torch.Tensor, Any]] = []  # clip coefficients pending for the buffer
+        self.state = S.EMPTY
+
+    def to(self, new: SlotState, func: str, allowed: tuple[SlotState, ...]) -> None:
+        """Move to ``new`` from one of ``allowed`` (TransformerEngine's ``_validate_state`` idiom)."""
+        if self.state not in allowed:
+            raise OffloadError(f"HybridDeviceOptimizer.{func}: parameter {self.index} of param group {self.group} is "
+                               f"{self.state.name}, expected {'/'.join(a.name for a in allowed)}.")
+        self.state = new
+
+    def copied(self, g: torch.Tensor) -> bool:
+        """True if the buffer holds the local gradient ``g`` as it is now: same ``param.grad`` object
+        (stable for DTensor gradients, whose ``to_local()`` is a new view per call), storage and version."""
+        return (self.state in (S.COPIED, S.SUBMITTED, S.STEPPED) and self.grad_ref is not None
+                and self.grad_ref() is self.param.grad and self.grad_ptr == g.data_ptr() and g._version == self.grad_ver)
+
+
+class Chunk:
+    """A run of host slots stepped by one host optimizer instance: the unit of pipelining."""
+
+    __slots__ = ("slots", "opt", "serial", "trainable", "landed", "h2d_ev", "pending")
+
+    def __init__(self, slots: list[HostSlot], opt: torch.optim.Optimizer, serial: bool) -> None:
+        self.slots, self.opt, self.serial, self.h2d_ev = slots, opt, serial, None
+        self.trainable, self.landed = sum(s.param.requires_grad for s in slots), 0  # landed: step_in_backward
+        self.pending: list[HostSlot] = []  # delayed mode: stepped, H2D not yet issued
+
+
+def scale_(buf: torch.Tensor, grad_dtype: torch.dtype, coef: torch.Tensor) -> None:
+    """Multiply a host gradient buffer by ``coef`` as the device multiplies a gradient of ``grad_dtype``."""
+    buf.mul_(coef) if buf.dtype == grad_dtype else buf.copy_(buf.to(grad_dtype).mul_(coef))
+
+
+def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, Any], bool]:
+    """A sub-optimizer's constructor switches, and whether complex parameters need their own group.
+
+    Note [Complex parameters]: Adam(W) gets ``fused=True`` on both halves (the fast CPU kernel) unless
+    ``foreach`` or ``differentiable`` is given. torch's fused kernels refuse complex tensors, which
+    plain ``torch.optim.AdamW()`` steps on its default path, so when the fused default is ours the
+    complex tensors of a group get a sub-group with ``fused=None``.
+    """
+    impl = dict(impl)
+    if cls not in (torch.optim.Adam, torch.optim.AdamW) or "foreach" in impl or impl.get("differentiable"):
+        return impl, False
+    split = "fused" not in impl
+    impl.setdefault("fused", True)
+    if host:
+        impl.pop("capturable", None)
+    return impl, split
+
+
+def sub_optimizer(cls: type, parts: list[tuple[dict[str, Any], list[torch.Tensor]]], impl: dict[str, Any],
+                  split_complex: bool) -> tuple[torch.optim.Optimizer, list[tuple[dict, dict, tuple]]]:
+    """One ``cls`` over ``parts`` (HDO group, tensors it steps), and its links ``(sub-optimizer group,
+    HDO group, keys copied down at each step)``."""
+    groups, owners = [], []
+    for g, tensors in parts:
+        hyper = {k: v for k, v in g.items() if k != "params" and k not in STRUCTURAL_KEYS}
+        cplx = [t for t in tensors if t.is_complex()] if split_complex else []
+        for ts, extra in (([t for t in tensors if not t.is_complex()] if cplx else tensors, {}), (cplx, {"fused": None})):
+            if ts:
+                groups.append({**hyper, **extra, "params": ts})
+                owners.append(g)
+    opt = cls(groups, **impl)
+    return opt, [(sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS))
+                 for sub, g in zip(opt.param_groups, owners)]
+
+
+# Note [One optimizer per parameter]: an optimizer replaced while still referenced (an LR finder's)
+# would keep its hooks, and with offload_gradients free p.grad under the new one. The newest pipeline
+# over a parameter owns its hook; older ones copy the gradient at their own step(). Building over
+# parameters that a live, unclosed optimizer owns warns, naming close().
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, owning pipeline)
+
+
+def _owner(p: torch.Tensor) -> Any:
+    e = _OWNERS.get(id(p))
+    return e[1]() if e is not None and e[0]() is p else None
+
+
+def _on_grad(ref: weakref.ref, param: torch.Tensor) -> None:
+    """A host parameter's post-accumulate-grad hook (holds its pipeline weakly: no cycle through C++)."""
+    if (pl := ref()) is not None and _owner(param) is pl:
+        pl.grad_ready(param)
+
+
+def _sparse(s: HostSlot, g: torch.Tensor) -> TypeError:
     return TypeError(
-        f"HybridDeviceOptimizer: parameter {s.index} of param group {s.group} (shape {tuple(s.local.shape)}) has a sparse "
-        f"gradient (layout={g.layout}), but its host step copies gradients into dense host buffers and steps them with a "
-        "dense optimizer. Use a dense embedding (nn.Embedding(..., sparse=False), the default), or step this parameter "
-        "with torch.optim.SparseAdam outside this optimizer (leave it out of its params)."
-    )
+        f"HybridDeviceOptimizer: parameter {s.index} of param group {s.group} (shape {tuple(s.local.shape)}) has a "
+        f"sparse gradient (layout={g.layout}); the host step copies gradients into dense buffers. Use a dense embedding "
+        "(nn.Embedding(..., sparse=False), the default), or step it with torch.optim.SparseAdam outside this optimizer.")
 
 
-class PipelineMixin:
-    """The step half of :class:`HybridDeviceOptimizer`."""
+class HostPipeline:
+    """The host half of a :class:`HybridDeviceOptimizer` (Note [Host step lifecycle]).
 
-    def _batched(self, s: HostSlot) -> bool:
-        """True when ``s``'s gradient is copied at ``step()`` with the other tiny ones (no hook)."""
-        return not self._in_backward and s.local.numel() < BATCHED_NUMEL
+    Its public attributes and methods are the protocol that the optimizer, GradScaler support,
+    clipping, loading and ``annotate_offload.distributed`` use; nothing else reads its fields.
+    """
 
-    def _copy_grad(self, s: HostSlot, g: torch.Tensor, stream: Any, *, accumulate: bool) -> None:
-        side = self._side
-        buf = s.grad_bufs[self._buf]
-        with side.use(stream):
-            if accumulate:
-                if s.scratch is None:
-                    s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=side.can_pin and self.defaults["pin_cpu_grads"])
-                s.scratch.copy_(g, non_blocking=True)
-                side.synchronize(side.record(stream))
-                side.synchronize(s.d2h_ev)
-                # clip coefficients pending for what the buffer holds apply to it alone, before the
-                # new micro-batch is added (clipping each micro-batch: c*g0 + g1, not c*(g0 + g1);
-                # fresh-user report, eighth session)
-                for coef, ev in s.scales:
-                    side.synchronize(ev)
-                    _host_scale(buf, s.local.dtype, coef)
-                s.scales = []
-                if buf.dtype == g.dtype:
-                    buf.add_(s.scratch)
-                else:
-                    buf.copy_(buf.to(g.dtype).add_(s.scratch))
-                s.d2h_ev = None
-            else:
-                buf.copy_(g, non_blocking=True)
-                s.d2h_ev = side.record(stream, self._timing)
-                self._last_d2h_ev = s.d2h_ev
-        self._copied(s, g, stream, replaced=not accumulate)
-
-    def _copied(self, s: HostSlot, g: torch.Tensor, stream: Any, *, replaced: bool = True) -> None:
-        """Bookkeeping once ``g``'s D2H into ``s``'s host buffer is enqueued on ``stream``.
-
-        ``replaced``: the buffer now holds ``g`` alone, so coefficients still pending for its old
-        contents (``clip_grad_norm_``'s, already applied to the GPU gradient in place) are dropped;
-        keeping them clipped a gradient changed after clipping twice (found reading the seventh
-        session's change).
-        """
-        if replaced:
-            s.scales = []
-        side = self._side
-        s.seq = self._seq
-        self._seq += 1
-        s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
-        s.grad_ver = g._version
-        s.grad_ptr = g.data_ptr()
-        s.valid = True
-        # Note [Gradient residency]: the copy may still be in flight when the last reference to
-        # ``g`` goes (here with offload_gradients, or at zero_grad). ``record_stream`` keeps the
-        # allocator from handing its block out again before the D2H stream is past the copy; the
-        # caching allocator counts the block as free at once (``memory_allocated`` drops now) and,
-        # should an allocation not fit, synchronizes such pending events before it gives up
-        # (``release_cached_blocks``). Nothing here ever blocks the backward thread: an earlier
-        # version waited on the oldest copy once a chunk's worth was in flight, which stalled
-        # the launch of backward kernels at PCIe speed (the 1.2 B W3 model: 4.8 GB of fp32
-        # gradients, ~87 ms at 55 GB/s, against a 53 ms backward) and bought no memory.
-        side.record_stream(g, stream)
-        if self._offload_grads:
-            s.param.grad = None
-
-    def _on_grad(self, s: HostSlot) -> None:
-        g = local_grad(s.param)
-        if g is None or not self._steps_here(s.chunk):
-            return
-        if g.layout is not torch.strided:  # raised here, in backward(), not in the worker
-            raise _sparse_grad(s, g)
+    def __init__(self, entries: list[tuple[torch.Tensor, int, int, int, torch.Tensor]], groups: list[dict[str, Any]],
+                 cls: type, impl: dict[str, Any], *, side: Any, fp32: bool, pin_params: bool, pin_grads: bool,
+                 chunk_bytes: int, overlap: bool, offload_grads: bool, in_backward: bool, delayed: bool, threads: int,
+                 begin: Callable[[], None]) -> None:
+        self.side, self.overlap, self.offload_grads = side, overlap, offload_grads
+        self.in_backward, self.delayed, self.threads = in_backward, delayed, threads
+        self._begin = weakref.WeakMethod(begin)  # the optimizer's once-per-step preparation
+        slots = self.slots = [HostSlot(*e) for e in reversed(entries)]  # backward lands the last ones first
+        self._slot = {id(s.param): s for s in slots}
+        mdt = [torch.float32 if fp32 and s.local.is_floating_point() else s.local.dtype for s in slots]
+        numels = [s.local.numel() for s in slots]
+        self.pin_grads = pin_grads and side.can_pin
+        staged = [i for i, s in enumerate(slots) if mdt[i] != s.local.dtype]  # bf16 staging of fp32 masters
+        masters = carve(numels + [numels[i] for i in staged], mdt + [slots[i].local.dtype for i in staged],
+                        pin=pin_params and side.can_pin, what="host masters")
+        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(2 if delayed else 1)]
         with torch.no_grad():
-            if self._in_backward:
-                if s.submitted:
+            for i, s in enumerate(slots):
+                s.master, s.bufs = masters[i].view(s.local.shape), [b[i].view(s.local.shape) for b in bufs]
+                s.master.copy_(s.local)
+                s.p_ver = s.param._version
+            for j, i in enumerate(staged):
+                slots[i].staging = masters[len(slots) + j].view(slots[i].local.shape)
+        impl, split = impl_for(cls, impl, host=True)
+        sizes = [s.master.numel() * s.master.element_size() for s in slots]
+        self.chunks: list[Chunk] = []
+        self.links: list[tuple[dict, dict, tuple]] = []
+        for ci, (idx, serial) in enumerate(split_serial(make_chunks(sizes, chunk_bytes), numels, sizes, chunk_bytes)):
+            by_group: dict[int, list[HostSlot]] = {}
+            for i in idx:
+                slots[i].chunk = ci
+                by_group.setdefault(slots[i].group, []).append(slots[i])
+            opt, links = sub_optimizer(cls, [(groups[gi], [s.master for s in ss]) for gi, ss in by_group.items()], impl,
+                                       split)
+            self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
+            self.links += links
+        self.optimizers = [c.opt for c in self.chunks]
+        self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
+        self.closed = self.device_done = False  # device_done: Note [Failed steps]
+        self.amp: Optional[_amp.AmpStep] = None
+        self._owned: Optional[list[bool]] = None  # per chunk, under host-step sharding (DDP)
+        self._buf = self._seq = 0
+        self._begun = self._applying = self._retry = False
+        self._jobs: dict[int, tuple] = {}  # delayed mode: _run's arguments of chunks submitted, not finished
+        self._applied: set[int] = set()  # delayed mode: parameters whose weights this call wrote
+        self._lock = threading.Lock()  # delayed mode: the worker and step() on Chunk.pending, _applying
+        self._skip: frozenset = frozenset()  # delayed mode: slots whose weights the user replaced
+        taken = [s for s in slots if (o := _owner(s.param)) is not None and not o.closed]
+        for k in [k for k, (p, _) in _OWNERS.items() if p() is None]:
+            del _OWNERS[k]
+        for s in slots:
+            _OWNERS[id(s.param)] = (weakref.ref(s.param), weakref.ref(self))
+        if taken:
+            warnings.warn(f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters belong to another "
+                          "HybridDeviceOptimizer that is still alive and not closed. This one takes over their gradient "
+                          "hooks; the older one copies their gradients at its own step() from now on. When an optimizer "
+                          "replaces another, call old.close().", UserWarning, stacklevel=3)
+        self._hooks = [s.param.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self)))
+                       for s in slots if overlap and s.param.requires_grad and not self.batched(s.param)]
+        self._worker: Optional[CpuWorker] = None
+        if overlap and (in_backward or delayed):
+            self._worker = CpuWorker(threads, side.bind_thread)
+            weakref.finalize(self, CpuWorker.close, self._worker)
+
+    # ------------------------------------------------------------------ lookups and sharding
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The host-stepped parameters, in step order."""
+        return [s.param for s in self.slots]
+
+    def is_host(self, p: torch.Tensor) -> bool:
+        return id(p) in self._slot
+
+    def where(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(master, local, chunk)`` of host parameter ``p``: the tensor ``optimizers[chunk]`` steps and
+        the model's tensor its H2D writes (a DTensor's local shard)."""
+        s = self._slot[id(p)]
+        return s.master, s.local, s.chunk
+
+    def chunk_tensors(self) -> list[list[torch.Tensor]]:
+        """The model's tensors of each host chunk, in chunk order."""
+        return [[s.local for s in c.slots] for c in self.chunks]
+
+    def batched(self, p: torch.Tensor) -> bool:
+        """True when ``p``'s gradient is copied at ``step()`` with the other tiny ones (Note [Tiny gradients at step()])."""
+        return not self.in_backward and self._slot[id(p)].local.numel() < BATCHED_NUMEL
+
+    def set_owner(self, owned: list[bool]) -> None:
+        """Step only the chunks marked ``True`` in this process (another one steps the others)."""
+        if self._owned is not None:
+            raise OffloadError("HybridDeviceOptimizer: its host step is already sharded (attach the optimizer once).")
+        self._owned = list(owned)
+
+    @property
+    def sharded(self) -> bool:
+        return self._owned is not None
+
+    def steps_here(self, p: torch.Tensor) -> bool:
+        """True when this process steps host parameter ``p``."""
+        return self._steps(self._slot[id(p)].chunk)
+
+    def _steps(self, ci: int) -> bool:
+        return self._owned is None or self._owned[ci]
+
+    # ------------------------------------------------------------------ gradients
+    def remove_grad_hooks(self) -> None:
+        """Remove the gradient hooks; gradients are then copied at ``step()`` or by :meth:`grad_ready`."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def grad_ready(self, p: torch.Tensor) -> bool:
+        """Start the D2H of host parameter ``p``'s current gradient (what its hook does in backward);
+        False when there is none or another process steps ``p``."""
+        s = self._slot[id(p)]
+        g = local_grad(p)
+        if g is None or not self._steps(s.chunk):
+            return False
+        if g.layout is not torch.strided:  # raised in backward, not in the worker
+            raise _sparse(s, g)
+        with torch.no_grad():
+            if self.in_backward:
+                if s.state is S.SUBMITTED or s.state is S.STEPPED:
                     raise OffloadError(
-                        "HybridDeviceOptimizer: step_in_backward=True saw a second gradient for a host-stepped "
-                        f"parameter {tuple(s.local.shape)} after its chunk was already stepped (gradient accumulation, "
-                        "e.g. HF Trainer's gradient_accumulation_steps > 1, whose next forward may already have read "
-                        "weights this step was writing; a parameter used twice such as tied embeddings; or a backward "
-                        "without step() since the last "
-                        "one: a step cannot be skipped in this mode, backward has already applied it to the host "
-                        "half). Use step_in_backward=False for this training loop."
-                    )
-                self._begin()
-            side = self._side
-            ready = side.record(side.current_stream())
-            side.wait_event(self._d2h, ready)
-            self._copy_grad(s, g, self._d2h, accumulate=self._offload_grads and s.valid)
-            s.ready_ev = ready
-            if self._in_backward:
-                s.use = True
-                c = self._chunks[s.chunk]
+                        f"HybridDeviceOptimizer: step_in_backward=True saw a second gradient for parameter {s.index} of "
+                        f"param group {s.group} after its chunk was stepped (accumulation, tied weights, or no step() "
+                        "since the last backward). Use step_in_backward=False for this training loop.")
+                self._prepare()
+            s.ready_ev = self.side.record(self.side.current_stream())
+            self.side.wait_event(self.d2h, s.ready_ev)
+            self._copy([(s, g)], self.d2h)
+            if self.in_backward:
+                c = self.chunks[s.chunk]
                 c.landed += 1
                 if c.landed == c.trainable:
                     self._submit(s.chunk, in_backward=True)
+        return True
+
+    def grad_copied(self, p: torch.Tensor) -> bool:
+        """True when the host buffer of ``p`` holds its current gradient (no copy at ``step()``)."""
+        g = local_grad(p)
+        return g is not None and self._slot[id(p)].copied(g)
+
+    def forget_copy(self, p: Optional[torch.Tensor] = None) -> None:
+        """Make ``step()`` copy ``p``'s gradient (all: ``None``) again: it changed where versions do not
+        show (``GradScaler.unscale_``, ``torch._foreach_*`` on DTensors)."""
+        for s in (self._slot[id(p)],) if p is not None else self.slots:
+            if s.state is S.COPIED and local_grad(s.param) is not None:
+                s.grad_ref = None
+
+    def _copy(self, todo: list[tuple[HostSlot, torch.Tensor]], stream: Any) -> None:
+        """Enqueue the D2H of each gradient into its slot's buffer on ``stream``, under one event."""
+        side = self.side
+        with side.use(stream):
+            for s, g in todo:
+                buf = s.bufs[self._buf]
+                if self.offload_grads and s.state is S.COPIED:  # the buffer holds earlier micro-batches: add
+                    if s.scratch is None:
+                        s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin_grads)
+                    s.scratch.copy_(g, non_blocking=True)
+                    side.synchronize(side.record(stream))
+                    side.synchronize(s.d2h_ev)
+                    self._apply_scales(s, buf)  # each micro-batch keeps its own clip coefficient: c*g0 + g1
+                    buf.add_(s.scratch) if buf.dtype == g.dtype else buf.copy_(buf.to(g.dtype).add_(s.scratch))
+                else:
+                    buf.copy_(g, non_blocking=True)
+                    s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
+            ev = side.record(stream)
+        for s, g in todo:
+            s.to(S.COPIED, "copy", (S.EMPTY, S.COPIED, S.CONSUMED))
+            s.d2h_ev, s.seq, self._seq = ev, self._seq, self._seq + 1
+            s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
+            s.grad_ver, s.grad_ptr = g._version, g.data_ptr()
+            # Note [Gradient residency]: the copy may still be in flight when the last reference to g goes
+            # (with offload_gradients, or at zero_grad); record_stream keeps the allocator from reusing
+            # the block before the D2H stream is past it, and nothing blocks the backward thread.
+            if stream is not None:
+                g.record_stream(stream)
+            if self.offload_grads:
+                s.param.grad = None
+
+    def _apply_scales(self, s: HostSlot, buf: torch.Tensor) -> None:
+        for coef, ev in s.scales:
+            self.side.synchronize(ev)
+            scale_(buf, s.local.dtype, coef)
+        s.scales = []
 
     def _collect(self, stream: Any) -> None:
-        """Decide, per host slot, whether it steps now; copy gradients the hooks did not (or that changed)."""
-        if self._amp is not None and self._amp.skip:  # GradScaler found inf/NaN: step nothing (Note [GradScaler])
-            for s in self._host_slots:
-                s.use = False
-            return
-        batch: list = []
-        for s in self._host_slots:
-            if not self._steps_here(s.chunk):
-                s.use = s.valid = False  # another rank steps it (Note [Host-step sharding])
+        """At ``step()``: copy the gradients the hooks did not copy or that changed since."""
+        todo = []
+        for s in self.slots:
+            g = local_grad(s.param)
+            if not self._steps(s.chunk):
                 continue
-            if s.submitted:
-                g = local_grad(s.param)
+            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # step_in_backward stepped it in backward
                 if g is not None and not s.copied(g):
                     raise OffloadError(
-                        "HybridDeviceOptimizer: a gradient was modified (clipping, unscaling, accumulation) after "
-                        "step_in_backward=True had already stepped its parameter in backward. The host chunks stepped in "
-                        "backward used the gradients as they were and are not undone (their update reaches the model "
-                        "with the next flush() or step()): restore from a checkpoint. step_in_backward does not support "
-                        "cross-parameter gradient transforms, and HF Trainer and accelerate make one at every step "
-                        "(torch.nn.utils.clip_grad_norm_, which rescales every gradient in place, by 1.0 for the grad_norm "
-                        "log even at max_grad_norm=0); use the default mode for this training loop."
-                    )
-                continue
-            g = local_grad(s.param)
-            if g is None:
-                s.use = s.valid and self._offload_grads
-                if not s.use:
-                    s.valid = False
-                continue
-            if g.layout is not torch.strided:
-                raise _sparse_grad(s, g)
-            if not s.copied(g):
-                accumulate = self._offload_grads and s.valid
-                if self._batched(s) and not accumulate:
-                    batch.append((s, g))
-                else:
-                    self._copy_grad(s, g, stream, accumulate=accumulate)
-            s.use = True
-        if batch:
-            self._copy_batch(batch, stream)
+                        f"HybridDeviceOptimizer: the gradient of parameter {s.index} of param group {s.group} was modified "
+                        "(clipping, unscaling) after step_in_backward=True stepped it in backward, which is not undone. "
+                        "Use the default mode for a loop that transforms gradients.")
+            elif g is None:
+                if s.state is S.COPIED and not self.offload_grads:
+                    s.state = S.EMPTY  # p.grad was dropped after the copy
+            elif g.layout is not torch.strided:
+                raise _sparse(s, g)
+            elif not s.copied(g):
+                todo.append((s, g))
+        if todo:  # Note [Tiny gradients at step()]: one stream switch and one event for all
+            self._copy(todo, stream)
 
-    def _copy_batch(self, batch: list, stream: Any) -> None:
-        """Note [Tiny gradients at step()]: the D2H of many small gradients under one stream switch
-        and one event."""
-        side = self._side
-        with side.use(stream):
-            for s, g in batch:
-                s.grad_bufs[self._buf].copy_(g, non_blocking=True)
-            ev = side.record(stream, self._timing)
-        self._last_d2h_ev = ev
-        for s, g in batch:
-            s.d2h_ev = ev
-            self._copied(s, g, stream)
+    # ------------------------------------------------------------------ the step
+    def step(self, device_step: Callable[[Optional[_amp.AmpStep]], None], amp_begin: Callable[[], Any]) -> None:
+        """One step of both halves; ``device_step(amp)`` steps the device half (Note [Host step lifecycle])."""
+        side = self.side
+        cur = side.current_stream()
+        self._applied.clear()
+        try:
+            if self.overlap:
+                start = side.record(cur)
+                side.wait_event(self.d2h, start)
+                side.wait_event(self.h2d, start)
+            if self.delayed:
+                self._apply_previous()
+            self.amp = amp_begin()
+            self._prepare()
+            if self.amp is None or not self.amp.skip:  # Note [GradScaler]: an inf/NaN step steps nothing
+                with record_function("HybridDeviceOptimizer.d2h"):
+                    self._collect(self.d2h if self.overlap else cur)
+                if not self.device_done:
+                    with record_function("HybridDeviceOptimizer.device_step"):
+                        device_step(self.amp)
+                    self.device_done = True
+                order = self._landing_order()
+                if self._worker is not None:
+                    for ci in order:
+                        self._submit(ci)
+                    if not self.delayed:
+                        self._drain()
+                else:
+                    if not self.overlap:
+                        side.synchronize(side.record(cur))
+                    with num_threads(self.threads):
+                        for ci in order:
+                            self._run(ci, self._plan(ci), self._buf, False, self.amp)
+        except BaseException:
+            self._end(cur, failed=True)
+            raise
+        self._end(cur, failed=False)
+
+    def _prepare(self) -> None:
+        if not self._begun:  # once per step: the optimizer syncs hyper-parameters, state and masters
+            self._begun = True
+            self._begin()()
+
+    def _drain(self) -> None:
+        """Wait for the worker; on a failure the chunks it did not step keep their gradients."""
+        try:
+            if self._worker is not None:
+                self._worker.drain()
+        finally:
+            for s in self.slots:
+                if s.state is S.SUBMITTED:
+                    s.state = S.COPIED  # its chunk did not step: the gradient stays for a retry
+
+    # Note [Consumed gradients]: with offload_gradients, p.grad is None after backward, so
+    # model.zero_grad() cannot reach the host copy; step() consumes it, as if zero_grad() followed, and
+    # the next backward starts from zero (a loop that never zeroes gradients, each backward adding onto
+    # the last step's, is the one that differs from torch).
+    def _end(self, cur: Any, *, failed: bool) -> None:
+        if self.overlap:
+            self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
+        if failed and not self.delayed:
+            with contextlib.suppress(BaseException):  # the error raised is the first one
+                self._drain()
+        elif not failed:
+            for s in self.slots:
+                if s.state is not S.EMPTY:
+                    s.state, s.scales, s.grad_ref = S.CONSUMED, [], None
+            self.device_done = False
+            self._buf ^= self.delayed
+        for c in self.chunks:
+            c.landed = 0
+        self._begun, self.amp = False, None
 
     def _landing_order(self) -> list[int]:
-        """Chunks not yet submitted, in the order their last gradient D2H was issued.
+        """Chunks with gradients to step, in the order their last D2H was issued. Note [Host chunk
+        order]: backward lands the last layer's gradients first, and chunks are independent
+        (elementwise updates), so landing order starts with gradients already on the host, same bits."""
+        seq: dict[int, int] = {}
+        for s in self.slots:
+            if s.state is S.COPIED and self._steps(s.chunk):
+                seq[s.chunk] = max(seq.get(s.chunk, -1), s.seq)
+        return sorted(seq, key=seq.__getitem__)
 
-        Note [Host chunk order]: backward produces gradients last layer first, and the D2H stream
-        copies them in that order; parameter order would step layer 0's chunk first, whose
-        gradients are the last to land (the 1.2 B W3 model: 4.8 GB of fp32 gradients take ~87 ms
-        at 55 GB/s against a ~53 ms backward, so the worker idled ~35 ms at ``step()``). Stepping
-        chunks in landing order starts with gradients that are already on the host; chunks
-        are independent (elementwise update), so the order changes no bit.
-        """
-        todo = [ci for ci, c in enumerate(self._chunks) if not c.slots[0].submitted and self._steps_here(ci)]
-        return sorted(todo, key=lambda ci: max((s.seq for s in self._chunks[ci].slots if s.use), default=-1))
-
-    def _plan(self, ci: int) -> list[tuple[HostSlot, Any, list]]:
-        """What one chunk steps, captured now: the worker may run after the slots move on."""
-        return [(s, s.d2h_ev, list(s.scales)) for s in self._chunks[ci].slots if s.use]
+    def _plan(self, ci: int) -> list:
+        """What chunk ``ci`` steps, captured now: ``(slot, D2H event, clip coefficients)`` per slot."""
+        plan = [(s, s.d2h_ev, list(s.scales)) for s in self.chunks[ci].slots if s.state is S.COPIED]
+        for s, _, _ in plan:
+            s.to(S.SUBMITTED, "submit", (S.COPIED,))
+        return plan
 
     def _submit(self, ci: int, *, in_backward: bool = False) -> None:
-        """Queue chunk ``ci``'s host step on the worker; ``in_backward``: submitted by a gradient hook
-        (``step_in_backward``), before step() ordered the H2D stream after the backward."""
-        for s in self._chunks[ci].slots:
-            s.submitted = True
         assert self._worker is not None
-        self._worker.submit(functools.partial(self._run_chunk, ci, self._plan(ci), self._buf, self._h2d, not self._delayed, self._ph,
-                                              self._amp, in_backward))
+        args = self._jobs[ci] = (ci, self._plan(ci), self._buf, in_backward, self.amp)
+        self._worker.submit(functools.partial(self._run, *args))
 
-    def _run_chunk(self, ci: int, plan: list[tuple[HostSlot, Any, list]], bi: int, stream: Any, copy_back: bool,
-                   ph: StepPhases, amp: "_amp.AmpStep | None" = None, in_backward: bool = False) -> None:
-        """Host step of one chunk (the training thread in the default mode and on the serial path; the
-        worker thread with ``step_in_backward`` or ``delayed_param_update``).
-
-        ``in_backward``: submitted by a gradient hook (``step_in_backward``); its H2D then waits for
-        the compute stream past each parameter's last use (Note [H2D ordering])."""
-        side = self._side
-        c = self._chunks[ci]
-        t_in = time.perf_counter()
-        with torch.no_grad():
-            if self._delayed:
-                side.synchronize(c.h2d_ev)  # the previous update's H2D reads masters/staging we overwrite
+    def _run(self, ci: int, plan: list, buf: int, in_backward: bool, amp: Optional[_amp.AmpStep]) -> None:
+        """Host step of chunk ``ci`` with gradient buffer ``buf`` (the training thread in the default mode,
+        else the worker; ``in_backward``: submitted by a gradient hook, Note [H2D ordering])."""
+        side, c = self.side, self.chunks[ci]
+        with record_function("HybridDeviceOptimizer.host_chunk"), torch.no_grad():
+            if self.delayed:
+                side.synchronize(c.h2d_ev)  # the last update's H2D reads the masters and staging
             for s in c.slots:
                 s.master.grad = None
-            for s, d2h_ev, scales in plan:
-                side.synchronize(d2h_ev)
-                buf = s.grad_bufs[bi]
-                for coef, ev in scales:
-                    side.synchronize(ev)
-                    _host_scale(buf, s.local.dtype, coef)
-                s.master.grad = buf
-            if plan and amp is not None and amp.scale is not None and not _amp.supports(c.opt):
-                for s, _, _ in plan:  # Note [GradScaler]: what GradScaler.unscale_ does, for a class without the support
-                    _host_scale(s.grad_bufs[bi], s.local.dtype, amp.host_inv)
-            t0 = time.perf_counter()
+            for s, ev, scales in plan:
+                side.synchronize(ev)
+                s.master.grad = s.bufs[buf]
+                for coef, cev in scales:
+                    side.synchronize(cev)
+                    scale_(s.master.grad, s.local.dtype, coef)
+                if amp is not None and amp.scale is not None and not _amp.supports(c.opt):
+                    scale_(s.master.grad, s.local.dtype, _amp.inverse(amp.host_scale))  # Note [GradScaler]: unscale_'s multiply
             if plan:
-                with _amp.handed_over(c.opt, amp, host=True):
-                    if c.serial:
-                        with num_threads(1):
-                            c.opt.step()
-                    else:
-                        c.opt.step()
+                with _amp.handed_over(c.opt, amp, host=True), num_threads(1) if c.serial else contextlib.nullcontext():
+                    c.opt.step()
             stepped = [s for s, _, _ in plan]
             for s in stepped:
                 s.master.grad = None
                 if s.staging is not None:
                     s.staging.copy_(s.master)
-            t1 = time.perf_counter()
-            self._ran.add(ci)
-            self._host_s += t1 - t0
-            if copy_back:
-                self._h2d_chunk(c, stepped, stream, in_backward=in_backward)
-            else:
-                # delayed mode: once step() has opened the apply window (backward is over), the
-                # worker issues each chunk's H2D itself, overlapping the host steps still to come
-                with self._lock:
-                    if self._applying:
-                        self._h2d_chunk(c, stepped, stream)
-                    else:
-                        c.pending = stepped
-        ph.chunk_done(t0, t1, time.perf_counter(), t0 - t_in, sum(s.master.numel() for s in stepped))
+            self._jobs.pop(ci, None)
+            if not self.delayed:
+                for s in stepped:
+                    s.to(S.STEPPED, "step", (S.SUBMITTED,))
+                return self._h2d(c, stepped, in_backward)
+            with self._lock:
+                if self._applying:  # step() has begun (backward is over): the weights may change now
+                    self._h2d(c, stepped)
+                else:
+                    c.pending = stepped
 
-    def _steps_here(self, ci: int) -> bool:
-        """True when this process runs host chunk ``ci`` (all of them, unless the host step is
-        sharded across DDP ranks: Note [Host-step sharding] in annotate_offload/distributed)."""
-        return self._shard is None or self._shard.owns(ci)
-
-    def _run_chunks_here(self, order: list[int], bi: int, stream: Any) -> None:
-        """Host step of the chunks ``order`` on this thread (the default mode, the serial path),
-        each chunk's H2D on ``stream`` as soon as it is stepped."""
-        with num_threads(self._threads):
-            for ci in order:
-                self._run_chunk(ci, self._plan(ci), bi, stream, True, self._ph, self._amp)
-
-    def _h2d_chunk(self, c: Chunk, slots: list[HostSlot], stream: Any, *, in_backward: bool = False) -> None:
-        # Note [H2D ordering]: an H2D overwrites a GPU parameter, so it must follow the parameter's
-        # last use on the compute stream. Everything issued from step() on is ordered by the one
-        # wait step() puts on the H2D stream at its entry (after the whole backward), and delayed
-        # mode and flush() issue theirs after such a wait too. Only a chunk stepped in backward
-        # (step_in_backward) is issued before it: its H2D waits on each parameter's gradient-ready
-        # event instead. The per-parameter waits used to run for every chunk. Dropping them from
-        # the others is less driver work, not a measured speed-up: the W3 exact step's H2D issue
-        # stayed at 11-16 ms per step (F3, F4 in benchmarks/NOTES.md).
-        side = self._side
+    def _h2d(self, c: Chunk, slots: list[HostSlot], in_backward: bool = False) -> None:
+        # Note [H2D ordering]: an H2D overwrites a parameter, so it must follow the parameter's last
+        # use on the compute stream. Everything issued from step() on is ordered by the wait step()
+        # puts on the H2D stream at its entry; a chunk stepped in backward (step_in_backward) is
+        # issued before that, so its H2D waits on each parameter's gradient-ready event instead.
+        side = self.side
+        stream = self.h2d if self.overlap else side.current_stream()
         with torch.no_grad(), side.use(stream):
-            skip = self._h2d_skip
             for s in slots:
-                if s in skip:
-                    continue
-                if in_backward:
-                    side.wait_event(stream, s.ready_ev)
-                s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
-                s.p_ver = s.param._version
+                if s not in self._skip:
+                    if in_backward:
+                        side.wait_event(stream, s.ready_ev)
+                    s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
+                    s.p_ver = s.param._version
+                    self._applied.add(s.flat)
             c.h2d_ev = side.record(stream)
 
-    def _gpu_step(self) -> None:
-        amp = self._amp
-        if self._gpu_opt is None or (amp is not None and amp.skip):
-            return
-        if amp is not None and amp.scale is not None and not _amp.supports(self._gpu_opt):
-            grads = [g for g in (local_grad(d.param) for d in self._dev_slots) if g is not None]
-            _amp.unscale_device_grads(grads, amp.scale)  # Note [GradScaler]: what GradScaler.unscale_ does
-        masters = [d for d in self._dev_slots if d.inner is not d.param]
-        for d in masters:
-            g = local_grad(d.param)
-            d.inner.grad = None if g is None else g.to(d.inner.dtype)
-        with _amp.handed_over(self._gpu_opt, amp, host=False):
-            self._gpu_opt.step()
-        for d in masters:
-            if d.inner.grad is not None:
-                d.inner.grad = None
-                if d.has_master:
-                    d.local.copy_(d.inner)
-                d.p_ver = d.param._version
+    def _apply_previous(self, skip_written: bool = True) -> None:
+        """Delayed mode: put the previous step's host update into the model (backward is over).
 
-    def _end_step(self, failed: bool = False) -> None:
-        self._grad_vers.clear()
-        self._clipped = False
-        # Note [Offloaded gradients are consumed by step()]: with offload_gradients, p.grad is None
-        # after backward, so model.zero_grad() (HF Trainer's call) or p.grad = None cannot reach
-        # the host copy; had it stayed valid, the next backward added onto the last step's
-        # gradient (fresh-user report, eighth session). So step() consumes it, as if zero_grad()
-        # followed: the next backward starts from zero. zero_grad(set_to_none=False) turns a
-        # consumed buffer into a valid zero gradient, as torch keeps a zero p.grad that steps a
-        # parameter no backward reached (momentum, weight decay: an MoE expert not routed).
-        # Only a loop that never zeroes gradients between steps differs from torch, and the
-        # docstring says so.
-        # A step() that raised (the device half's optimizer, a host chunk's) keeps the gradients of
-        # the chunks it did not step, so a retried step() steps them once (review of the session-9
-        # change: the device half now runs first, and its error used to consume the host gradients
-        # of offload_gradients, which p.grad no longer holds). Delayed mode steps after step().
-        keep = failed and not self._delayed
-        for s in self._host_slots:
-            s.reset_step(keep=keep and s.chunk not in self._ran)
-            s.d2h_ev = None
-        self._ran.clear()
-        for c in self._chunks:
+        Finished chunks go H2D now; the worker issues the H2D of each remaining chunk as soon as it is
+        stepped. Weights written into the model since the last step win over the pending update.
+        """
+        assert self._worker is not None
+        if skip_written:
+            self._skip = frozenset(s for s in self.slots if s.param._version != s.p_ver)
+        with self._lock:
+            self._applying = True
+            for c in self.chunks:
+                if c.pending:
+                    self._h2d(c, c.pending)
+                    c.pending = []
+            if self._retry:  # Note [Failed steps]: a failed chunk runs again, first
+                self._retry = False
+                for args in list(self._jobs.values()):
+                    self._worker.submit(functools.partial(self._run, *args))
+        try:
+            self._worker.drain()
+        except BaseException:
+            self._retry = True
+            raise
+        finally:
+            with self._lock:
+                self._applying = False
+            self._skip = frozenset()
+
+    def untouched(self) -> list[int]:
+        """Flat indices of the host parameters the failed call has not updated (delayed mode: whose
+        weights it has not written)."""
+        if self.delayed:
+            return [s.flat for s in self.slots if s.flat not in self._applied]
+        return [s.flat for s in self.slots if s.state is not S.STEPPED]
+
+    def flush(self) -> None:
+        """Finish host work in flight; in delayed mode also put the pending update into the model."""
+        if not self.delayed:
+            return self._drain() if self._worker is not None else None
+        side, cur = self.side, self.side.current_stream()
+        self._applied.clear()
+        side.wait_event(self.h2d, side.record(cur))
+        try:
+            self._apply_previous(skip_written=False)
+        finally:
+            side.wait_event(cur, side.record(self.h2d))
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The host part of ``zero_grad``: drop the host copies (with ``offload_gradients`` and
+        ``set_to_none=False`` a held or consumed gradient becomes a zero gradient, as torch keeps a zero
+        ``p.grad``)."""
+        if self.in_backward and any(s.state is S.SUBMITTED or s.state is S.STEPPED for s in self.slots):
+            raise OffloadError("HybridDeviceOptimizer.zero_grad: step_in_backward=True stepped host chunks in the last "
+                               "backward, so this step cannot be skipped. Call step() to finish it, or use "
+                               "step_in_backward=False in a loop that skips steps.")
+        self.device_done = False
+        for c in self.chunks:
             c.landed = 0
-        self._begun = False
-        self._amp = None
-        self._last_ph, self._ph = self._ph, StepPhases()
-        for s in self._host_slots:
-            st = self.state[s.param]
-            if st and "master_param" not in st:
-                st["master_param"] = s.master
-        for d in self._dev_slots:
-            st = self.state[d.param]
-            if d.has_master and st and "master_param" not in st:
-                st["master_param"] = d.inner
+        for s in self.slots:
+            held = s.state is not S.EMPTY and local_grad(s.param) is None and self._steps(s.chunk)
+            if self.offload_grads and not set_to_none and held:
+                self.side.synchronize(s.d2h_ev)
+                s.bufs[self._buf].zero_()
+            s.state = S.COPIED if self.offload_grads and not set_to_none and held else S.EMPTY
+            s.grad_ref, s.scales = None, []
 
-    def _serial_step(self, cur: Any) -> None:
-        side = self._side
-        skip = self._amp is not None and self._amp.skip  # Note [GradScaler]: inf/NaN, step nothing
-        for s in self._host_slots:
-            g = local_grad(s.param)
-            s.use = g is not None and self._steps_here(s.chunk) and not skip
-            if s.use:
-                if g.layout is not torch.strided:
-                    raise _sparse_grad(s, g)
-                with side.use(cur):
-                    s.grad_bufs[0].copy_(g, non_blocking=True)
-        self._gpu_step()
-        side.synchronize(side.record(cur))
-        self._run_chunks_here([ci for ci in range(len(self._chunks)) if self._steps_here(ci)], 0, cur)
+    # ------------------------------------------------------------------ clipping
+    def held_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The host-held gradient of ``p`` (``offload_gradients``, no device gradient), clip
+        coefficients applied; ``None`` when the device holds it or there is none."""
+        s = self._slot.get(id(p))
+        if s is None or s.state is not S.COPIED or local_grad(p) is not None or not self.offload_grads:
+            return None
+        self.side.synchronize(s.d2h_ev)
+        self._apply_scales(s, s.bufs[self._buf])
+        return s.bufs[self._buf]
 
+    @contextlib.contextmanager
+    def scaling(self, coef: torch.Tensor) -> Iterator[None]:
+        """Around the in-place multiply of the device gradients by ``coef``: their host copies (and the
+        host-held gradients) get the same fp32 multiply before their step."""
+        side = self.side
+        live = [s for s in self.slots if s.state is S.COPIED]
+        copied = [s for s in live if (g := local_grad(s.param)) is not None and s.copied(g)]
+        held = [s for s in live if local_grad(s.param) is None and self.offload_grads]
+        if copied or held:
+            host = torch.empty((), dtype=coef.dtype, pin_memory=side.can_pin)
+            host.copy_(coef, non_blocking=True)
+            ev = side.record(side.current_stream())
+            for s in (*copied, *held):
+                s.scales.append((host, ev))
+        if self.d2h is not None:  # the multiply must not race a D2H of the same gradient still in flight
+            side.current_stream().wait_stream(self.d2h)
+        yield
+        for s in copied:
+            s.grad_ver = local_grad(s.param)._version  # the copy and its coefficient equal the new gradient
+
+    # ------------------------------------------------------------------ masters
+    def resync(self, *, everything: bool = False) -> None:
+        """Note [Weights loaded after construction]: weights written into the model since the last step
+        (``load_state_dict`` copies in place and bumps the version) re-seed their masters (``everything``:
+        all of them, after :meth:`flush`)."""
+        if everything:
+            self.flush()
+        with torch.no_grad():
+            for s in self.slots:
+                if (everything or s.param._version != s.p_ver) and self._steps(s.chunk):
+                    s.master.copy_(s.local)
+                    s.p_ver = s.param._version
+                    if s in self.chunks[s.chunk].pending:
+                        self.chunks[s.chunk].pending.remove(s)
+
+    def note_written(self, params: Optional[list[torch.Tensor]] = None) -> None:
+        """The current values of host parameters ``params`` (all: ``None``) are no user's load (e.g.
+        broadcast from their owner): their masters are not re-seeded from them."""
+        for s in self.slots if params is None else [self._slot[id(p)] for p in params]:
+            s.p_ver = s.param._version
+
+    def push_masters(self) -> None:
+        """Delayed mode: write every host master into the model now (after a load)."""
+        with torch.no_grad():
+            for ci, c in enumerate(self.chunks):
+                c.pending = list(c.slots) if self._steps(ci) else []
+                for s in c.pending:
+                    if s.staging is not None:
+                        s.staging.copy_(s.master)
+        self.flush()
+
+    def close(self) -> None:
+        """Remove the hooks and stop the worker (idempotent)."""
+        self.closed = True
+        self.remove_grad_hooks()
+        if self._worker is not None:
+            self._worker.close()

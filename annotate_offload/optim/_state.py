@@ -1,138 +1,168 @@
-"""State placement and ``load_state_dict`` of :class:`HybridDeviceOptimizer` (private).
+"""State placement and the validated ``load_state_dict`` of :class:`HybridDeviceOptimizer` (private).
 
-``opt.state[p]`` is the very dict the sub-optimizer keeps for ``p``'s inner tensor (one structure,
-not two aliased ones: moving one half of an aliased pair is what broke verl/Megatron resumes,
-reference/optimizer_offload.md §6 item 8). :func:`place` repairs what user code moved.
+``opt.state[p]`` is the very dict the sub-optimizer keeps for ``p``'s inner tensor: one structure,
+not two aliased ones, so moving it moves both. :func:`place` repairs what user code moved (RL
+frameworks move optimizer state to the host and back between rollouts).
+
+Note [Validated loads]: torch's ``Optimizer.load_state_dict`` checks only group and parameter
+counts and casts the rest; a moment of the wrong shape then reaches the fused kernel, which reads
+or writes out of bounds. :func:`check_load` therefore checks everything against what the optimizer
+class itself creates (:func:`probe`: the class stepped once over a tiny tensor) before anything is
+applied, and builds the converted state (cast and moved as torch does) aside, so a refused load
+changes nothing.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Optional
+import math
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ._hybrid import HybridDeviceOptimizer
+from ._pipeline import IMPL_KEYS, STRUCTURAL_KEYS
 
 __all__: list[str] = []
 
 
-def wants_device_step(group: dict[str, Any]) -> bool:
-    """torch keeps ``step`` as an fp32 tensor on the param's device for fused/capturable groups
-    (per group, as torch's own ``load_state_dict``: Note [Complex parameters] in ``_build.py``)."""
-    return bool(group.get("fused") or group.get("capturable"))
+class Entry(NamedTuple):
+    """One parameter of the optimizer and what steps it."""
+
+    param: torch.Tensor
+    flat: int  # index in param_groups order (the state dict's parameter id)
+    group: int
+    index: int
+    local: torch.Tensor  # the tensor the model reads (its local shard for a DTensor)
+    inner: torch.Tensor  # the tensor its sub-optimizer steps
+    opt: torch.optim.Optimizer
+    sub_group: dict  # its group in that sub-optimizer
+    master: Optional[torch.Tensor]  # a separate master (host copy or fp32), else None
+    host: bool
 
 
-def _step_value(v: torch.Tensor, inner: torch.Tensor, fused: bool) -> torch.Tensor:
-    if fused:  # checked first: this runs for every parameter at every step, and .to() costs a dispatch
-        if v.dtype == torch.float32 and v.device == inner.device:
-            return v
-        return v.to(device=inner.device, dtype=torch.float32)
-    return v.to("cpu") if v.device.type != "cpu" else v
+def _step(v: torch.Tensor, e: Entry) -> torch.Tensor:
+    """``step`` where torch keeps it: fp32 on the parameter's device for fused/capturable groups, else the CPU."""
+    if e.sub_group.get("fused") or e.sub_group.get("capturable"):
+        return v if (v.dtype, v.device) == (torch.float32, e.inner.device) else v.to(e.inner.device, torch.float32)
+    return v if v.device.type == "cpu" else v.to("cpu")
 
 
-def place(st: dict[str, Any], inner: torch.Tensor, master: Optional[torch.Tensor], *, fused: bool) -> None:
-    """Move ``st``'s tensors back to ``inner``'s device and re-attach ``master_param`` (in place)."""
+def place(e: Entry, st: dict[str, Any]) -> None:
+    """Make ``st`` the sub-optimizer's state of ``e`` and put its tensors back where ``e`` is stepped
+    (a replaced ``master_param`` is copied into the master)."""
+    e.opt.state[e.inner] = st
     for k, v in list(st.items()):
-        if not torch.is_tensor(v):
-            continue
-        if k == "master_param":
-            if master is None:
+        if k == "master_param" and torch.is_tensor(v):
+            if e.master is None:
                 del st[k]
-            elif v is not master:
+            elif v is not e.master:
                 with torch.no_grad():
-                    master.copy_(v)
-                st[k] = master
-        elif k == "step":
-            nv = _step_value(v, inner, fused)
-            if nv is not v:
+                    e.master.copy_(v)
+                st[k] = e.master
+        elif k == "step" and torch.is_tensor(v):
+            if (nv := _step(v, e)) is not v:
                 st[k] = nv
-        elif v.device != inner.device:
-            st[k] = v.to(inner.device)
+        elif torch.is_tensor(v) and v.device != e.inner.device:  # runs at every step: no .to() when in place
+            st[k] = v.to(e.inner.device)
 
 
 def detach_views(st: dict[str, Any]) -> dict[str, Any]:
-    """A shallow copy of ``st`` where tensors that view a larger storage (pinned slabs) are cloned.
+    """A shallow copy of ``st`` where views of a larger storage (the pinned slabs) are cloned, so
+    ``torch.save`` writes the tensor, not its whole slab."""
+    return {k: v.clone() if torch.is_tensor(v) and v.untyped_storage().nbytes() > v.numel() * v.element_size() else v
+            for k, v in st.items()}
 
-    ``torch.save`` of a view writes its whole storage, so a master that views a 256 MiB slab would
-    otherwise cost 256 MiB in the checkpoint.
+
+def probe(cls: type, kw: dict[str, Any], like: list[tuple[torch.dtype, Any, int]], *,
+          group: bool = False) -> tuple[Optional[dict[str, Any]], Optional[Exception]]:
+    """Step ``cls`` once, on zero gradients, over one tensor of side 2 per ``(dtype, device, ndim)`` of
+    ``like``, with ``kw`` as constructor keywords (checked by the constructor) or as the group's values
+    (``group``). Returns the state it created for the first tensor, or the error it raised."""
+    try:
+        ps = [torch.zeros((2,) * n, dtype=d, device=dev) for d, dev, n in like]
+        for p in ps:
+            p.grad = torch.zeros_like(p)
+        opt = cls([{**kw, "params": ps}]) if group else cls(ps, **kw)
+        opt.step()
+        return dict(opt.state.get(ps[0], {})), None
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError) as err:
+        return None, err
+
+
+def _desc(v: Any) -> str:
+    return f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}" if torch.is_tensor(v) else f"{type(v).__name__} {v!r:.80}"
+
+
+def _convert(e: Entry, k: str, v: Any, t: Any, bad: Callable[[str], ValueError]) -> Any:
+    """``v`` loaded as state ``k`` of ``e``, cast and moved as torch does; ``t``: what the class creates."""
+    if not torch.is_tensor(t):  # a key the class does not create: kept, cast and moved as torch keeps it
+        if torch.is_tensor(v) and k != "master_param":
+            return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
+        return copy.deepcopy(v)
+    shape = () if t.dim() == 0 else tuple(e.local.shape) if k == "master_param" or t.shape == (2,) * e.inner.dim() else None
+    kind = "complex" if t.is_complex() else "floating-point" if t.is_floating_point() else str(t.dtype)
+    if not torch.is_tensor(v) and shape == () and type(v) in (int, float) and math.isfinite(v):
+        v = torch.tensor(float(v))
+    if (not torch.is_tensor(v) or (shape == () and v.numel() != 1) or (shape and tuple(v.shape) != shape)
+            or (shape != () and (v.is_complex(), v.is_floating_point()) != (t.is_complex(), t.is_floating_point()))):
+        raise bad(f"a {kind} tensor" + (f" of shape {shape}" if shape is not None else ""))
+    if k in ("master_param", "step"):
+        return v if k == "master_param" else _step(v.detach().reshape(()).clone(), e)
+    return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
+
+
+def check_load(sd: Any, entries: list[Entry], groups: list[dict[str, Any]],
+               check_hyper: Callable[[int, dict[str, Any]], None]) -> tuple[list[dict[str, Any]], dict[int, dict]]:
+    """Validate ``sd`` against the optimizer and convert it (Note [Validated loads]); applies nothing.
+
+    Returns ``(hyper-parameters per group, state per flat index)``.
+
+    Raises:
+        ValueError: a malformed state dict, other numbers of groups or parameters, a hyper-parameter the
+            class refuses or a non-finite ``lr``, or a state entry that does not fit its parameter
+            (missing key, wrong shape, non-floating moment, non-tensor where a tensor belongs).
+        TypeError: a hyper-parameter of the wrong type.
     """
-    out = dict(st)
-    for k, v in out.items():
-        if torch.is_tensor(v) and v.untyped_storage().nbytes() > v.numel() * v.element_size():
-            out[k] = v.clone()
-    return out
+    def bad(what: str) -> ValueError:
+        return ValueError(f"HybridDeviceOptimizer.load_state_dict: {what}; nothing was loaded. Load a state dict "
+                          "saved by an optimizer over this model, with the same param groups.")
 
-
-def load(opt: "HybridDeviceOptimizer", sd: dict[str, Any], structural: tuple[str, ...]) -> None:
-    """Load ``sd`` into ``opt``; see ``HybridDeviceOptimizer.load_state_dict``. Group keys in
-    ``structural`` are not taken from ``sd``."""
-    if not isinstance(sd, dict) or "param_groups" not in sd or "state" not in sd:
-        raise ValueError(
-            "HybridDeviceOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups' "
-            f"(an optimizer state_dict()), got {type(sd).__name__} with keys {sorted(sd) if isinstance(sd, dict) else '-'}."
-        )
-    saved_groups = sd["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(
-            f"HybridDeviceOptimizer.load_state_dict: the state dict has {len(saved_groups)} param groups, this optimizer "
-            f"{len(opt.param_groups)}; build the optimizer with the same groups as the one that was saved."
-        )
-    for i, (sg, g) in enumerate(zip(saved_groups, opt.param_groups)):
-        if len(sg["params"]) != len(g["params"]):
-            raise ValueError(
-                f"HybridDeviceOptimizer.load_state_dict: param group {i} has {len(sg['params'])} params in the state dict "
-                f"and {len(g['params'])} here; the parameter lists must match (same model, same group order)."
-            )
-    saved_state = sd["state"]
-    for sg, g in zip(saved_groups, opt.param_groups):
-        for k, v in sg.items():
-            if k != "params" and k not in structural:
-                g[k] = copy.deepcopy(v)
-        for sid, p in zip(sg["params"], g["params"]):
-            _load_one(opt, p, saved_state.get(sid, {}))
-    opt._sync_hyper()
-
-
-def _load_one(opt: "HybridDeviceOptimizer", p: torch.Tensor, saved: dict[str, Any]) -> None:
-    from ._slots import HostSlot
-
-    slot = opt._slot_of[id(p)]
-    if isinstance(slot, HostSlot):
-        inner, master, sub = slot.master, slot.master, opt._chunks[slot.chunk].opt
-    else:
-        inner, sub = slot.inner, opt._gpu_opt
-        master = slot.inner if slot.has_master else None
-    fused = wants_device_step(slot.sub_group)
-    new: dict[str, Any] = {}
-    with torch.no_grad():
-        # Note [Loading masters]: a master of the model's own dtype is the weight itself, and the
-        # model is its authority: it is re-seeded from the model below, so loading an optimizer
-        # checkpoint alone leaves the weights as they are, as torch's optimizers do (it used to put
-        # the checkpoint's weights back into the model at the next step, for host-stepped
-        # parameters only; fresh-user report, eighth session). A wider master (fp32 for a bf16
-        # model) holds bits the model does not, so it is loaded; so is every host master in
-        # delayed mode, where the masters run one update ahead of the model by design (a model
-        # file written before state_dict()'s flush lacks that update; load_state_dict then
-        # writes the loaded masters into the model).
-        from_checkpoint = master is not None and (master.dtype != slot.local.dtype
-                                                  or (opt._delayed and isinstance(slot, HostSlot)))
-        for k, v in saved.items():
-            if k == "master_param":
-                if from_checkpoint:
-                    master.copy_(v)
-            elif k == "step" and torch.is_tensor(v):
-                new[k] = _step_value(v.clone(), inner, fused)
-            elif torch.is_tensor(v):
-                dt = inner.dtype if v.is_floating_point() else v.dtype
-                new[k] = v.to(device=inner.device, dtype=dt, copy=True)
-            else:
-                new[k] = copy.deepcopy(v)
-        if master is not None and not (from_checkpoint and "master_param" in saved):
-            master.copy_(slot.local)  # no master saved (e.g. a plain AdamW checkpoint) or the same dtype: the model's
-        if master is not None and new:
-            new["master_param"] = master
-    slot.p_ver = p._version
-    opt.state[p] = new
-    sub.state[inner] = new
+    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
+        raise bad(f"expected an optimizer state_dict() (a 'state' dict and a 'param_groups' list), found {_desc(sd)}")
+    saved = sd["param_groups"]
+    if len(saved) != len(groups):
+        raise bad(f"the state dict has {len(saved)} param groups, this optimizer {len(groups)}")
+    hypers = []
+    for gi, (sg, g) in enumerate(zip(saved, groups)):
+        ids = sg.get("params") if isinstance(sg, dict) else None
+        if not isinstance(ids, (list, tuple)) or len(ids) != len(g["params"]):
+            raise bad(f"param group {gi} holds {len(ids) if isinstance(ids, (list, tuple)) else _desc(sg)} parameters "
+                      f"in the state dict and {len(g['params'])} here")
+        hypers.append({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", *STRUCTURAL_KEYS, *IMPL_KEYS)})
+        check_hyper(gi, hypers[-1])
+    cache: dict = {}
+    states: dict[int, dict] = {}
+    for e in entries:
+        sg = saved[e.group]
+        names = sg.get("param_names") or ()
+        where = (f"parameter {e.flat}{f' {names[e.index]!r}' if len(names) > e.index else ''} (param group {e.group}, "
+                 f"index {e.index}, shape {tuple(e.local.shape)})")
+        try:
+            st = sd["state"].get(sg["params"][e.index], {})
+        except TypeError:  # an unhashable id
+            st = None
+        if not isinstance(st, dict):
+            raise bad(f"{where}: expected a dict of state tensors, found {_desc(st)}")
+        if st:  # what the class creates, with the loaded hyper-parameters
+            kw = {k: v for k, v in e.sub_group.items() if k != "params"}
+            kw.update({k: v for k, v in hypers[e.group].items() if k in kw})
+            key = (type(e.opt), repr(sorted(kw.items())), e.inner.dtype, e.inner.device, e.inner.dim())
+            tmpl = cache[key] if key in cache else cache.setdefault(key, probe(type(e.opt), kw, [key[2:]], group=True)[0] or {})
+            if missing := [k for k in tmpl if k not in st]:
+                raise bad(f"{where}, state {missing[0]!r}: expected the keys {sorted(tmpl)}, found {sorted(st)}")
+            states[e.flat] = {k: _convert(e, k, v, e.master if k == "master_param" else tmpl.get(k),
+                                          lambda want, k=k, v=v: bad(f"{where}, state {k!r}: expected {want}, found {_desc(v)}"))
+                              for k, v in st.items()}
+        else:
+            states[e.flat] = {}
+    return hypers, states

@@ -1,34 +1,28 @@
 """CPU thread budget and the worker thread that runs host optimizer steps (private).
 
-Note [Thread budget]: torch's fused CPU AdamW parallelises over elements with the intra-op
-thread pool, and ``torchrun`` sets ``OMP_NUM_THREADS=1`` whenever it starts more than one
-process per node, which silently makes every rank's host step single-threaded
-(reference/optimizer_offload.md §4, §8). The budget therefore ignores ``OMP_NUM_THREADS``:
+Note [Thread budget]: torch's fused CPU AdamW parallelises over elements with the intra-op thread
+pool, and ``torchrun`` sets ``OMP_NUM_THREADS=1`` whenever it starts more than one process per
+node, which would make every rank's host step single-threaded. The budget therefore ignores
+``OMP_NUM_THREADS``:
 
     budget = cpu_threads if given, else
              max(1, usable_cpus // local_ranks - (1 if that is >= 4 and beside_training else 0))
 
-``usable_cpus`` is ``len(os.sched_getaffinity(0))`` (it honours ``taskset``/``numactl`` binding),
-``local_ranks`` is ``LOCAL_WORLD_SIZE`` (set by torchrun) or 1. When a worker thread steps the host
-beside the training thread (``step_in_backward``, ``delayed_param_update``), one core is left to
-the Python thread that launches GPU work meanwhile, when there are at least 4. The default mode
-steps on the training thread itself (Note [Exact mode steps on the training thread] in
-``_hybrid.py``), which launches nothing during the host step, so it takes every core: W3 on the
-H200 ran 407.1 vs 407.7 ms median with 16 and 15 threads (benchmarks/NOTES.md, G2).
-
-The worker applies its budget with ``torch.set_num_threads`` *inside its own thread* (OpenMP
-thread counts are per calling thread), so the training thread's own setting is untouched; the
-default mode and the serial path apply it with :func:`num_threads` around the host step and
-restore the previous value (no call at all when the training thread already uses that count).
+``usable_cpus`` is ``len(os.sched_getaffinity(0))`` and ``local_ranks`` ``LOCAL_WORLD_SIZE`` or 1.
+Beside a worker thread (``step_in_backward``, ``delayed_param_update``) one core is left to the
+training thread, which launches GPU work meanwhile; the default mode steps on the training thread and
+takes every core. OpenMP thread counts are per thread: the worker sets its own, the default mode sets
+it around the host step (:func:`num_threads`), and the worker puts the caller's back afterwards
+(``torch.set_num_threads`` also sets the count a new thread adopts).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import threading
-from typing import Any, Callable, Iterator, Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -36,22 +30,24 @@ __all__: list[str] = []
 
 
 def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def thread_budget(cpu_threads: Optional[int] = None, *, beside_training: bool = True) -> int:
-    """Threads for the host optimizer step (Note [Thread budget]); ``beside_training``: a worker
-    thread steps while the training thread launches GPU work."""
+    """Threads for the host optimizer step (Note [Thread budget]).
+
+    Raises:
+        TypeError, ValueError: ``cpu_threads`` is not ``None`` or an int in ``[1, usable CPUs]``.
+    """
+    limit = usable_cpus()
     if cpu_threads is not None:
+        if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or not 1 <= cpu_threads <= limit:
+            raise (ValueError if isinstance(cpu_threads, int) else TypeError)(
+                f"HybridDeviceOptimizer: cpu_threads={cpu_threads!r}: pass None or an int in [1, {limit}]; this process "
+                f"may run on {limit} CPUs (os.sched_getaffinity).")
         return cpu_threads
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    per_rank = max(1, usable_cpus() // local)
+    env = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    per_rank = max(1, limit // max(1, int(env) if env.isdigit() else 1))
     return per_rank - 1 if per_rank >= 4 and beside_training else per_rank
 
 
@@ -69,80 +65,44 @@ def num_threads(n: int) -> Iterator[None]:
 
 
 class CpuWorker:
-    """One daemon thread running submitted callables in FIFO order with its own thread budget.
+    """One thread (``hdo-cpu-step``) running submitted callables in order with its own thread budget.
 
-    ``submit`` never blocks; ``drain`` waits until everything submitted so far has run and
-    re-raises the first exception a task raised (later tasks of that batch are skipped).
+    ``submit`` never blocks; ``drain`` waits for everything submitted so far and re-raises the first
+    exception a task raised (the tasks after it, until the drain, are skipped).
     """
 
-    __slots__ = ("_q", "_thread", "_threads", "_bind", "_error", "_pending", "_cv", "_ready", "__weakref__")
-
     def __init__(self, threads: int, bind: Callable[[], None]) -> None:
-        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._threads = threads
-        self._bind = bind
-        self._error: Optional[BaseException] = None
-        self._pending = 0
-        self._cv = threading.Condition()
-        self._ready = threading.Event()
-        # Note [Thread budget], continued: torch.set_num_threads also stores a process-wide value
-        # that every thread not yet using OpenMP adopts on its first parallel op (ATen's lazy
-        # per-thread init), so the worker's budget leaked into a training thread that had not run
-        # one yet (OMP_NUM_THREADS=1 read back as the budget; fresh-user trial, session 5). The
-        # caller's value is read first (which initialises its own) and put back once the worker
-        # has applied its budget to itself.
-        caller = torch.get_num_threads()
-        self._thread = threading.Thread(target=self._loop, name="hdo-cpu-step", daemon=True)
-        self._thread.start()
-        self._ready.wait(timeout=30)
-        if threads != caller:
-            torch.set_num_threads(caller)
+        caller = torch.get_num_threads()  # initialises this thread's own count first
+        self._pool = ThreadPoolExecutor(1, "hdo-cpu-step", initializer=self._start, initargs=(threads, bind))
+        self._pool.submit(int).result()  # the thread exists and has applied its budget
+        torch.set_num_threads(caller)
+        self._futures: list[Future] = []
+        self._failed = False
 
-    def _loop(self) -> None:
-        try:
-            self._bind()
-            torch.set_num_threads(self._threads)
-            torch.get_num_threads()  # ATen's lazy per-thread init, now: it adopts the process-wide value
-        finally:
-            self._ready.set()
-        while True:
-            fn = self._q.get()
-            if fn is None:
-                return
+    @staticmethod
+    def _start(threads: int, bind: Callable[[], None]) -> None:
+        bind()
+        torch.set_num_threads(threads)
+        torch.get_num_threads()  # ATen initialises this thread's pool now, with this count
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        if not self._failed:
             try:
-                if self._error is None:
-                    fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the training thread
-                self._error = e
-            finally:
-                with self._cv:
-                    self._pending -= 1
-                    self._cv.notify_all()
+                fn()
+            except BaseException:
+                self._failed = True
+                raise
 
     def submit(self, fn: Callable[[], None]) -> None:
-        if not self._thread.is_alive():
-            raise RuntimeError("CpuWorker.submit: the worker thread has stopped (close() was called)")
-        with self._cv:
-            self._pending += 1
-        self._q.put(fn)
+        self._futures.append(self._pool.submit(self._run, fn))
 
     def drain(self) -> None:
-        with self._cv:
-            while self._pending:
-                self._cv.wait()
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    @property
-    def busy(self) -> bool:
-        return self._pending > 0
+        futures, self._futures = self._futures, []
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        self._failed = False
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
-        """Stop the thread after the queued tasks (idempotent)."""
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join(timeout=30)
-
-    def __repr__(self) -> str:
-        return f"CpuWorker(threads={self._threads}, pending={self._pending})"
+        """Stop the thread after the queued tasks (idempotent; from the worker itself, without waiting)."""
+        self._pool.shutdown(wait=not threading.current_thread().name.startswith("hdo-cpu-step"))

@@ -17,7 +17,7 @@ module sees: ``F.linear`` on a ``(B, T, H)`` input saves the ``(B*T, H)`` view t
 folds it into, and under autocast it saves the cast. So besides marking the tensors themselves,
 the adapter runs ``lora_A`` (opt-in) and ``lora_B`` (both policies) inside :func:`marked_saves`,
 a ``saved_tensors_hooks`` scope that sets the mark on exactly what autograd saves and hands it to
-the open synchronizer's own pack/unpack hooks (``push_tensor``/``pop_tensor``). Nothing is
+the open synchronizer's own pack/unpack hooks (``_pack``/``_unpack``). Nothing is
 computed differently: outputs and gradients are bit-identical with and without offloading.
 
 Frozen base weights are parameters (never offloaded), but autocast does not cache the casts of
@@ -101,10 +101,10 @@ class _MarkedSaves(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, t: torch.Tensor) -> Any:
         setattr(t, self.attr, True)
         outer = self.outer
-        return outer._pack(t) if outer is not None else self.sync.push_tensor(t)
+        return outer._pack(t) if outer is not None else self.sync._pack(t)
 
     def _unpack(self, handle: Any) -> torch.Tensor:
-        return self.sync.pop_tensor(handle)
+        return self.sync._unpack(handle)
 
 
 def marked_saves(policy: Optional[str], role: str) -> Any:

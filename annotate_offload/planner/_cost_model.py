@@ -1,26 +1,28 @@
-"""The planner's cost model: predicted step time and peak activation memory of a per-layer plan.
+"""The planner's cost model: predicted step time and peak device memory of a plan.
 
-A plan assigns each of the ``L`` layers (in forward order ``0..L-1``) one of :data:`CHOICES`:
+A plan is, per layer ``0..L-1`` (forward order), one of :data:`CHOICES`; the runtime schedule
+(``release_lag`` ``k``, ``prefetch_layers`` ``p``); and the optimizer split: the first ``m`` trainable
+parameter tensors are stepped on the host by ``HybridDeviceOptimizer`` (``offload_fraction`` = their
+share of the trainable numel, Megatron's split rule, which takes whole tensors in order).
 
 ``keep``
     saved activations stay on the GPU from the layer's forward to its backward.
 ``offload``
-    saved activations are copied to host (D2H) on a side stream after the layer's forward and
-    released; they are prefetched back (H2D) during the backward of a later layer.
+    saved activations are copied to host (D2H) on a side stream as they are saved and released at the
+    entry of layer ``i + 1 + k``; they are prefetched back (H2D) when backward enters layer ``i + p``.
 ``recompute``
     the layer runs under ``torch.utils.checkpoint``: only its input (the checkpoint input) is kept;
     backward reruns the layer's forward, then its backward.
 ``recompute_offload``
     ``recompute``, with the checkpoint input offloaded and prefetched like ``offload``.
 
-Inputs (all measured, see :func:`~annotate_offload.planner._measure.measure_layers` and
-:func:`~annotate_offload.planner._bandwidth.measure_bandwidth`): per layer ``i`` forward time ``f_i`` and backward
-time ``b_i`` (ms), saved-activation bytes ``a_i`` and checkpoint-input bytes ``c_i``; the link's D2H and
-H2D bandwidth (GB/s, 1 GB = 1e9 bytes), so a copy of ``n`` bytes takes ``n / (GB/s * 1e6)`` ms.
-
-Schedule (the runtime's: ``DefaultOffloadSynchronizer(offloaded_layers=..., release_lag=k,
-prefetch_layers=p)``). Defaults ``k = 1``, ``p = 1``: a layer's copy may hide behind the
-forward of the one layer after it, and its reload behind the backward of the one layer after it.
+Per layer ``i`` (:class:`LayerMeasurement`): forward and backward time ``f_i``, ``b_i`` (ms); saved bytes
+``a_i``, checkpoint-input bytes ``c_i``; ``F+_i`` and ``B+_i``, the device bytes its forward and its backward
+allocate at their peak beyond what existed before (``B+`` without its parameter gradients ``g_i``).
+For the step (:class:`StepMeasurement`): ``static`` bytes on the device before a step (weights, buffers,
+inputs), gradient bytes of parameters outside the layers, time outside the layers, and per trainable
+parameter its numel and Adam state bytes. The link (:class:`LinkBandwidth`) copies ``n`` bytes in
+``n / (GB/s * 1e6)`` ms.
 
 Note [Planner time model]
     One compute stream, one D2H stream and one H2D stream (the runtime's side streams), each in order::
@@ -35,56 +37,63 @@ Note [Planner time model]
             if j offloaded: t = max(t, h2d_end[j])                 # reload must have landed
             if j recomputed: t += f_j                              # recompute adds the layer's forward
             t += b_j
-        step_ms = t
+        step_ms = t + other_ms + optimizer_ms
+        optimizer_ms = (numel stepped on the device * device_ms + numel stepped on the host * host_ms) / 1e9
 
-    with ``bytes_j = a_j`` for ``offload`` and ``c_j`` for ``recompute_offload``. The runtime starts each
-    D2H when the tensor is saved; the model takes the saved bytes as produced evenly over the layer's
-    forward, so a layer's D2H ends when its forward ends if the link keeps up, else ``bytes / D2H`` after
-    it could start. A copy therefore hides behind compute (its own layer's and the next ones') and
-    delays the step only by what the compute stream waits for: a D2H that cannot hide delays the
-    forward at the release point, a late H2D delays the backward.
+    with ``bytes_j`` what an offloaded layer moves (``a_j``, or ``c_j`` for ``recompute_offload``, less the
+    tensors under ``min_offload_numel``). The runtime starts each D2H when the tensor is saved; the model
+    takes the bytes as produced evenly over the layer's forward, so a layer's D2H ends when its forward
+    ends if the link keeps up, else ``bytes / D2H`` after it could start. A copy hides behind compute (its
+    own layer's and the next ones') and delays the step only by what the compute stream waits for.
+    ``device_ms`` and ``host_ms`` are fused AdamW's time per 1e9 elements on each side; the exact mode
+    steps the host part after backward, and the sum is an upper bound of the two running side by side.
+    The streams are simulated, rather than each layer charged a flat cost, because the cost of a copy
+    depends on what it can hide behind: a few spaced offloads cost nothing, while offloading nearly every
+    layer makes the step as long as the copies.
 
 Note [Planner memory model]
-    Saved-for-backward bytes resident at the end of forward of layer ``j`` (``F_j``) and during the
-    backward of layer ``j`` (``B_j``); the predicted peak is the largest of these ``2L`` sums::
+    Device memory is what ``torch.cuda.max_memory_allocated`` reports over a step; the peak is the
+    largest of these ``2L + 1`` sums::
 
-        F_j = sum_{i<=j} fwd(i, j)    fwd(i, j) = a_i (keep), c_i (recompute),
-                                                  a_i or c_i while j <= i + k, else 0 (offloaded: released
-                                                  at the entry of layer i + 1 + k)
-        B_j = sum_{i<j} (kept(i) + prefetched(i, j)) + own(j)
-              kept(i)  = a_i (keep), c_i (recompute), 0 (offloaded: released in forward)
-              prefetched(i, j) = a_i or c_i if i is offloaded and j <= min(i + p, L-1)
-              own(j)   = a_j (keep, offload), a_j + c_j (recompute, recompute_offload)
+        base   = static + Adam state of the parameters stepped on the device (2 x the parameter's bytes)
+        fwd_j  = base + sum_{i<j} (held_f(i, j) + w_i if i recomputed) + c_j + F+_j
+        bwd_j  = base + other_grads + sum_{i>=j} g_i + sum_{i<j} held_b(i, j) + c_j + act_j
+        opt    = base + other_grads + sum_i g_i
+        held_f(i, j) = a_i (keep), c_i (recompute), moved_i + unmoved_i while j <= i + k else unmoved_i
+                       (offloaded: released at the entry of layer i + 1 + k)
+        held_b(i, j) = a_i (keep), c_i (recompute), unmoved_i + (moved_i while j <= min(i + p, L-1))
+        act_j  = a_j + B+_j (keep, offload);  c_j + max(F+_j, a_j + B+_j) (recompute, recompute_offload)
 
-    An offloaded layer must be released before the last layer's forward (``i + 1 + k <= L-1``), else its
-    copy frees nothing at the forward/backward turn where the peak is; such layers may only be kept or
-    recomputed (:func:`allowed_choices`).
+    ``c_j`` in ``fwd_j`` is the layer's input and in ``bwd_j`` the gradient of its output (a block maps
+    hidden states to hidden states of one shape). ``w_i``: a recomputed layer's weight casts, which
+    autocast's cache holds to the end of the forward. Gradients exist only between their backward and the
+    optimizer step (``zero_grad(set_to_none=True)``), so in backward only those of layers ``>= j`` and,
+    an upper bound, of everything outside the layers. An offloaded layer must be released before the
+    last layer's forward (``i + 1 + k <= L-1``), else its copy frees nothing where the peak is: such
+    layers may only be kept or recomputed (:func:`allowed_choices`).
 
-Assumptions (what the model leaves out, so its error bars): saved bytes are produced evenly over a
-layer's forward; the runtime also releases a layer early when its D2H is done, which only lowers the
-real peak below the predicted one; copies do not slow
-compute (they use copy engines, but also HBM bandwidth); activation gradients, temporaries and
-workspace are not activation memory here (only saved-for-backward bytes); the checkpoint input is
-counted apart from the recomputed activations (an upper bound when the layer also saves its input);
-every byte of an offloaded layer moves (the runtime keeps tensors below ``min_offload_numel``);
-everything outside the layers (embedding, head, loss, optimizer) adds the same time to every plan.
-The streams are simulated rather than each offloaded layer charged a flat cost because the cost of a
-copy depends on what it can hide behind: a few offloaded layers cost little, while offloading nearly
-every layer makes the step as long as the copies, far more than the sum of per-layer costs suggests.
+Assumptions (the error bars): saved bytes are produced evenly over a layer's forward; the runtime
+also releases a layer early when its D2H is done and paces a one-layer prefetch by half a layer, which
+only lowers the real peak; copies do not slow compute (they use copy engines, but also HBM bandwidth);
+a layer measured alone behaves as in the model; tensors saved outside the layers (embedding, head,
+loss) are not counted; the checkpoint input is counted apart from the recomputed activations (an upper
+bound when the layer also saves its input); optimizer transients are not counted.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["CHOICES", "LayerMeasurement", "LinkBandwidth", "Prediction", "allowed_choices", "predict"]
+__all__ = ["CHOICES", "LayerMeasurement", "StepMeasurement", "LinkBandwidth", "Prediction", "allowed_choices",
+           "predict"]
 
 #: The per-layer choices, in the order used for tie-breaking (least intrusive first).
 CHOICES: tuple[str, ...] = ("keep", "offload", "recompute", "recompute_offload")
-_OFFLOADED = frozenset({"offload", "recompute_offload"})
-_RECOMPUTED = frozenset({"recompute", "recompute_offload"})
+OFFLOADED = frozenset({"offload", "recompute_offload"})
+RECOMPUTED = frozenset({"recompute", "recompute_offload"})
 
 
 def _check_number(owner: str, name: str, value: object, *, positive: bool = False) -> None:
@@ -107,11 +116,18 @@ class LayerMeasurement:
         checkpoint_input_bytes (int): bytes of the layer's tensor inputs, i.e. what ``recompute``
             holds and ``recompute_offload`` copies.
         name (str): the layer's qualified name, for the plan table. Default: ``""``.
-        unmoved_bytes (int): the part of ``saved_bytes`` that ``offload`` leaves on the GPU: saved
-            tensors under the runtime's ``min_offload_numel`` (their storages not also saved by a
-            larger tensor). Default: ``0``.
+        unmoved_bytes (int): the part of ``saved_bytes`` that ``offload`` leaves on the GPU (saved
+            tensors under the runtime's ``min_offload_numel``). Default: ``0``.
         unmoved_input_bytes (int): the part of ``checkpoint_input_bytes`` that ``recompute_offload``
-            leaves on the GPU (inputs under ``min_offload_numel``). Default: ``0``.
+            leaves on the GPU. Default: ``0``.
+        forward_peak_bytes (int): ``F+``: device bytes the forward allocates at its peak (its saved
+            tensors, output and temporaries), beyond its inputs. Default: ``0``.
+        backward_peak_bytes (int): ``B+``: device bytes the backward allocates at its peak beyond its
+            saved tensors and output gradient, its parameter gradients excluded. Default: ``0``.
+        grad_bytes (int): ``g``: bytes of the layer's parameter gradients. Default: ``0``.
+        cast_bytes (int): ``w``: the part of ``saved_bytes`` that is autocast's casts of weights: the
+            runtime never offloads them (they are in ``unmoved_bytes``), and autocast's cache holds them
+            to the end of the forward even when the layer is recomputed. Default: ``0``.
 
     Raises:
         TypeError, ValueError: a field that is not a finite non-negative number.
@@ -124,10 +140,14 @@ class LayerMeasurement:
     name: str = ""
     unmoved_bytes: int = 0
     unmoved_input_bytes: int = 0
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
+    grad_bytes: int = 0
+    cast_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field in ("forward_ms", "backward_ms", "saved_bytes", "checkpoint_input_bytes", "unmoved_bytes",
-                      "unmoved_input_bytes"):
+                      "unmoved_input_bytes", "forward_peak_bytes", "backward_peak_bytes", "grad_bytes", "cast_bytes"):
             _check_number("LayerMeasurement", field, getattr(self, field))
         for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes")):
             if getattr(self, part) > getattr(self, whole):
@@ -147,14 +167,82 @@ class LayerMeasurement:
 
 
 @dataclass(frozen=True)
+class StepMeasurement:
+    """What the step costs outside the layers' choices (all defaults: nothing).
+
+    Attributes:
+        static_bytes (int): device bytes before a step: weights, buffers, inputs (not gradients).
+        other_grad_bytes (int): bytes of the gradients of trainable parameters outside the layers.
+        other_ms (float): forward plus backward time outside the layers, ms.
+        param_numels (tuple[int, ...]): the optimizer's trainable parameters, in the order its split
+            takes them (``model.parameters()``); empty: no optimizer.
+        param_state_bytes (tuple[int, ...]): per parameter, its Adam state bytes (two moments).
+        device_ms (float): fused AdamW on the device, ms per 1e9 elements.
+        host_ms (float): fused AdamW on the host, ms per 1e9 elements.
+
+    Raises:
+        TypeError, ValueError: a negative or non-finite number, or tuples of different lengths.
+    """
+
+    static_bytes: int = 0
+    other_grad_bytes: int = 0
+    other_ms: float = 0.0
+    param_numels: tuple = ()
+    param_state_bytes: tuple = ()
+    device_ms: float = 0.0
+    host_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("static_bytes", "other_grad_bytes", "other_ms", "device_ms", "host_ms"):
+            _check_number("StepMeasurement", field, getattr(self, field))
+        if len(self.param_numels) != len(self.param_state_bytes):
+            raise ValueError("StepMeasurement: param_numels and param_state_bytes need one entry per parameter.")
+        object.__setattr__(self, "param_numels", tuple(self.param_numels))
+        object.__setattr__(self, "param_state_bytes", tuple(self.param_state_bytes))
+
+    def host_tensors(self, offload_fraction: float) -> int:
+        """How many leading parameters ``HybridDeviceOptimizer(offload_fraction=f)`` steps on the host:
+        it takes them while the numel taken so far is below ``f`` x the total."""
+        budget, done = offload_fraction * sum(self.param_numels), 0
+        for m, n in enumerate(self.param_numels):
+            if done >= budget:
+                return m
+            done += n
+        return len(self.param_numels)
+
+    def fraction(self, host_tensors: int) -> float:
+        """An ``offload_fraction`` that steps exactly the first ``host_tensors`` parameters on the host: halfway
+        between the shares with one fewer and with these, so that rounding cannot take one more."""
+        if host_tensors == 0 or host_tensors == len(self.param_numels):
+            return float(host_tensors > 0)
+        low, high = sum(self.param_numels[:host_tensors - 1]), sum(self.param_numels[:host_tensors])
+        return (low + high) / 2 / sum(self.param_numels)
+
+    def optimizer(self, host_tensors: int) -> tuple[int, float]:
+        """``(Adam state bytes left on the device, optimizer ms)`` with the first ``host_tensors`` on the host."""
+        host = sum(self.param_numels[:host_tensors])
+        device = sum(self.param_numels) - host
+        return sum(self.param_state_bytes[host_tensors:]), (device * self.device_ms + host * self.host_ms) / 1e9
+
+    def fewest_host_tensors(self, excess: int) -> int | None:
+        """The fewest leading parameters whose state moved to the host frees ``excess`` bytes (``None``: none do)."""
+        if excess <= 0:
+            return 0
+        cumulative = [0]
+        for b in self.param_state_bytes:
+            cumulative.append(cumulative[-1] + b)
+        m = bisect.bisect_left(cumulative, excess)
+        return m if m < len(cumulative) else None
+
+
+@dataclass(frozen=True)
 class LinkBandwidth:
     """Host link bandwidth, GB/s (1 GB = 1e9 bytes).
 
     Attributes:
         d2h_gbps (float): device-to-host copy bandwidth into pinned memory, GB/s.
         h2d_gbps (float): host-to-device copy bandwidth from pinned memory, GB/s.
-        source (str): how the figures were obtained (e.g. ``"measured cuda:0 pinned, 256 MiB"``).
-            Default: ``"given"``.
+        source (str): how the figures were obtained. Default: ``"given"``.
 
     Raises:
         TypeError, ValueError: a bandwidth that is not a finite positive number.
@@ -182,18 +270,20 @@ class Prediction:
     """What :func:`predict` returns.
 
     Attributes:
-        step_ms (float): predicted time of the layers' forward plus backward, ms.
-        peak_bytes (int): predicted peak of saved-for-backward bytes on the GPU.
-        d2h_stall_ms (tuple[float, ...]): per layer, how long forward waited for its D2H, ms.
-        h2d_stall_ms (tuple[float, ...]): per layer, how long backward waited for its H2D, ms.
-        copy_ms (tuple[float, ...]): per layer, D2H plus H2D time of its copies, ms (0 if not offloaded).
+        step_ms (float): predicted step time (layers, the rest, the optimizer), ms.
+        peak_bytes (int): predicted peak device memory, bytes.
+        layer_ms (tuple[float, ...]): per layer, its forward plus backward time with waits and recompute, ms.
+        layer_peak_bytes (tuple[int, ...]): per layer, the peak device memory during its forward or backward.
+        optimizer_ms (float): the optimizer's part of ``step_ms``, ms.
+        offload_fraction (float): the optimizer split, ``HybridDeviceOptimizer``'s ``offload_fraction``.
     """
 
     step_ms: float
     peak_bytes: int
-    d2h_stall_ms: tuple[float, ...]
-    h2d_stall_ms: tuple[float, ...]
-    copy_ms: tuple[float, ...]
+    layer_ms: tuple
+    layer_peak_bytes: tuple
+    optimizer_ms: float = 0.0
+    offload_fraction: float = 0.0
 
 
 def allowed_choices(layer: int, num_layers: int, release_lag: int) -> tuple[str, ...]:
@@ -207,119 +297,124 @@ def allowed_choices(layer: int, num_layers: int, release_lag: int) -> tuple[str,
 
 
 def check_schedule(who: str, release_lag: Any, prefetch_layers: Any) -> None:
-    """``release_lag`` an int >= 0 and ``prefetch_layers`` an int >= 1, else ``ValueError`` naming ``who``."""
-    if isinstance(release_lag, bool) or not isinstance(release_lag, int) or release_lag < 0:
-        raise ValueError(f"{who}: release_lag must be an int >= 0, got {release_lag!r}.")
-    if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int) or prefetch_layers < 1:
-        raise ValueError(f"{who}: prefetch_layers must be an int >= 1, got {prefetch_layers!r}.")
+    """``release_lag`` None or an int >= 0, ``prefetch_layers`` None or an int >= 1, else ``ValueError``."""
+    for name, value, low in (("release_lag", release_lag, 0), ("prefetch_layers", prefetch_layers, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"{who}: {name} must be None or an int >= {low}, got {value!r}.")
 
 
-def _validate(layers: Sequence[LayerMeasurement], choices: Sequence[str], release_lag: int, prefetch_layers: int):
+def validate(layers: Sequence[LayerMeasurement], choices: Sequence[str], release_lag: int, prefetch_layers: int):
     if len(choices) != len(layers):
         raise ValueError(f"predict: choices has {len(choices)} entries for {len(layers)} layers; give one per layer.")
     check_schedule("predict", release_lag, prefetch_layers)
     for i, c in enumerate(choices):
         if c not in CHOICES:
             raise ValueError(f"predict: choices[{i}]={c!r} is not one of {CHOICES}.")
-        if c in _OFFLOADED and c not in allowed_choices(i, len(layers), release_lag):
+        if c in OFFLOADED and c not in allowed_choices(i, len(layers), release_lag):
             raise ValueError(
                 f"predict: choices[{i}]={c!r} but layer {i} of {len(layers)} cannot be released before the last "
                 f"layer's forward with release_lag={release_lag}; keep or recompute it."
             )
 
 
+def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
+    """``(layers' ms, peak bytes without the device's Adam state, per-layer ms, per-layer peaks without it)``:
+    the two Notes above, with the optimizer's part left to :func:`with_optimizer`."""
+    n, k, p = len(layers), release_lag, prefetch_layers
+    off = [c in OFFLOADED for c in choices]
+    rec = [c in RECOMPUTED for c in choices]
+    moved = [m.moved_bytes(rec[i]) if off[i] else 0 for i, m in enumerate(layers)]
+    whole = [m.checkpoint_input_bytes if rec[i] else m.saved_bytes for i, m in enumerate(layers)]
+    kept = [w - moved[i] for i, w in enumerate(whole)]  # what a layer holds once released (all, if not offloaded)
+    cached = [m.cast_bytes if rec[i] else 0 for i, m in enumerate(layers)]  # autocast's casts, to the end of forward
+
+    # --- time (Note [Planner time model]) ---
+    t = d2h_free = h2d_free = 0.0
+    d2h_end, h2d_end, layer_ms = [0.0] * n, [0.0] * n, [0.0] * n
+    for j in range(n):
+        start = t
+        i = j - 1 - k
+        if i >= 0 and off[i]:
+            t = max(t, d2h_end[i])
+        begin = t
+        t += layers[j].forward_ms
+        if off[j]:
+            d2h_free = d2h_end[j] = max(t, max(begin, d2h_free) + bandwidth.d2h_ms(moved[j]))
+        layer_ms[j] = t - start
+    reload_at: dict[int, list[int]] = {}
+    for i in range(n - 1, -1, -1):
+        if off[i]:
+            reload_at.setdefault(min(i + p, n - 1), []).append(i)
+    for j in range(n - 1, -1, -1):
+        start = t
+        for i in reload_at.get(j, ()):
+            h2d_free = h2d_end[i] = max(t, h2d_free, d2h_end[i]) + bandwidth.h2d_ms(moved[i])
+        if off[j]:
+            t = max(t, h2d_end[j])
+        t += layers[j].backward_ms + (layers[j].forward_ms if rec[j] else 0.0)
+        layer_ms[j] += t - start
+
+    # --- memory (Note [Planner memory model]) ---
+    grads_above = [0] * (n + 1)  # grads_above[j] = sum of g_i over i >= j
+    for i in range(n - 1, -1, -1):
+        grads_above[i] = grads_above[i + 1] + layers[i].grad_bytes
+    held_before = cached_before = 0  # sums over i < j of what layer i holds once released, and of casts
+    peaks = []
+    for j, m in enumerate(layers):
+        in_flight_f = sum(moved[i] for i in range(max(0, j - k), j))
+        fwd = held_before + cached_before + in_flight_f + m.checkpoint_input_bytes + m.forward_peak_bytes
+        in_flight_b = sum(moved[i] for i in range(max(0, j - p), j))  # reloads started at the entry of i + p
+        act = m.saved_bytes + m.backward_peak_bytes
+        if rec[j]:
+            act = m.checkpoint_input_bytes + max(m.forward_peak_bytes, act)
+        bwd = (step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + m.checkpoint_input_bytes + act)
+        peaks.append(step.static_bytes + max(fwd, bwd))
+        held_before += kept[j]
+        cached_before += cached[j]
+    opt = step.static_bytes + step.other_grad_bytes + grads_above[0]
+    return t + step.other_ms, max(peaks + [opt]), tuple(layer_ms), tuple(peaks)
+
+
+def with_optimizer(sim, step: StepMeasurement, host_tensors: int) -> Prediction:
+    """The :class:`Prediction` of a simulated plan with the first ``host_tensors`` parameters on the host."""
+    layers_ms, peak, layer_ms, layer_peaks = sim
+    state, opt_ms = step.optimizer(host_tensors)
+    return Prediction(step_ms=layers_ms + opt_ms, peak_bytes=int(peak + state), layer_ms=layer_ms,
+                      layer_peak_bytes=tuple(int(b + state) for b in layer_peaks), optimizer_ms=opt_ms,
+                      offload_fraction=step.fraction(host_tensors))
+
+
 def predict(
     layers: Sequence[LayerMeasurement],
     choices: Sequence[str],
     bandwidth: LinkBandwidth,
+    step: StepMeasurement | None = None,
     *,
     release_lag: int = 1,
     prefetch_layers: int = 1,
-    _validated: bool = False,
+    offload_fraction: float = 0.0,
 ) -> Prediction:
-    """Predict step time and peak activation memory of a plan (Notes [Planner time/memory model]).
+    """Predict step time and peak device memory of a plan (Notes [Planner time/memory model]).
 
     Args:
         layers (Sequence[LayerMeasurement]): per layer, in forward order.
         choices (Sequence[str]): per layer, one of :data:`CHOICES`.
         bandwidth (LinkBandwidth): the host link.
-        release_lag (int): the runtime's ``release_lag`` ``k``: an offloaded layer ``i`` is released at
-            the entry of layer ``i + 1 + k``. Default: ``1``.
-        prefetch_layers (int): the runtime's ``prefetch_layers`` ``p``: layer ``i`` is reloaded when
-            backward enters layer ``i + p``. Default: ``1``.
+        step (StepMeasurement | None): the rest of the step. Default: ``None`` (nothing: layers only).
+        release_lag (int): an offloaded layer ``i`` is released at the entry of layer ``i + 1 + k``. Default: ``1``.
+        prefetch_layers (int): layer ``i`` is reloaded when backward enters layer ``i + p``. Default: ``1``.
+        offload_fraction (float): ``HybridDeviceOptimizer``'s split, in ``[0, 1]``. Default: ``0.0``.
 
     Returns:
-        Prediction: step time (ms), peak saved bytes and per-layer stalls.
+        Prediction: step time (ms), peak bytes, per layer time and peak.
 
     Raises:
         ValueError: choices of the wrong length or value, an offload the schedule cannot release,
-            ``release_lag < 0`` or ``prefetch_layers < 1``.
+            ``release_lag < 0``, ``prefetch_layers < 1`` or a fraction outside ``[0, 1]``.
     """
-    if not _validated:
-        _validate(layers, choices, release_lag, prefetch_layers)
-    n = len(layers)
-    off = [c in _OFFLOADED for c in choices]
-    rec = [c in _RECOMPUTED for c in choices]
-    # what an offloaded layer still holds on the GPU: its saved tensors under min_offload_numel
-    stays = [(m.unmoved_input_bytes if rec[i] else m.unmoved_bytes) if off[i] else 0 for i, m in enumerate(layers)]
-    moved = [m.moved_bytes(rec[i]) if off[i] else 0 for i, m in enumerate(layers)]
-    fwd_bytes = [m.checkpoint_input_bytes if rec[i] else m.saved_bytes for i, m in enumerate(layers)]
-
-    # --- time (Note [Planner time model]) ---
-    t = 0.0
-    d2h_free = h2d_free = 0.0
-    d2h_end = [0.0] * n
-    h2d_end = [0.0] * n
-    d2h_stall = [0.0] * n
-    h2d_stall = [0.0] * n
-    for j in range(n):
-        i = j - 1 - release_lag
-        if i >= 0 and off[i] and d2h_end[i] > t:
-            d2h_stall[i] = d2h_end[i] - t
-            t = d2h_end[i]
-        start = t
-        t += layers[j].forward_ms
-        if off[j]:
-            d2h_free = max(t, max(start, d2h_free) + bandwidth.d2h_ms(moved[j]))
-            d2h_end[j] = d2h_free
-    reload_at: dict[int, list[int]] = {}
-    for i in range(n - 1, -1, -1):
-        if off[i]:
-            reload_at.setdefault(min(i + prefetch_layers, n - 1), []).append(i)
-    for j in range(n - 1, -1, -1):
-        for i in reload_at.get(j, ()):
-            h2d_free = max(t, h2d_free, d2h_end[i]) + bandwidth.h2d_ms(moved[i])
-            h2d_end[i] = h2d_free
-        if off[j] and h2d_end[j] > t:
-            h2d_stall[j] = h2d_end[j] - t
-            t = h2d_end[j]
-        if rec[j]:
-            t += layers[j].forward_ms
-        t += layers[j].backward_ms
-
-    # --- memory (Note [Planner memory model]) ---
-    kept = [stays[i] if off[i] else fwd_bytes[i] for i in range(n)]
-    prefix = [0] * (n + 1)  # prefix[j] = sum over i < j of kept(i)
-    for i in range(n):
-        prefix[i + 1] = prefix[i] + kept[i]
-    peak = 0
-    for j in range(n):
-        in_flight = sum(moved[i] for i in range(max(0, j - release_lag), j + 1))
-        peak = max(peak, prefix[j + 1] + in_flight)
-    for j in range(n):
-        total = prefix[j]
-        for i in range(max(0, j - prefetch_layers), j):
-            if off[i] and j <= min(i + prefetch_layers, n - 1):
-                total += moved[i]
-        m = layers[j]
-        total += m.saved_bytes + (m.checkpoint_input_bytes if rec[j] else 0)
-        peak = max(peak, total)
-
-    copy_ms = tuple(bandwidth.d2h_ms(moved[i]) + bandwidth.h2d_ms(moved[i]) if off[i] else 0.0 for i in range(n))
-    return Prediction(
-        step_ms=t,
-        peak_bytes=int(peak),
-        d2h_stall_ms=tuple(d2h_stall),
-        h2d_stall_ms=tuple(h2d_stall),
-        copy_ms=copy_ms,
-    )
+    validate(layers, choices, release_lag, prefetch_layers)
+    if not 0 <= offload_fraction <= 1:
+        raise ValueError(f"predict: offload_fraction must be in [0, 1], got {offload_fraction!r}.")
+    step = StepMeasurement() if step is None else step
+    sim = simulate(tuple(layers), tuple(choices), bandwidth, step, release_lag, prefetch_layers)
+    return with_optimizer(sim, step, step.host_tensors(offload_fraction))

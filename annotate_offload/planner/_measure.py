@@ -1,8 +1,9 @@
-"""Measurements the planner's cost model needs: per-layer time and bytes, and host-link bandwidth.
+"""Measurements the planner's cost model needs: per-layer time and bytes, and the rest of the step.
 
-:func:`measure_layers` runs the model once (no grad) only to capture every layer's inputs, then runs each
-layer's forward and backward alone, timing them (CUDA events on GPU, ``time.perf_counter`` on CPU) and
-counting the unique storages it saves for backward through ``torch.autograd.graph.saved_tensors_hooks``.
+:func:`measure` runs the model twice without autograd to capture every layer's inputs and time the
+forward outside the layers, then runs each layer's forward and backward alone, timing them (CUDA
+events on GPU, ``time.perf_counter`` on CPU), counting the unique storages it saves for backward through
+``torch.autograd.graph.saved_tensors_hooks`` and, on CUDA, reading the allocator's peaks.
 Backward uses ``torch.autograd.grad``, which returns gradients instead of accumulating them into
 ``.grad``. The model is left as found: every module's training flag, every buffer (e.g. BatchNorm's
 running statistics and ``num_batches_tracked``), every parameter's ``.grad`` object and the CPU and CUDA
@@ -21,9 +22,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from annotate_offload._example_inputs import for_training, split
 
-from ._cost_model import LayerMeasurement
+# the runtime's rule for what it never offloads (weights and their casts), so the plan counts as it moves
+from annotate_offload.runtime._layer_state import _is_weight, frozen_shapes
 
-__all__ = ["measure_layers", "discover_layers"]
+from ._bandwidth import measure_adamw
+from ._cost_model import LayerMeasurement, StepMeasurement
+
+__all__ = ["measure", "measure_layers", "discover_layers"]
 
 
 def discover_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -81,28 +86,36 @@ class _ModelState:
             torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
-def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kwargs: dict) -> list:
+def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kwargs: dict, device) -> tuple:
+    """Every layer's inputs from one forward without autograd, and the forward time outside the layers
+    (ms, from a second forward: the first one warms up)."""
     captured: list = [None] * len(layers)
+    marks: list = []
 
-    def make_hook(index: int):
+    def pre(index: int):
         def hook(_module, hook_args, hook_kwargs):
             if captured[index] is None:
                 detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
                 captured[index] = (tree_map(detach, hook_args), tree_map(detach, hook_kwargs))
+            marks.append(_Timer(device).__enter__())
 
         return hook
 
-    handles = [layer.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles += [layer.register_forward_hook(lambda *_: marks[-1].__exit__()) for layer in layers]
     try:
         with torch.no_grad():
-            model(*args, **kwargs)
+            for _ in range(2):
+                marks.clear()
+                with _Timer(device) as whole:
+                    model(*args, **kwargs)
     except Exception as e:
         # a wrong shape or count surfaces as the model's own error, with no word of example_inputs;
         # the error keeps its type (it may be a real bug of the model) and gains a note (Python >= 3.11
         # prints it under the traceback)
         if hasattr(e, "add_note"):
             e.add_note("annotate_offload: raised by model(*example_inputs) while profiling the layers (plan_offload / "
-                       "num_layers='auto'); check that example_inputs= is what the forward takes, e.g. (x,).")
+                       "memory_budget=); check that example_inputs= is what the forward takes, e.g. (x,).")
         raise
     finally:
         for h in handles:
@@ -113,7 +126,7 @@ def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, 
             f"plan_offload: layers {missing} were not called by model(*example_inputs); pass layers= with only the "
             "blocks the forward runs, or example_inputs that reach them."
         )
-    return captured
+    return captured, max(0.0, whole.ms() - sum(m.ms() for m in marks))
 
 
 def _unique_storage_bytes(tensors, skip: set) -> int:
@@ -160,20 +173,24 @@ class _Timer:
         return (self.t1 - self.t0) * 1e3
 
 
-def _unmoved_bytes(saved: list, skip: set, min_numel: int) -> int:
-    """Bytes of the storages only tensors under ``min_numel`` elements saved: the runtime keeps
-    those on the device (reason ``too_small``) even when their layer is offloaded."""
-    if min_numel <= 0:
-        return 0
-    big = [t for t in saved if isinstance(t, torch.Tensor) and t.numel() >= min_numel]
-    moved = {(t.device, t.untyped_storage().data_ptr()) for t in big}
-    small = [t for t in saved if isinstance(t, torch.Tensor) and t.numel() < min_numel
-             and (t.device, t.untyped_storage().data_ptr()) not in moved]
-    return _unique_storage_bytes(small, skip)
+def _unmoved_bytes(saved: list, skip: set, min_numel: int, frozen: set = frozenset()) -> int:
+    """Bytes of the storages only tensors the runtime keeps on the device saved, even when their layer
+    is offloaded: those under ``min_numel`` elements (reason ``too_small``) and weights' autocast casts."""
+    def stays(t: torch.Tensor) -> bool:
+        return t.numel() < min_numel or _is_weight(t, frozen)
+
+    tensors = [t for t in saved if isinstance(t, torch.Tensor)]
+    moved = {(t.device, t.untyped_storage().data_ptr()) for t in tensors if not stays(t)}
+    return _unique_storage_bytes([t for t in tensors if stays(t) and (t.device, t.untyped_storage().data_ptr())
+                                  not in moved], skip)
 
 
-def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device,
-                   min_numel: int = 0) -> tuple[float, float, int, int, int, int]:
+def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device, min_numel: int,
+                   frozen: set) -> tuple:
+    """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+, casts)`` of one run of
+    ``layer`` (bytes; ``F+``, ``B+`` as in Note [Planner memory model]: from the CUDA allocator's peak, on a
+    CPU the new saved tensors and output, and the input gradients). Autocast's cache of weight casts is
+    cleared first: a step's forward casts each weight anew."""
     args, kwargs = captured
 
     def fresh(x):
@@ -187,21 +204,46 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     ckpt_unmoved = _unmoved_bytes(inputs, param_ptrs, min_numel)
     wrt = [x for x in inputs if x.requires_grad] + [p for p in layer.parameters() if p.requires_grad]
     saved: list[torch.Tensor] = []
+    cuda = device.type == "cuda"
 
     def pack(t):
         saved.append(t)
         return t
 
+    torch.clear_autocast_cache()
+    before = _allocated(device)
     with _Timer(device) as fwd, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(*args, **kwargs)
     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    known = param_ptrs | {x.untyped_storage().data_ptr() for x in inputs}
+    fwd_peak = (_peak(device) - before) if cuda else _unique_storage_bytes(saved + outs, known)
     saved_bytes = _unique_storage_bytes(saved, param_ptrs)
-    unmoved = _unmoved_bytes(saved, param_ptrs, min_numel)
+    unmoved = _unmoved_bytes(saved, param_ptrs, min_numel, frozen)
+    casts = _unique_storage_bytes([t for t in saved if _is_weight(t, frozen)], param_ptrs)
     saved.clear()
+    grads = [torch.ones_like(o) for o in outs]
+    before = _allocated(device)
     with _Timer(device) as bwd:
         if outs:
-            torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
-    return fwd.ms(), bwd.ms(), saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved
+            got = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+    bwd_peak = _peak(device) - before if cuda else _unique_storage_bytes([x for x in inputs if x.requires_grad], set())
+    if cuda and outs:  # the parameter gradients are counted apart (LayerMeasurement.grad_bytes)
+        bwd_peak -= _bytes(g for g in got[sum(x.requires_grad for x in inputs):] if g is not None)
+    return (fwd.ms(), bwd.ms(), saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved, max(fwd_peak, 0), max(bwd_peak, 0),
+            casts)
+
+
+def _allocated(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _peak(device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
 
 
 def _device_of(layer: nn.Module, captured) -> torch.device:
@@ -213,7 +255,11 @@ def _device_of(layer: nn.Module, captured) -> torch.device:
     return torch.device("cpu")
 
 
-def measure_layers(
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def measure(
     model: nn.Module,
     layers: Sequence[nn.Module] | None,
     example_inputs: Any,
@@ -221,8 +267,12 @@ def measure_layers(
     warmup: int = 1,
     repeats: int = 3,
     min_offload_numel: int = 0,
-) -> tuple[LayerMeasurement, ...]:
-    """Profile one forward and backward of each layer, in training mode, leaving the model as found.
+    optimizer: bool = True,
+) -> tuple[tuple[LayerMeasurement, ...], StepMeasurement]:
+    """Profile one forward and backward of each layer, in training mode, and the rest of the step,
+    leaving the model as found.
+
+    On CUDA the device's peak memory statistics are reset (``torch.cuda.reset_peak_memory_stats``).
 
     Args:
         model (nn.Module): the model; ``model(*example_inputs)`` must run every layer once.
@@ -232,13 +282,16 @@ def measure_layers(
             shapes of a training step (their batch and sequence decide the bytes).
         warmup (int): untimed runs per layer before timing. Default: ``1``.
         repeats (int): timed runs per layer; the median is kept. Default: ``3``.
-        min_offload_numel (int): the runtime's threshold: saved tensors under it stay on the device
-            when their layer is offloaded (``LayerMeasurement.unmoved_bytes``). Default: ``0``.
+        min_offload_numel (int): the runtime's threshold: saved tensors under it (and weights' casts)
+            stay on the device when their layer is offloaded (``LayerMeasurement.unmoved_bytes``). Default: ``0``.
+        optimizer (bool): the step ends with AdamW over ``model.parameters()`` (their state and time are
+            in the :class:`StepMeasurement`). Default: ``True``.
 
     Returns:
-        tuple[LayerMeasurement, ...]: per layer, forward/backward ms (medians), saved bytes (unique
-        storages saved for backward, parameters and buffers excluded) and checkpoint-input bytes
-        (unique storages of its tensor inputs).
+        (tuple[LayerMeasurement, ...], StepMeasurement): per layer, forward/backward ms (medians), saved
+        bytes (unique storages saved for backward, parameters and buffers excluded), checkpoint-input
+        bytes, peaks and gradient bytes; and the rest of the step (static bytes: on CUDA everything
+        allocated now but gradients, on a CPU the parameters and buffers).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or bad ``example_inputs``.
@@ -266,16 +319,26 @@ def measure_layers(
         named = [(names[id(layer)], layer) for layer in layers]
     args, kwargs = split(example_inputs, "plan_offload")
     kwargs = for_training(model, kwargs)
+    params = list({id(p): p for p in model.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+    in_layers = {id(p) for _, layer in named for p in layer.parameters()}
+    device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)),
+                  params[0].device if params else torch.device("cpu"))
+    if device.type == "cuda":  # everything on the device now, but gradients (a step starts without them)
+        static = torch.cuda.memory_allocated(device) - _bytes(p.grad for p in params if p.grad is not None)
+    else:
+        static = _bytes([*params, *model.buffers()])
     # parameters and buffers stay on the GPU whatever the plan: not activation memory
-    param_ptrs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    param_ptrs = {t.untyped_storage().data_ptr() for t in (*params, *model.buffers())}
+    frozen = frozen_shapes(p for p in params if not p.requires_grad)
     state = _ModelState(model)
     try:
         model.train()
-        captured = _capture_inputs(model, [m for _, m in named], args, kwargs)
+        captured, other_fwd_ms = _capture_inputs(model, [m for _, m in named], args, kwargs, device)
         result = []
         for (name, layer), inputs in zip(named, captured):
-            device = _device_of(layer, inputs)
-            runs = [_profile_layer(layer, inputs, param_ptrs, device, min_offload_numel)
+            dev = _device_of(layer, inputs)
+            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen)
                     for _ in range(warmup + repeats)][warmup:]
             result.append(
                 LayerMeasurement(
@@ -285,9 +348,26 @@ def measure_layers(
                     checkpoint_input_bytes=runs[0][3],
                     unmoved_bytes=min(max(r[4] for r in runs), max(r[2] for r in runs)),
                     unmoved_input_bytes=min(runs[0][5], runs[0][3]),
+                    forward_peak_bytes=max(r[6] for r in runs),
+                    backward_peak_bytes=max(r[7] for r in runs),
+                    grad_bytes=_bytes(p for p in layer.parameters() if p.requires_grad),
+                    cast_bytes=max(r[8] for r in runs),
                     name=name,
                 )
             )
-        return tuple(result)
     finally:
         state.restore()
+    device_ms, host_ms = measure_adamw(device) if optimizer and trainable else (0.0, 0.0)
+    step = StepMeasurement(
+        static_bytes=max(static, 0), other_grad_bytes=_bytes(p for p in trainable if id(p) not in in_layers),
+        other_ms=3 * other_fwd_ms,  # backward ~ twice the forward
+        param_numels=tuple(p.numel() for p in trainable) if optimizer else (),
+        param_state_bytes=tuple(2 * p.numel() * p.element_size() for p in trainable) if optimizer else (),
+        device_ms=device_ms, host_ms=host_ms)
+    return tuple(result), step
+
+
+def measure_layers(model: nn.Module, layers: Sequence[nn.Module] | None, example_inputs: Any,
+                   **kwargs: Any) -> tuple[LayerMeasurement, ...]:
+    """The per-layer half of :func:`measure` (same arguments, without ``optimizer``)."""
+    return measure(model, layers, example_inputs, optimizer=False, **kwargs)[0]

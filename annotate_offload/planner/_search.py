@@ -1,35 +1,38 @@
 """The planner's search: the fastest predicted plan whose predicted peak fits a memory budget.
 
 Note [Planner search]
-    The search never looks at the budget while it builds plans. It first builds a fixed set of candidate
-    plans from the measurements alone, predicts each one (:func:`~._cost_model.predict`), and only then
-    keeps those whose predicted peak is ``<= memory_budget`` and returns the best by :func:`plan_key`.
+    A plan is per-layer choices, a schedule ``(release_lag, prefetch_layers)`` from :data:`SCHEDULES`
+    and an optimizer split. The search never looks at the budget while it builds candidates: it builds
+    a fixed set of (schedule, choices) from the measurements alone and simulates each one without the
+    optimizer (:func:`~._cost_model.simulate`). Only then, per candidate, it takes the fewest leading
+    parameters to the host whose Adam state closes the gap to the budget (the Adam state is on the
+    device for the whole step, so it shifts every phase's memory by the same bytes, and the optimizer's
+    time adds to the step: with the host slower than the device per element, fewer is faster), drops
+    the candidates that cannot fit even with all of it on the host, and returns the best by :func:`plan_key`.
 
-    * Exhaustive: when the number of allowed plans (4 choices per offloadable layer, 2 for the last
-      ``release_lag + 1`` layers) is at most ``exhaustive_limit``, the candidate set is every plan, so the
-      result is the exact optimum of the cost model (an 8-layer model with ``release_lag=1`` has 16384).
-    * Heuristic (larger models): the union of (a) the all-keep plan and the one-knob families the
-      runtime and checkpointing offer on their own -- recompute the first ``n`` layers, offload the first
-      ``n`` offloadable layers (the TransformerEngine schedule), offload the first ``n`` and recompute the
-      next ``m`` layers, recompute every layer and offload the first ``n`` checkpoint inputs -- and (b) a
-      greedy path from all-keep that repeatedly applies the one-layer change with the least predicted
-      time added per byte of peak removed (re-predicted lazily), until no single change lowers the peak.
+    * Exhaustive: when the number of allowed (schedule, choices) pairs (4 choices per offloadable layer,
+      2 for the last ``release_lag + 1`` layers) is at most ``exhaustive_limit``, the candidates are all
+      of them, so the result is the exact optimum of the cost model over choices, schedules and splits.
+    * Heuristic (larger models), per schedule: the all-keep plan and the one-knob families (recompute
+      the first ``n`` layers; recompute and offload the inputs of the first ``n``; offload the first
+      ``n``, TransformerEngine's choice; recompute every layer and offload the first ``n`` inputs), and
+      a greedy path from all-keep that repeatedly applies the one-layer change with the least predicted
+      time added per byte of peak removed, until no single change lowers the peak.
+    * ``plans=`` (the single strategies a user could pick: full recompute, offload-only): only those.
 
-    Monotone in the budget (a larger budget never predicts a slower step): the candidate set ``C`` does
-    not depend on the budget, so for ``B1 <= B2`` the feasible sets satisfy ``{c in C: peak(c) <= B1}
-    ⊆ {c in C: peak(c) <= B2}``, and the minimum predicted time over a superset is never larger.
-    For the same reason the planned step is never predicted slower than offload-only or recompute-only
-    for the same budget: both families are in ``C``.
+    Monotone in the budget (a larger budget never predicts a slower step): the candidates do not
+    depend on the budget, each candidate's split for a larger budget moves no more parameters, so the
+    feasible set grows with the budget and the minimum over a superset is never larger. For the same
+    reason the plan is never predicted slower than the single strategies at the same budget: their
+    plans are candidates too.
 
-    Deterministic: candidates and predictions depend only on the measurements, and ties are broken by
-    :func:`plan_key`: least predicted step time (compared at 1 ns, so summation-order noise cannot
-    decide), then the least intrusive plan (sum of ranks keep 0, offload 1, recompute 2,
-    recompute_offload 3: no copy or recompute that buys no time), then lower predicted peak, then the
-    plan whose changes sit on earlier layers (compared layer by layer from layer 0, a higher rank first;
-    TransformerEngine offloads the first layers too).
+    Deterministic: ties are broken by :func:`plan_key`: least predicted step time (compared at 1 ns),
+    then the least intrusive choices (sum of ranks keep 0, offload 1, recompute 2, recompute_offload 3),
+    then fewer parameters on the host, lower predicted peak, the smaller schedule, and the plan whose
+    changes sit on earlier layers.
 
-    The smallest feasible budget reported for an infeasible budget is the least predicted peak over
-    ``C`` (the exact minimum over all plans in exhaustive mode).
+    The smallest feasible budget (given when a budget cannot be met) is the least predicted peak over
+    the candidates with the whole optimizer state on the host.
 """
 
 from __future__ import annotations
@@ -38,36 +41,27 @@ import functools
 import heapq
 import itertools
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-from ._cost_model import CHOICES, LayerMeasurement, LinkBandwidth, Prediction, _validate, allowed_choices, predict
+from ._cost_model import (CHOICES, OFFLOADED, LayerMeasurement, LinkBandwidth, Prediction, StepMeasurement,
+                          allowed_choices, simulate, validate, with_optimizer)
 
-__all__ = ["SearchResult", "plan_key", "candidate_plans", "search", "format_bytes"]
+__all__ = ["SCHEDULES", "SearchResult", "Infeasible", "plan_key", "search", "choose_schedule"]
 
 _RANK = {c: r for r, c in enumerate(CHOICES)}
-#: Plans enumerated exhaustively up to this many; above it the heuristic candidate set is used.
+#: The schedules searched: ``(release_lag, prefetch_layers)``.
+SCHEDULES: tuple[tuple[int, int], ...] = tuple((k, p) for k in range(5) for p in range(1, 4))
+#: (schedule, choices) pairs enumerated exhaustively up to this many; above it the heuristic set is used.
 EXHAUSTIVE_LIMIT = 1 << 15
 
 
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes as ``"1.50 GiB (1610612736 bytes)"``, in the largest binary unit that keeps the
-    value >= 1 (``"2.27 MiB (2375680 bytes)"``)."""
-    return f"{_in_unit(n)} ({int(n)} bytes)"
-
-
-def _in_unit(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def plan_key(choices: Sequence[str], prediction: Prediction) -> tuple:
+def plan_key(choices: Sequence[str], schedule: tuple, host_tensors: int, prediction: Prediction) -> tuple:
     """Sort key of a plan: smaller is better (see Note [Planner search] for the order)."""
     ranks = [_RANK[c] for c in choices]
-    return (round(prediction.step_ms, 6), sum(ranks), prediction.peak_bytes, tuple(-r for r in ranks))
+    return (round(prediction.step_ms, 6), sum(ranks), host_tensors, prediction.peak_bytes, schedule,
+            tuple(-r for r in ranks))
 
 
 @dataclass(frozen=True)
@@ -76,64 +70,67 @@ class SearchResult:
 
     Attributes:
         choices (tuple[str, ...]): per layer, one of ``CHOICES``.
+        release_lag (int), prefetch_layers (int): the schedule.
+        host_tensors (int): leading trainable parameters stepped on the host.
         prediction (Prediction): the chosen plan's prediction.
-        mode (str): ``"exhaustive"`` or ``"heuristic"``.
-        candidates (int): how many distinct plans were predicted.
+        mode (str): ``"exhaustive"``, ``"heuristic"`` or ``"given plans"``.
+        candidates (int): how many (schedule, choices) pairs were simulated.
+        smallest_budget (int): the least predicted peak of any candidate (every parameter on the host).
     """
 
-    choices: tuple[str, ...]
+    choices: tuple
+    release_lag: int
+    prefetch_layers: int
+    host_tensors: int
     prediction: Prediction
     mode: str
     candidates: int
+    smallest_budget: int
 
 
-def _families(n: int, release_lag: int) -> list[tuple[str, ...]]:
-    offloadable = [i for i in range(n) if "offload" in allowed_choices(i, n, release_lag)]
-    plans: list[tuple[str, ...]] = []
-    for k in range(n + 1):  # recompute-only: the first k layers
-        plans.append(tuple("recompute" if i < k else "keep" for i in range(n)))
-    for k in range(len(offloadable) + 1):  # recompute everything, offload the first k checkpoint inputs
-        chosen = set(offloadable[:k])
-        plans.append(tuple("recompute_offload" if i in chosen else "recompute" for i in range(n)))
-    for k in range(len(offloadable) + 1):  # offload the first k offloadable layers, recompute the next m
-        chosen = set(offloadable[:k])
-        rest = [i for i in range(n) if i not in chosen]
-        for m in range(len(rest) + 1):
-            recomputed = set(rest[:m])
-            plans.append(
-                tuple("offload" if i in chosen else "recompute" if i in recomputed else "keep" for i in range(n))
-            )
+class Infeasible(ValueError):
+    """No candidate fits the budget; ``smallest`` is the smallest feasible budget, bytes."""
+
+    def __init__(self, smallest: int) -> None:
+        super().__init__(smallest)
+        self.smallest = smallest
+
+
+def _allowed(i: int, n: int, k: int, keep: frozenset) -> tuple[str, ...]:
+    """:func:`~._cost_model.allowed_choices`, without the copies for the layers in ``keep``."""
+    return ("keep", "recompute") if i in keep else allowed_choices(i, n, k)
+
+
+def _families(n: int, k: int, keep: frozenset) -> list[tuple]:
+    offloadable = [i for i in range(n) if "offload" in _allowed(i, n, k, keep)]
+    plans = []
+    for m in range(n + 1):
+        plans.append(tuple("recompute" if i < m else "keep" for i in range(n)))
+    for m in range(len(offloadable) + 1):
+        first = set(offloadable[:m])
+        plans.append(tuple("recompute_offload" if i in first else "keep" for i in range(n)))
+        plans.append(tuple("offload" if i in first else "keep" for i in range(n)))
+        plans.append(tuple("recompute_offload" if i in first else "recompute" for i in range(n)))
     return plans
 
 
-def _greedy_path(layers, bandwidth, release_lag, prefetch_layers, cache) -> None:
-    """Add to ``cache`` the plans of a greedy path from all-keep (Note [Planner search], heuristic mode).
+def _greedy_path(n: int, k: int, keep: frozenset, sim) -> list[tuple]:
+    """The plans of a greedy path from all-keep (Note [Planner search], heuristic mode).
 
-    Each step applies the one-layer change with the least predicted time added per byte of peak
-    removed. Changes wait in a heap and are re-predicted lazily (only when they reach the top), so a
-    step costs a few predictions instead of ``3 L``; when the heap runs dry a full scan confirms that
-    no single change lowers the peak any more.
+    Changes wait in a heap and are re-simulated lazily (only when they reach the top); when the heap
+    runs dry a full scan confirms that no single change lowers the peak any more.
     """
-    n = len(layers)
-    state = {"plan": tuple("keep" for _ in range(n))}
-    state["pred"] = _predict_cached(state["plan"], layers, bandwidth, release_lag, prefetch_layers, cache)
+    plan = ("keep",) * n
+    path = [plan]
 
     def score(i: int, c: str):
-        current, current_pred = state["plan"], state["pred"]
-        plan = current[:i] + (c,) + current[i + 1 :]
-        pred = _predict_cached(plan, layers, bandwidth, release_lag, prefetch_layers, cache)
-        saved = current_pred.peak_bytes - pred.peak_bytes
-        if saved <= 0:
-            return None
-        return ((pred.step_ms - current_pred.step_ms) / saved, plan_key(plan, pred)), plan, pred
+        new = plan[:i] + (c,) + plan[i + 1:]
+        (t0, peak0), (t1, peak1) = sim(plan)[:2], sim(new)[:2]
+        return None if peak1 >= peak0 else ((t1 - t0) / (peak0 - peak1), tuple(_RANK[x] for x in new))
 
     def entries(indices) -> list:
-        out = []
-        for i in indices:
-            for c in allowed_choices(i, n, release_lag):
-                if c != state["plan"][i] and (scored := score(i, c)) is not None:
-                    out.append((scored[0], i, c))
-        return out
+        return [(s, i, c) for i in indices for c in _allowed(i, n, k, keep)
+                if c != plan[i] and (s := score(i, c)) is not None]
 
     heap = entries(range(n))
     heapq.heapify(heap)
@@ -141,75 +138,67 @@ def _greedy_path(layers, bandwidth, release_lag, prefetch_layers, cache) -> None
         best = None
         while heap:
             _, i, c = heapq.heappop(heap)
-            if state["plan"][i] == c:
-                continue
-            fresh = score(i, c)
+            fresh = None if plan[i] == c else score(i, c)
             if fresh is None:
                 continue
-            if not heap or fresh[0] <= heap[0][0]:
-                best = (fresh, i)
+            if not heap or fresh <= heap[0][0]:
+                best = (i, c)
                 break
-            heapq.heappush(heap, (fresh[0], i, c))
+            heapq.heappush(heap, (fresh, i, c))
         if best is None:
             heap = entries(range(n))  # full scan: does any single change still lower the peak?
             if not heap:
-                return
+                return path
             heapq.heapify(heap)
             continue
-        (_, state["plan"], state["pred"]), changed = best
-        for entry in entries([changed]):  # the changed layer's other choices, scored from its new choice
+        i, c = best
+        plan = plan[:i] + (c,) + plan[i + 1:]
+        path.append(plan)
+        for entry in entries([i]):  # the changed layer's other choices, scored from its new choice
             heapq.heappush(heap, entry)
 
 
-def _predict_cached(plan, layers, bandwidth, release_lag, prefetch_layers, cache) -> Prediction:
-    pred = cache.get(plan)
-    if pred is None:
-        pred = predict(layers, plan, bandwidth, release_lag=release_lag, prefetch_layers=prefetch_layers, _validated=True)
-        cache[plan] = pred
-    return pred
-
-
-def candidate_plans(
-    layers: Sequence[LayerMeasurement],
-    bandwidth: LinkBandwidth,
-    *,
-    release_lag: int = 1,
-    prefetch_layers: int = 1,
-    exhaustive_limit: int = EXHAUSTIVE_LIMIT,
-) -> tuple[dict[tuple[str, ...], Prediction], str]:
-    """Every candidate plan with its prediction, independent of any budget (Note [Planner search]).
-
-    Returns:
-        (dict, str): plan -> prediction (a fresh dict), and the mode (``"exhaustive"`` or ``"heuristic"``).
-    """
-    _validate(layers, ("keep",) * len(layers), release_lag, prefetch_layers)
-    items, mode = _candidates(tuple(layers), bandwidth, release_lag, prefetch_layers, exhaustive_limit)
-    return dict(items), mode
-
-
-@functools.lru_cache(maxsize=8)
-def _candidates(layers, bandwidth, release_lag, prefetch_layers, exhaustive_limit):
+@functools.lru_cache(maxsize=16)
+def _candidates(layers, bandwidth, step, schedules, plans, keep, exhaustive_limit):
     # Cached on the (frozen, hashable) measurements: planning several budgets for one model is cheap.
     n = len(layers)
-    options = [allowed_choices(i, n, release_lag) for i in range(n)]
-    cache: dict[tuple[str, ...], Prediction] = {}
-    if math.prod(len(o) for o in options) <= exhaustive_limit:
-        for plan in itertools.product(*options):
-            _predict_cached(plan, layers, bandwidth, release_lag, prefetch_layers, cache)
-        return tuple(cache.items()), "exhaustive"
-    for plan in _families(n, release_lag):
-        _predict_cached(plan, layers, bandwidth, release_lag, prefetch_layers, cache)
-    _greedy_path(layers, bandwidth, release_lag, prefetch_layers, cache)
-    return tuple(cache.items()), "heuristic"
+    out: dict[tuple, tuple] = {}
+
+    def add(schedule, plan):
+        if schedule != schedules[0] and not any(c in OFFLOADED for c in plan):
+            schedule = schedules[0]  # the schedule of a plan without copies does not matter
+        if (schedule, plan) not in out:
+            out[(schedule, plan)] = simulate(layers, plan, bandwidth, step, *schedule)
+        return out[(schedule, plan)]
+
+    options = {s: [_allowed(i, n, s[0], keep) for i in range(n)] for s in schedules}
+    if plans is not None:
+        for s in schedules:
+            for plan in plans:
+                if all(c in options[s][i] for i, c in enumerate(plan)):
+                    add(s, plan)
+        return out, "given plans"
+    if sum(math.prod(len(o) for o in opts) for opts in options.values()) <= exhaustive_limit:
+        for s in schedules:
+            for plan in itertools.product(*options[s]):
+                add(s, plan)
+        return out, "exhaustive"
+    for s in schedules:
+        for plan in _families(n, s[0], keep) + _greedy_path(n, s[0], keep, lambda pl, s=s: add(s, pl)):
+            add(s, plan)
+    return out, "heuristic"
 
 
 def search(
     layers: Sequence[LayerMeasurement],
     bandwidth: LinkBandwidth,
     memory_budget: int,
+    step: StepMeasurement | None = None,
     *,
-    release_lag: int = 1,
-    prefetch_layers: int = 1,
+    schedules: Sequence[tuple[int, int]] = SCHEDULES,
+    host_optimizer: bool = True,
+    plans: Sequence[Sequence[str]] | None = None,
+    keep: Sequence[int] = (),
     exhaustive_limit: int = EXHAUSTIVE_LIMIT,
 ) -> SearchResult:
     """The fastest predicted plan whose predicted peak is at most ``memory_budget`` bytes.
@@ -217,39 +206,65 @@ def search(
     Args:
         layers (Sequence[LayerMeasurement]): per layer, in forward order (at least one).
         bandwidth (LinkBandwidth): the host link.
-        memory_budget (int): bytes of saved activations the GPU may hold at once.
-        release_lag (int), prefetch_layers (int): the runtime schedule (see :func:`predict`).
+        memory_budget (int): peak device memory allowed, bytes.
+        step (StepMeasurement | None): the rest of the step. Default: ``None`` (layers only).
+        schedules (Sequence[tuple[int, int]]): the ``(release_lag, prefetch_layers)`` to try.
+            Default: :data:`SCHEDULES`.
+        host_optimizer (bool): the optimizer may step parameters on the host. Default: ``True``.
+        plans (Sequence[Sequence[str]] | None): consider only these choices. Default: ``None``.
+        keep (Sequence[int]): layers that are never offloaded (kept or recomputed). Default: ``()``.
         exhaustive_limit (int): enumerate every plan when there are at most this many.
 
     Returns:
         SearchResult: the chosen plan (see Note [Planner search] for ties and monotonicity).
 
     Raises:
-        ValueError: no layers, a negative or non-integer budget, or a budget below every candidate's
-            predicted peak (the message gives the smallest feasible budget).
+        Infeasible: a budget below every candidate's predicted peak (a ``ValueError`` carrying the
+            smallest feasible budget).
     """
-    if not layers:
-        raise ValueError("plan_offload: no layers to plan; pass layers= with the model's repeated blocks.")
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not math.isfinite(memory_budget):
-        raise TypeError(f"plan_offload: memory_budget must be a number of bytes, got {memory_budget!r}.")
-    if memory_budget < 0:
-        raise ValueError(f"plan_offload: memory_budget must be >= 0 bytes, got {memory_budget!r}.")
-    cache, mode = candidate_plans(
-        layers, bandwidth, release_lag=release_lag, prefetch_layers=prefetch_layers, exhaustive_limit=exhaustive_limit
-    )
+    step = StepMeasurement() if step is None else step
+    layers = tuple(layers)
+    for plan in plans or ():
+        validate(layers, plan, 0, 1)
+    found, mode = _candidates(layers, bandwidth, step, tuple(schedules), None if plans is None else
+                              tuple(tuple(p) for p in plans), frozenset(keep), exhaustive_limit)
+    all_host = len(step.param_numels) if host_optimizer else 0
+    total_state = sum(step.param_state_bytes)
+    faster_on_host = step.host_ms < step.device_ms
     best = None
-    smallest = None
-    for plan, pred in cache.items():
-        if smallest is None or (pred.peak_bytes, plan_key(plan, pred)) < (smallest[1].peak_bytes, plan_key(*smallest)):
-            smallest = (plan, pred)
-        if pred.peak_bytes <= memory_budget and (best is None or plan_key(plan, pred) < plan_key(*best)):
-            best = (plan, pred)
+    smallest = math.inf
+    for (schedule, plan), sim in found.items():
+        smallest = min(smallest, sim[1] + step.optimizer(all_host)[0])
+        m = step.fewest_host_tensors(sim[1] + total_state - memory_budget)
+        if m is None or m > all_host:
+            continue
+        m = all_host if faster_on_host else m
+        pred = with_optimizer(sim, step, m)
+        key = plan_key(plan, schedule, m, pred)
+        if best is None or key < best[0]:
+            best = (key, schedule, plan, m, pred)
     if best is None:
-        plan, pred = smallest
-        raise ValueError(
-            f"plan_offload: memory_budget={int(memory_budget)} bytes ({_in_unit(memory_budget)}) cannot be "
-            f"met; the smallest feasible budget is {pred.peak_bytes} bytes ({_in_unit(pred.peak_bytes)}), predicted "
-            f"for plan {list(plan)} at {pred.step_ms:.2f} ms. Pass memory_budget >= {pred.peak_bytes}, or shrink the "
-            "batch or sequence."
-        )
-    return SearchResult(choices=best[0], prediction=best[1], mode=mode, candidates=len(cache))
+        raise Infeasible(int(smallest))
+    _, (k, p), plan, m, pred = best
+    return SearchResult(plan, k, p, m, pred, mode, len(found), int(smallest))
+
+
+def choose_schedule(forward_ms: Sequence[float], moved: dict[int, int], bandwidth: LinkBandwidth,
+                    max_gap: int) -> tuple[int, int]:
+    """``(release_lag, prefetch_layers)`` for a fixed set of offloaded layers (Note [Default schedule from
+    the link] in ``annotate/_transform.py``): the fastest by :func:`~._cost_model.simulate`, each up to
+    ``max_gap``, with every layer's forward the median of ``forward_ms`` and its backward twice that;
+    the smallest schedule on ties (within 1 us).
+
+    Args:
+        forward_ms (Sequence[float]): per layer, its forward time, ms.
+        moved (dict[int, int]): per offloaded layer, the bytes it copies.
+        bandwidth (LinkBandwidth): the host link.
+        max_gap (int): the largest ``release_lag`` and ``prefetch_layers`` to consider (>= 1).
+    """
+    f = statistics.median(forward_ms)
+    layers = tuple(LayerMeasurement(f, 2 * f, moved.get(i, 0), 0) for i in range(len(forward_ms)))
+    plan = tuple("offload" if i in moved else "keep" for i in range(len(forward_ms)))
+    step = StepMeasurement()
+    options = [(k, p) for k in range(max_gap + 1) for p in range(1, max_gap + 1)]
+    return min(options, key=lambda s: (round(simulate(layers, plan, bandwidth, step, *s)[0], 3), sum(s), s))

@@ -1,12 +1,12 @@
 """The offload runtime: saved-tensor hooks, schedules, storage units, host buffers, streams.
 
-Everything above this package (the annotation layer, the planner, the CLI) feeds these names.
+The public names are TransformerEngine's ``cpu_offload`` module's, plus
+``active_offload_policy`` for modules that mark their own tensors. The statistics
+(``sync.stats``) and the host buffer pool are reached through a synchronizer.
 """
 
 from ._context import active_offload_policy, get_cpu_offload_context, is_cpu_offload_enabled
 from ._marks import mark_activation_offload, mark_not_offload, start_offload
-from ._pinned_pool import PinnedBufferPool
-from ._stats import OffloadStats
 from ._synchronizer import (
     DefaultOffloadSynchronizer,
     ManualOffloadSynchronizer,
@@ -15,9 +15,9 @@ from ._synchronizer import (
 from ._tensor_group import TensorGroup, TensorGroupProcessor
 
 __all__ = [
+    # TransformerEngine's names
     "get_cpu_offload_context",
     "is_cpu_offload_enabled",
-    "active_offload_policy",
     "mark_activation_offload",
     "mark_not_offload",
     "start_offload",
@@ -26,6 +26,6 @@ __all__ = [
     "ManualOffloadSynchronizer",
     "TensorGroup",
     "TensorGroupProcessor",
-    "OffloadStats",
-    "PinnedBufferPool",
+    # for modules that mark their own tensors (LoRA adapters)
+    "active_offload_policy",
 ]

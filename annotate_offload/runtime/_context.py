@@ -2,7 +2,6 @@
 
 Port TE code by changing one import::
 
-    from annotate_offload import get_cpu_offload_context
     ctx, sync = get_cpu_offload_context(enabled=True, num_layers=N, model_layers=L)
     for layer in layers:
         with ctx:
@@ -10,19 +9,20 @@ Port TE code by changing one import::
         x = sync(x)
     loss_fn(x).backward()
 
-Behaviour follows TE's V2 ``cpu_offload.get_cpu_offload_context`` (te_offload.md §1.8): same
-signature and positional order, same returns, same validation. Differences, all additive: the
-D2H copies start at save time, the schedule accepts ``release_lag`` / ``prefetch_layers``, the
-selection policy and device backend are keyword options, and with grad disabled (``no_grad``,
-``inference_mode``: eval passes) the context passes straight through.
+Behaviour follows TransformerEngine's ``cpu_offload.get_cpu_offload_context``: same signature and
+positional order, same returns, same validation. Differences, all additive: the D2H copies start at
+save time, the schedule's look-ahead is one keyword (``prefetch_layers``), the selection policy and
+size threshold are keywords, and with grad disabled (``no_grad``, ``inference_mode``: eval passes)
+the context passes straight through.
 
 Note [Nesting]. Several offload contexts may live in one process (a policy and a reference
 model): each has its own synchronizer and counters; they share the side streams and the host
 buffer pool. Only the innermost ``saved_tensors_hooks`` pair is active (PyTorch semantics): a
 user's own hooks entered *inside* a layer's scope see every tensor saved there and nothing is
 offloaded; hooks entered *around* the context see only what is saved outside the layer scopes.
-``torch.utils.checkpoint`` inside a layer saves its inputs through our hooks (they are
-offloaded) and recomputes the rest in backward.
+``torch.utils.checkpoint`` inside a layer saves its inputs through the runtime's hooks (they are
+offloaded) and recomputes the rest in backward; a layer scope inside a checkpointed function is
+replayed by the recompute with pass-through hooks (Note [Scopes inside a checkpoint]).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from ._synchronizer import (
     ManualOffloadSynchronizer,
     OffloadSynchronizer,
     _active_synchronizer,
+    _check_int,
+    _in_backward,
 )
 
 __all__ = ["get_cpu_offload_context", "is_cpu_offload_enabled", "active_offload_policy"]
@@ -49,9 +51,9 @@ def inside_checkpoint() -> bool:
     (its forward or its recompute in backward).
 
     Note [A checkpoint around the layer]: such a checkpoint keeps only its inputs and recomputes the
-    rest, and a saved-tensor scope opened inside it replaces its hooks, so its recompute fails
-    ("CheckpointError: ... different metadata"). Layer boundaries and adapter marks stand aside
-    there (fresh-user reports, seventh session).
+    rest in backward. A layer scope opened inside it stays correct (Note [Scopes inside a
+    checkpoint]) but would offload what the checkpoint means to recompute, so layer wrappers and
+    adapter marks use this to stand aside there.
     """
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is None:
@@ -84,78 +86,64 @@ class _CpuOffloadContext(contextlib.ContextDecorator):
     Attributes:
         offload_synchronizer (OffloadSynchronizer): the synchronizer driving the copies.
         inside_context (bool): True between ``__enter__`` and ``__exit__`` (Megatron reads it).
-        current_layer (int | None): index of the layer last entered in this forward.
+        current_layer (int | None): index of the layer last entered with grad enabled.
     """
 
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
         self.offload_synchronizer = synchronizer
         self.inside_context = False
         self.current_layer: Optional[int] = None
-        self._entered_with_grad = False
-        self._awaiting_sync = False
+        self._uncommitted = False  # a layer ran with grad and its sync_fn has not been called yet
 
     def __enter__(self) -> "_CpuOffloadContext":
-        sync = self.offload_synchronizer
         if self.inside_context:
             raise OffloadError(
                 "get_cpu_offload_context: the offload context was entered again while inside it; "
                 "use one `with ctx:` per layer, not nested"
             )
-        if not sync._scope_ready():
-            # no_grad / inference_mode (eval) or a checkpoint recompute: pass straight through
-            self._entered_with_grad = False
-            self.inside_context = True
-            return self
-        if self._awaiting_sync:
-            raise OffloadError(
-                "get_cpu_offload_context: the context was re-entered without calling the "
-                "synchronization function on the previous layer's output; write "
-                "`with ctx: x = layer(x)` then `x = sync_fn(x)` for every layer"
-            )
-        self.current_layer = sync.fwd_step()
-        self._entered_with_grad = True
+        sync = self.offload_synchronizer
+        if self._uncommitted and torch.is_grad_enabled() and not _in_backward():
+            # the previous layer never reached sync_fn: its forward was abandoned (an exception
+            # between the layer and sync_fn). Drop that step; this entry starts a new one.
+            sync.abort()
+        index = sync._enter(None)
+        if index is not None:
+            self.current_layer, self._uncommitted = index, True
         self.inside_context = True
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.inside_context = False
-        if not self._entered_with_grad:
-            return None
-        self._entered_with_grad = False
         sync = self.offload_synchronizer
-        if exc_type is not None:
+        if exc_type is not None and sync._scope is not None:
             sync.abort()
-            self._awaiting_sync = False
-            self.current_layer = None
-            return None
-        sync.exit_layer()
-        self._awaiting_sync = True
-        return None
+            self.current_layer, self._uncommitted = None, False
+        else:
+            sync.exit_layer()
 
     def synchronization_function(self, tensor: torch.Tensor) -> torch.Tensor:
         """The layer-boundary commit: call on each layer's output, outside the context.
 
-        Returns ``tensor`` itself. With grad disabled it returns its input and does nothing.
+        Returns ``tensor`` itself. With grad disabled, and in a checkpoint's recompute, it returns
+        its input and does nothing.
 
         Raises:
             OffloadError: if called inside the context, or before any layer was entered.
             TypeError: if ``tensor`` is not a tensor.
             ValueError: if ``tensor`` does not require grad (its backward could not be tracked).
         """
-        sync = self.offload_synchronizer
-        if not sync._scope_ready():
+        if not torch.is_grad_enabled() or _in_backward():
             return tensor
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
-                f"synchronization function: expected the layer's output tensor, got "
-                f"{type(tensor).__name__}"
+                f"synchronization function: expected the layer's output tensor, got {type(tensor).__name__}"
             )
         if self.inside_context:
             raise OffloadError(
                 "synchronization function called inside the offload context; call it after the "
                 "`with ctx:` block: `with ctx: x = layer(x)` then `x = sync_fn(x)`"
             )
-        if not self._awaiting_sync or self.current_layer is None:
+        if self.current_layer is None:
             raise OffloadError(
                 "synchronization function called before any layer ran inside the offload "
                 "context; enter the context for a layer first (`with ctx: x = layer(x)` then "
@@ -170,8 +158,8 @@ class _CpuOffloadContext(contextlib.ContextDecorator):
                 "backward cannot be tracked; pass the layer's output (with requires_grad=True), "
                 "or run the pass under torch.no_grad() where the function is a no-op"
             )
-        self._awaiting_sync = False
-        sync._mark_boundary(tensor, self.current_layer)
+        self.offload_synchronizer._mark_boundary(tensor, self.current_layer)
+        self._uncommitted = False
         return tensor
 
     def __repr__(self) -> str:
@@ -192,7 +180,6 @@ def get_cpu_offload_context(
     retain_pinned_cpu_buffers: bool = False,
     offload_stream: Optional[Any] = None,
     *,
-    release_lag: Optional[int] = None,
     prefetch_layers: Optional[int] = None,
     policy: Optional[str] = None,
     min_offload_numel: Optional[int] = None,
@@ -214,8 +201,10 @@ def get_cpu_offload_context(
             / ``start_reload_layer``.
         retain_pinned_cpu_buffers (bool): see :class:`OffloadSynchronizer`.
         offload_stream: a CUDA stream for the copies; manual mode only (as in TE).
-        release_lag (int), prefetch_layers (int): schedule knobs beyond TE, see
-            :class:`DefaultOffloadSynchronizer`. ``None`` reproduces TE's schedule.
+        prefetch_layers (int): the schedule's look-ahead ``k >= 1``, in layers, both ways: layer
+            ``i``'s device bytes are released by the entry of layer ``i + 1 + k`` and reloaded when
+            backward reaches layer ``i + k`` (``release_lag`` and ``prefetch_layers`` of
+            :class:`DefaultOffloadSynchronizer`). ``None`` reproduces TE's schedule. Default: ``None``.
         policy (str): ``"opt_out"`` (default) or ``"opt_in"``; ``None`` follows
             ``NVTE_CPU_OFFLOAD_V1``.
         min_offload_numel (int): size threshold in logical elements. Default: 262144.
@@ -231,14 +220,12 @@ def get_cpu_offload_context(
 
     Warns:
         UserWarning: ``num_layers == model_layers - 1`` (TE's schedule cannot overlap copies with
-            compute then; pass ``prefetch_layers=1`` and ``release_lag=1`` to overlap anyway).
+            compute then; pass ``prefetch_layers=1`` to overlap anyway).
         DeprecationWarning: ``offload_weights=True``.
     """
+    null = (contextlib.nullcontext(), _identity) + ((None,) if manual_synchronization else ())
     if not enabled:
-        return (contextlib.nullcontext(), _identity, None) if manual_synchronization else (
-            contextlib.nullcontext(),
-            _identity,
-        )
+        return null
     if not offload_activations and not offload_weights:
         raise ValueError(
             "CPU Offloading is enabled while it is not mentioned what to offload (weights/"
@@ -252,17 +239,8 @@ def get_cpu_offload_context(
             stacklevel=2,
         )
         if not offload_activations:
-            return (contextlib.nullcontext(), _identity, None) if manual_synchronization else (
-                contextlib.nullcontext(),
-                _identity,
-            )
-    if isinstance(model_layers, bool) or not isinstance(model_layers, int):
-        raise TypeError(
-            f"model_layers={model_layers!r}: expected an int (the number of `with ctx:` blocks per forward), "
-            f"got {type(model_layers).__name__}"
-        )
-    if model_layers < 1:
-        raise ValueError(f"model_layers={model_layers}: must be >= 1 (the number of `with ctx:` blocks per forward)")
+            return null
+    _check_int("model_layers", model_layers, 1)
     if offload_stream is not None and not manual_synchronization:
         raise ValueError(
             "offload_stream is only supported with manual_synchronization=True; drop "
@@ -277,10 +255,7 @@ def get_cpu_offload_context(
         if isinstance(num_layers, bool) or not isinstance(num_layers, int):
             raise TypeError(f"num_layers={num_layers!r}: expected an int")
         if num_layers < 0:
-            raise ValueError(
-                f"num_layers={num_layers}: must be >= 0 (the first num_layers of model_layers={model_layers} "
-                "layers are offloaded; 0 offloads none)"
-            )
+            raise ValueError(f"num_layers={num_layers}: must be >= 0 (the first num_layers layers are offloaded; 0 offloads none)")
         if num_layers > model_layers - 1:
             raise ValueError(
                 f"Cannot offload {num_layers} layers of {model_layers}: the last layer is not "
@@ -290,8 +265,8 @@ def get_cpu_offload_context(
         if num_layers == model_layers - 1 and num_layers > 0 and prefetch_layers is None:
             warnings.warn(
                 f"Offloading num_layers={num_layers} of model_layers={model_layers}: with "
-                "TransformerEngine's schedule no overlap of copies and compute is possible. "
-                "annotate_offload can overlap anyway: pass prefetch_layers=1 and release_lag=1.",
+                "TransformerEngine's schedule no overlap of copies and compute is possible; "
+                "pass prefetch_layers=1 to overlap anyway.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -300,7 +275,7 @@ def get_cpu_offload_context(
             num_layers,
             retain_pinned_cpu_buffers,
             None,
-            release_lag=release_lag,
+            release_lag=prefetch_layers,
             prefetch_layers=prefetch_layers,
             **common,
         )

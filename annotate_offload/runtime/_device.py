@@ -9,10 +9,11 @@ Two backends implement one small interface:
   real, separate CPU tensors, so every state machine, the deduplication, the view rebuilding and
   the numerics run exactly as on a GPU. Only the concurrency is missing.
 
-Note [Offload ordering] (DESIGN.md, runtime rule 1): D2H waits for the tensor's ready point on the
+Note [Offload ordering]: D2H waits for the tensor's ready point on the
 compute stream; the compute stream waits for the D2H before the last GPU reference is dropped;
 H2D waits for the D2H that filled its host buffer; an unpack waits for its own H2D event; reload
-buffers are allocated on the compute stream (allocator pools are per stream, TE PR #2131).
+buffers are allocated on the compute stream (the caching allocator's pools are per stream: a block
+allocated on a side stream is never reused by the compute stream's own allocations).
 """
 
 from __future__ import annotations

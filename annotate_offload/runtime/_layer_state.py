@@ -2,11 +2,24 @@
 
 Note [Offload lifetime]. A layer state is owned by the step that created it (until the
 synchronizer releases the step) *and* by every pack handle autograd holds. Device memory is
-released explicitly by the schedule (forward copies once their D2H is done, reloaded buffers once
-their layer's backward is done); host buffers go back to the pool only when the last handle dies,
-i.e. when autograd frees the saved tensors (after backward without ``retain_graph``, or when the
-graph is garbage-collected). So ``retain_graph=True`` and graphs whose backward never runs cannot
-corrupt the next step: a later unpack reloads from the host copy on demand.
+released explicitly by the schedule (forward bytes once their D2H is done; a unit's reload once
+each of its handles was unpacked, at the latest when its layer's backward is done); host buffers
+go back to the pool only when the layer state dies, i.e. when autograd has freed its saved tensors
+(after backward without ``retain_graph``, or when the graph is garbage-collected). So
+``retain_graph=True``, several backward passes per step and graphs whose backward never runs
+cannot corrupt the next step: a later unpack reloads from the host copy.
+
+Dropping a reload once each handle was served frees nothing backward still needs: each unpacked
+tensor is a view that keeps the buffer alive until autograd is done with it, and the compute
+stream already waited for the H2D at that unpack. A handle unpacked again after the drop (a
+custom ``backward`` reading ``ctx.saved_tensors`` twice) reloads its unit alone.
+
+Note [Version check]. Saved-tensor hooks switch off autograd's own check that a saved tensor was
+not modified in place before backward, so the runtime does it: each handle records the tensor's
+version at save. While a unit's device bytes are held, the layer holds the saved tensors too (it
+costs no memory: the bytes are the same); when it releases them it records whether any version
+moved (the copy may then hold either value), and an unpack raises autograd's error if that
+happened or if a tensor still alive has a newer version. Nothing is read from a modified tensor.
 """
 
 from __future__ import annotations
@@ -17,14 +30,11 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OffloadError
-from ._device import _Backend
-from ._pinned_pool import PinnedBufferPool, _HostBuffer
-from ._stats import OffloadStats
-from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _view_meta, _ViewMeta
+from ._tensor_group import TensorGroup, TensorGroupProcessor, _rebuild, _unit_range
 
 __all__: list[str] = []
 
-# TE's default threshold: 256K logical elements (te_offload.md §1.4, TE PR #2535).
+# TransformerEngine's default threshold: 256K logical elements.
 DEFAULT_MIN_OFFLOAD_NUMEL = 256 * 1024
 
 _CAST_NODES = frozenset(
@@ -105,373 +115,337 @@ def _is_fake(t: torch.Tensor) -> bool:
     return name in ("FakeTensor", "FunctionalTensor")
 
 
-class _Entry:
-    """One storage unit: device bytes ``[lo, lo+nbytes)``, its host copy and its reload.
+class _Pacer:
+    """Bytes one layer holds for backward, how many backward has used, and what to start once half
+    are used (Note [Paced prefetch] in ``_synchronizer.py``)."""
 
-    An entry may be shared by several layers of one step (a layer's output saved again by the
-    next layer): it is copied to host memory once, owned by the layer that saved it first, and
-    borrowed by the others. Its host buffer goes back to the pool when the entry itself dies.
-    """
+    __slots__ = ("total", "used", "then")
 
-    __slots__ = (
-        "src", "key", "nbytes", "version", "host", "d2h_queued", "ready", "reloaded",
-        "h2d_event", "pool", "handles", "unpacks_left",
-    )
+    def __init__(self) -> None:
+        self.total = self.used = 0
+        self.then: Any = None
 
-    def __init__(self, src: torch.Tensor, key: tuple, nbytes: int, version: int, pool):
-        self.src: Optional[torch.Tensor] = src  # flat uint8 alias of the device storage
-        self.key = key
-        self.nbytes = nbytes
-        self.version = version
-        self.host: Optional[_HostBuffer] = None
-        self.d2h_queued = False
-        self.ready: Any = None  # ready event parked until start_offload (manual mode)
-        self.reloaded: Optional[torch.Tensor] = None
-        self.h2d_event: Any = None
-        self.pool = pool
-        self.handles = 0  # pack handles that point here
-        self.unpacks_left = 0  # unpacks still expected for the current reload
-
-    def __del__(self) -> None:
-        host, self.host = self.host, None
-        if host is not None:
-            try:
-                self.pool.release(host, self.h2d_event)
-            except Exception:  # noqa: BLE001 - never raise from a finalizer
-                pass
+    def use(self, nbytes: int) -> None:
+        self.used += nbytes
+        if self.then is not None and 2 * self.used >= self.total:
+            then, self.then = self.then, None
+            then()
 
 
 class _Kept:
-    """Pack handle for a tensor left on the device; keeps autograd's in-place check alive."""
+    """Pack handle for a tensor left on the device; keeps autograd's in-place check alive. In a
+    layer that paces a reload its bytes count for that layer's pacer, once."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "pacer")
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, pacer: Optional[_Pacer] = None):
         self.tensor = tensor
         self.version = tensor._version
+        self.pacer = pacer
+        if pacer is not None:
+            pacer.total += tensor.nbytes
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise _version_error(self.tensor._version, self.version, self.tensor)
+        pacer, self.pacer = self.pacer, None
+        if pacer is not None:
+            pacer.use(self.tensor.nbytes)
+        return self.tensor
 
 
-class _Packed:
-    """Pack handle for an offloaded tensor: its layer, unit and how to rebuild it."""
+class _Packed(int):
+    """Pack handle of an offloaded tensor. As TransformerEngine's, an ``int``: the tensor's position
+    in its layer's group; it also carries that layer, the tensor's version at save, and a weak
+    reference to its base (which shares its version counter)."""
 
-    __slots__ = ("layer", "entry", "meta", "version", "ref", "base_ref", "__weakref__")
-
-    def __init__(self, layer: "_LayerState", entry: _Entry, meta: _ViewMeta, t: torch.Tensor):
-        self.layer = layer
-        self.entry = entry
-        entry.handles += 1
-        self.meta = meta
-        self.version = t._version
-        self.ref = weakref.ref(t)
-        base = t._base
-        self.base_ref = weakref.ref(base) if base is not None else None
+    def __new__(cls, layer: "_LayerState", pos: int, t: torch.Tensor) -> "_Packed":
+        self = super().__new__(cls, pos)
+        self.layer, self.version = layer, t._version
+        self.root = weakref.ref(t if t._base is None else t._base)
+        return self
 
 
-def _version_error(t: torch.Tensor, expected: int) -> OffloadError:
+def _version_error(found: int, expected: int, t: Optional[torch.Tensor] = None) -> OffloadError:
+    what = "a saved tensor" if t is None else f"[{t.type()} {list(t.shape)}]"
     return OffloadError(
-        "annotate_offload: one of the variables needed for gradient computation has been "
-        f"modified by an inplace operation: [{t.type()} {list(t.shape)}] is at version "
-        f"{t._version}; expected version {expected} instead. The tensor was saved for backward "
-        "(and offloaded to host memory) before the in-place change. Fix: clone the tensor before "
+        "offload runtime: one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: {what} is at version {found}; expected version {expected} instead. It was "
+        "saved for backward (and offloaded) before the in-place change. Fix: clone the tensor before "
         "modifying it, or make the operation out-of-place."
     )
 
 
-def check_kept_version(handle: _Kept) -> torch.Tensor:
-    t = handle.tensor
-    if t._version != handle.version:
-        raise _version_error(t, handle.version)
-    return t
-
-
-def check_packed_version(handle: _Packed) -> None:
-    for ref in (handle.ref, handle.base_ref):
-        obj = ref() if ref is not None else None
-        if obj is not None and obj._version != handle.version:
-            raise _version_error(obj, handle.version)
-
-
-class HalfPacer:
-    """Bytes a layer holds for backward, how many backward has consumed, and the callback to run
-    once half are consumed: the deferred prefetch of the next layer (Note [Half-layer prefetch] in
-    ``_synchronizer.py`` for an offloaded layer's reload, Note [Kept-layer paced prefetch] for a
-    kept layer's saved tensors)."""
-
-    __slots__ = ("total_bytes", "consumed_bytes", "on_half_consumed")
-
-    def __init__(self) -> None:
-        self.total_bytes = 0
-        self.consumed_bytes = 0
-        self.on_half_consumed: Any = None
-
-    def before_half(self) -> bool:
-        """True while less than half of a non-empty total has been consumed."""
-        return self.total_bytes > 0 and 2 * self.consumed_bytes < self.total_bytes
-
-    def consume(self, nbytes: int) -> None:
-        self.consumed_bytes += nbytes
-        callback = self.on_half_consumed
-        if callback is not None and 2 * self.consumed_bytes >= self.total_bytes:
-            self.on_half_consumed = None
-            callback()
-
-
 class _LayerState:
-    """Saved tensors of one layer in one step (see Note [Offload lifetime]).
+    """Saved tensors of one layer in one step (Notes [Offload lifetime], [Version check]).
+
+    As TransformerEngine's per-layer state, three :class:`TensorGroup` s indexed by storage unit:
+    ``fwd_gpu_tensor_group`` (each unit's device bytes, ``None`` once released, and its ready event;
+    its ``aux`` is :class:`TensorGroupProcessor`'s, so ``tensor_group_process_after_reload`` rebuilds
+    every saved tensor), ``cpu_tensor_group`` (host copies) and ``bwd_gpu_tensor_group`` (reloads
+    and their H2D events). A unit whose bytes an earlier layer of the step already copied (a
+    layer's output saved again by the next layer) is borrowed from that layer, not copied again.
 
     States (checked by the manual synchronizer): ``not_offloaded`` -> ``offload_started`` ->
-    ``offload_finished`` (device copies released) -> ``reload_started``.
+    ``offload_finished`` (device bytes released) -> ``reload_started``.
     """
 
     __slots__ = (
-        "index",
-        "backend",
-        "pool",
-        "stats",
-        "eager_d2h",
-        "entries",
-        "borrowed",
-        "by_storage",
-        "shared",
-        "state",
-        "d2h_done",
-        "pacer",
-        "__weakref__",
+        "index", "backend", "pool", "stats", "eager_d2h", "shared", "state", "d2h_done",
+        "fwd_gpu_tensor_group", "cpu_tensor_group", "bwd_gpu_tensor_group",
+        "watch", "stale", "borrowed", "users", "pending", "pacer", "__weakref__",
     )
 
-    def __init__(
-        self,
-        index: int,
-        backend: _Backend,
-        pool: PinnedBufferPool,
-        stats: OffloadStats,
-        eager_d2h: bool,
-        shared: Optional[dict] = None,
-    ):
+    def __init__(self, index: int, sync: Any, shared: Optional[dict]):
         self.index = index
-        self.backend = backend
-        self.pool = pool
-        self.stats = stats
-        self.eager_d2h = eager_d2h
-        self.entries: list[_Entry] = []  # owned: copied by this layer
-        self.borrowed: list[_Entry] = []  # owned by an earlier layer of the same step
-        self.by_storage: dict[int, list[_Entry]] = {}
-        # storage id -> [(weakref to the saved tensor, entry)] for the whole step (default mode)
+        self.backend, self.pool, self.stats = sync.backend, sync.pool, sync.stats
+        self.eager_d2h = not sync._manual  # copy at save time (default) or at start_offload (manual)
+        # storage id -> [(weakref to a saved tensor, owner, unit)] of the step's copied units; the
+        # step clears it when its forward can no longer borrow (it refers to the layer states)
         self.shared = shared
         self.state = "not_offloaded"
         self.d2h_done: Any = None
-        # bytes of the last reload batch, and of those the units whose every handle was unpacked
-        self.pacer = HalfPacer()
+        self.fwd_gpu_tensor_group = TensorGroup(aux=TensorGroupProcessor._new_aux())
+        self.cpu_tensor_group = TensorGroup()
+        self.bwd_gpu_tensor_group = TensorGroup()
+        self.watch: list = []  # per unit: the saved tensors, held with its device bytes
+        self.stale: list[Optional[int]] = []  # per unit: a version seen at release other than the saved one
+        self.borrowed: list[tuple[_LayerState, int]] = []
+        self.users: list[list[int]] = []  # per unit: the handles (positions) that rebuild from it
+        # per unit: the handles its reload has not served yet (empty: all served and the reload
+        # dropped, Note [Offload lifetime]); None: no reload since the layer's last release
+        self.pending: list[Optional[set]] = []
+        self.pacer = _Pacer()  # bytes reloaded for this layer and bytes backward used up
 
     # -- forward ----------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor, ready_event: Any = None) -> Any:
-        """Record ``t`` (already judged eligible) and return its pack handle."""
-        whole = bool(getattr(t, "offload_base_tensor", False))
-        rng = _unit_range(t, whole)
+    def pack(self, t: torch.Tensor, ready: Any = None) -> Any:
+        """Record ``t`` (already judged eligible) and return its handle (``t`` if it stays)."""
+        rng = _unit_range(t, bool(getattr(t, "offload_base_tensor", False)))
         if rng is None:
             self.stats._keep("unsupported", t.numel() * t.element_size())
-            return _Kept(t)
-        entry = self._entry_for(t, rng, ready_event)
+            return t
+        owner, unit = self.unit_for(t, rng, ready)
         self.stats.tensors_offloaded += 1
-        return _Packed(self, entry, _view_meta(t, entry.key[1]), t)
+        pos = TensorGroupProcessor._add_view(owner.fwd_gpu_tensor_group, t, unit)
+        owner.users[unit].append(pos)
+        return _Packed(owner, pos, t)
 
-    def _entry_for(self, t: torch.Tensor, rng: tuple, ready_event: Any) -> _Entry:
-        storage = t.untyped_storage()
-        sid = storage._cdata
-        lo, hi = rng
-        version = t._version
-        for e in self.by_storage.get(sid, ()):
-            elo, ehi = e.key[1], e.key[1] + e.nbytes
-            if elo <= lo and hi <= ehi and e.version == version:
-                self.stats.tensors_deduplicated += 1
-                if not e.d2h_queued and ready_event is not None:
-                    e.ready = ready_event  # an aliased unit waits for its latest ready event
-                return e
-        borrowed = self._borrow(t, sid, lo, hi, version)
+    def unit_for(self, t: torch.Tensor, rng: tuple[int, int], ready: Any) -> tuple["_LayerState", int]:
+        """The unit holding ``t``'s bytes: this layer's, an earlier layer's, or a new one."""
+        group = self.fwd_gpu_tensor_group
+        unit = TensorGroupProcessor._find(group, t, rng)
+        if unit is not None:
+            self.stats.tensors_deduplicated += 1
+            if ready is not None and self.cpu_tensor_group.tensor_list[unit] is None:
+                group.events[unit] = ready  # an aliased unit waits for its latest ready event
+            self._watch(unit, t)
+            return self, unit
+        borrowed = self._borrow(t, rng)
         if borrowed is not None:
+            self.stats.tensors_deduplicated += 1
             return borrowed
-        entry = _Entry(_flat_bytes(t, lo, hi), (sid, lo), hi - lo, version, self.pool)
-        self.entries.append(entry)
-        self.by_storage.setdefault(sid, []).append(entry)
+        unit = TensorGroupProcessor._add_unit(group, t, rng, self._ready_now() if ready is None else ready)
+        self.cpu_tensor_group.tensor_list.append(None)
+        self.bwd_gpu_tensor_group.tensor_list.append(None)
+        self.bwd_gpu_tensor_group.events.append(None)
+        self.watch.append([t])
+        self.stale.append(None)
+        self.users.append([])
+        self.pending.append(None)
         if self.shared is not None:
-            self.shared.setdefault(sid, []).append((weakref.ref(t), entry))
-        self.stats._resident(entry.nbytes)
+            self.shared.setdefault(t.untyped_storage()._cdata, []).append((weakref.ref(t), self, unit))
+        self.stats._resident(rng[1] - rng[0])
         if self.eager_d2h:
-            self._enqueue_d2h(entry, ready_event)
+            self._d2h(unit)
             self.state = "offload_started"
-        else:
-            entry.ready = ready_event if ready_event is not None else self._ready_now()
-        return entry
+        return self, unit
 
-    def _borrow(self, t: torch.Tensor, sid: int, lo: int, hi: int, version: int):
-        """An earlier layer's entry for the same bytes (same storage, still alive, same version)."""
-        if self.shared is None:
-            return None
-        for ref, e in self.shared.get(sid, ()):
-            owner_tensor = ref()
-            if owner_tensor is None or not e.d2h_queued or e.version != version:
-                continue
-            if owner_tensor.untyped_storage()._cdata != sid:
-                continue  # the storage id was reused by a new allocation
-            if e.key[1] <= lo and hi <= e.key[1] + e.nbytes:
-                if not any(b is e for b in self.borrowed) and not any(o is e for o in self.entries):
-                    self.borrowed.append(e)
-                self.stats.tensors_deduplicated += 1
-                return e
+    def _watch(self, unit: int, t: torch.Tensor) -> None:
+        watched = self.watch[unit]
+        if watched is not None and not any(w is t for w in watched):
+            watched.append(t)
+
+    def _borrow(self, t: torch.Tensor, rng: tuple[int, int]) -> Optional[tuple["_LayerState", int]]:
+        """An earlier layer's copied unit with the same bytes (same live storage, same version)."""
+        sid = t.untyped_storage()._cdata
+        for ref, owner, unit in (self.shared or {}).get(sid, ()):
+            alive = ref()
+            _, lo, hi, version = owner.fwd_gpu_tensor_group.aux["units"][unit]
+            if (
+                alive is not None
+                and alive.untyped_storage()._cdata == sid  # not a reused storage id
+                and owner.cpu_tensor_group.tensor_list[unit] is not None
+                and version == t._version
+                and lo <= rng[0]
+                and rng[1] <= hi
+            ):
+                if owner is not self and (owner, unit) not in self.borrowed:
+                    self.borrowed.append((owner, unit))
+                owner._watch(unit, t)
+                return owner, unit
         return None
 
     def _ready_now(self) -> Any:
         return self.backend.record(self.backend.current_stream())
 
-    def _enqueue_d2h(self, entry: _Entry, ready_event: Any) -> None:
-        backend = self.backend
-        host = self.pool.acquire(entry.nbytes)
+    def _d2h(self, unit: int) -> None:
+        group, backend = self.fwd_gpu_tensor_group, self.backend
+        src, ready = group.tensor_list[unit], group.events[unit]
+        host, last_use = self.pool.acquire(src.numel())
         d2h = backend.d2h_stream
-        if ready_event is not None:
-            d2h.wait_event(ready_event)
-        else:
-            d2h.wait_stream(backend.current_stream())
-        if host.last_read_event is not None:
-            d2h.wait_event(host.last_read_event)
-            host.last_read_event = None
+        d2h.wait_event(ready)
+        if last_use is not None:
+            d2h.wait_event(last_use)
         with backend.stream_ctx(d2h):
-            host.tensor.copy_(entry.src, non_blocking=host.pinned)
-        entry.host = host
-        entry.d2h_queued = True
-        self.stats.bytes_offloaded += entry.nbytes
-        per_layer = self.stats.bytes_offloaded_per_layer
-        per_layer[self.index] = per_layer.get(self.index, 0) + entry.nbytes
-        self.stats.pinned_bytes = self.pool.cached_bytes
-        self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, self.pool.peak_bytes)
+            host.copy_(src, non_blocking=True)
+        self.cpu_tensor_group.tensor_list[unit] = host
+        group.events[unit] = None
+        stats = self.stats
+        stats.bytes_offloaded += src.numel()
+        stats.bytes_offloaded_per_layer[self.index] = stats.bytes_offloaded_per_layer.get(self.index, 0) + src.numel()
+        stats.pinned_bytes = self.pool.cached_bytes
+        stats.peak_pinned_bytes = max(stats.peak_pinned_bytes, self.pool.peak_bytes)
 
     def start_offload(self) -> None:
-        """Enqueue the D2H of every unit not yet copied (manual mode, or units added late)."""
-        for e in self.entries:
-            if not e.d2h_queued and e.src is not None:
-                ready, e.ready = e.ready, None
-                self._enqueue_d2h(e, ready)
+        """Enqueue the D2H of every unit not yet copied (manual mode)."""
+        for unit, src in enumerate(self.fwd_gpu_tensor_group.tensor_list):
+            if src is not None and self.cpu_tensor_group.tensor_list[unit] is None:
+                self._d2h(unit)
         self.state = "offload_started"
 
     def finish_forward(self) -> None:
         """Record the event that marks the end of this layer's D2H copies."""
-        if any(e.d2h_queued for e in self.entries):
+        if any(h is not None for h in self.cpu_tensor_group.tensor_list):
             self.d2h_done = self.backend.record(self.backend.d2h_stream)
 
     def d2h_complete(self) -> bool:
-        if self.d2h_done is None:
-            return not any(e.d2h_queued and e.src is not None for e in self.entries)
-        return self.backend.is_done(self.d2h_done)
+        return self.d2h_done is None or self.backend.is_done(self.d2h_done)
+
+    def _drop(self, unit: int) -> None:
+        """Drop unit's device bytes, noting whether a saved tensor changed since its save."""
+        version = self.fwd_gpu_tensor_group.aux["units"][unit][3]
+        moved = [t._version for t in self.watch[unit] if t._version != version]
+        if moved and self.stale[unit] is None:
+            self.stale[unit] = moved[0]
+        self.watch[unit] = None
+        src, self.fwd_gpu_tensor_group.tensor_list[unit] = self.fwd_gpu_tensor_group.tensor_list[unit], None
+        self.stats._resident(-src.numel())
 
     def release_forward(self) -> None:
-        """Drop the device copies after the compute stream has waited for their D2H."""
-        held = [e for e in self.entries if e.src is not None and e.d2h_queued]
+        """Drop the device bytes of copied units after the compute stream waited for their D2H."""
+        cpu = self.cpu_tensor_group.tensor_list
+        held = [u for u, src in enumerate(self.fwd_gpu_tensor_group.tensor_list) if src is not None and cpu[u] is not None]
         if not held:
             return
         if self.d2h_done is None:
             self.finish_forward()
         self.backend.current_stream().wait_event(self.d2h_done)
-        for e in held:
-            e.src = None
-            self.stats._resident(-e.nbytes)
+        for unit in held:
+            self._drop(unit)
         self.state = "offload_finished"
 
     # -- backward ---------------------------------------------------------------------------
     def start_reload(self) -> None:
-        """Enqueue the H2D of every released unit (buffers allocated on the compute stream)."""
-        # Last saved first: backward consumes a layer's tensors in reverse order of their saves,
-        # so its first node can start while the rest of the layer is still crossing the link.
-        todo = [
-            e
-            for e in reversed(self.entries + self.borrowed)
-            if e.src is None and e.reloaded is None and e.host
-        ]
+        """Enqueue the H2D of every released unit, its own and borrowed, not reloaded since the
+        layer's last release. Last saved first: backward consumes a layer's tensors in reverse order."""
+        units = [(self, u) for u in reversed(range(len(self.watch)))] + self.borrowed
         self.state = "reload_started"
+        self._reload([(s, u) for s, u in units if s.fwd_gpu_tensor_group.tensor_list[u] is None
+                      and s.pending[u] is None and s.cpu_tensor_group.tensor_list[u] is not None])
+
+    def _reload(self, todo: list) -> None:
+        """Enqueue the H2D of these ``(layer, unit)`` (buffers allocated on the compute stream)."""
         if not todo:
             return
-        self.pacer.total_bytes = sum(e.nbytes for e in todo)
-        self.pacer.consumed_bytes = 0
         backend = self.backend
         compute = backend.current_stream()
-        buffers = [torch.empty(e.nbytes, dtype=torch.uint8, device=backend.device) for e in todo]
+        hosts = [s.cpu_tensor_group.tensor_list[u] for s, u in todo]
+        buffers = [torch.empty(h.numel(), dtype=torch.uint8, device=backend.device) for h in hosts]
         h2d = backend.h2d_stream
         h2d.wait_stream(compute)
         h2d.wait_stream(backend.d2h_stream)
         with backend.stream_ctx(h2d):
-            for e, buf in zip(todo, buffers):
-                buf.copy_(e.host.tensor, non_blocking=e.host.pinned)
-                e.reloaded = buf
-                e.unpacks_left = e.handles
-                e.h2d_event = backend.record(h2d)
-                self.stats.bytes_reloaded += e.nbytes
-                self.stats._resident(e.nbytes)
+            for (s, u), host, buf in zip(todo, hosts, buffers):
+                buf.copy_(host, non_blocking=True)
+                s.bwd_gpu_tensor_group.tensor_list[u] = buf
+                s.bwd_gpu_tensor_group.events[u] = backend.record(h2d)
+                s.pending[u] = set(s.users[u])
+                s.pacer.total += buf.numel()
+                self.stats.bytes_reloaded += buf.numel()
+                self.stats._resident(buf.numel())
 
     def release_reloaded(self) -> None:
-        """Drop reloaded device buffers (the compute stream first waits for their H2D)."""
-        compute = self.backend.current_stream()
-        for e in self.entries:
-            if e.reloaded is not None:
-                compute.wait_event(e.h2d_event)
-                e.reloaded = None
-                self.stats._resident(-e.nbytes)
+        """Drop this layer's reloads (the compute stream first waits for their H2D)."""
+        group, compute = self.bwd_gpu_tensor_group, self.backend.current_stream()
+        for unit, buf in enumerate(group.tensor_list):
+            if buf is not None:
+                compute.wait_event(group.events[unit])
+                group.tensor_list[unit] = None
+                self.stats._resident(-buf.numel())
+        self.pending = [None] * len(self.pending)
+        self.pacer = _Pacer()
 
     def release_all(self) -> None:
+        """Release every device byte this layer holds (TransformerEngine's ``release_all_memory``)."""
         self.release_forward()
         self.release_reloaded()
-        # units recorded but never copied (manual mode without start_offload_layer): drop refs
-        for e in self.entries:
-            if e.src is not None:
-                e.src = None
-                self.stats._resident(-e.nbytes)
+        for unit, src in enumerate(self.fwd_gpu_tensor_group.tensor_list):
+            if src is not None:  # never copied (manual mode without start_offload_layer)
+                self._drop(unit)
 
     def unpack(self, handle: _Packed, allow_on_demand: bool = True) -> torch.Tensor:
-        check_packed_version(handle)
-        e = handle.entry
-        flat = e.src
+        aux = self.fwd_gpu_tensor_group.aux
+        unit, meta = aux["unit_index"][handle], aux["metas"][handle]
+        root, stale = handle.root(), self.stale[unit]
+        if root is not None and root._version != handle.version:
+            raise _version_error(root._version, handle.version, root)
+        if stale is not None:
+            raise _version_error(stale, handle.version)
+        flat = self.fwd_gpu_tensor_group.tensor_list[unit]
         if flat is None:
-            if e.reloaded is None:
-                if not allow_on_demand:
+            bwd, pending = self.bwd_gpu_tensor_group, self.pending[unit]
+            if bwd.tensor_list[unit] is None:
+                if not allow_on_demand and pending is None:
                     raise OffloadError(
-                        f"annotate_offload: layer {self.index}'s saved tensors are in host memory "
-                        f"(state {self.state!r}) but were not reloaded; call "
-                        f"start_reload_layer({self.index}) before its backward runs"
+                        f"offload runtime: layer {self.index}'s saved tensors are in host memory (state "
+                        f"{self.state!r}) but were not reloaded; call start_reload_layer({self.index}) before "
+                        "its backward runs"
                     )
-                if e.host is None:
+                if self.cpu_tensor_group.tensor_list[unit] is None:
                     raise OffloadError(
-                        f"annotate_offload: a saved tensor of layer {self.index} was released "
-                        "before it was copied to host memory; call start_offload_layer before "
+                        f"offload runtime: a saved tensor of layer {self.index} was released before it was "
+                        "copied to host memory; call start_offload_layer before "
                         "release_activation_forward_gpu_memory"
                     )
                 self.stats.on_demand_reloads += 1
-                self.start_reload()
-            self.backend.current_stream().wait_event(e.h2d_event)
-            flat = e.reloaded
-            e.unpacks_left -= 1
-            if e.unpacks_left <= 0:
-                # Every handle of this unit has been served: drop our reference now, so the
-                # buffer is freed as soon as autograd is done with it (the compute stream has
-                # already waited for its H2D above).
-                e.reloaded = None
-                self.stats._resident(-e.nbytes)
-                self.pacer.consume(e.nbytes)
-        return _rebuild(flat, handle.meta)
-
-    def offloaded_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries if e.d2h_queued)
+                if pending is None:
+                    self.start_reload()
+                else:  # a handle served before is unpacked again: only its unit
+                    self._reload([(self, unit)])
+                pending = self.pending[unit]
+            self.backend.current_stream().wait_event(bwd.events[unit])
+            flat = bwd.tensor_list[unit]
+            pending.discard(handle)
+            if not pending:
+                # every handle was served: autograd holds what it still needs, and frees it after use
+                bwd.tensor_list[unit] = None
+                self.stats._resident(-flat.numel())
+                self.pacer.use(flat.numel())
+        return _rebuild(flat, meta)
 
     def __del__(self) -> None:
         try:
-            if self.d2h_done is not None and any(
-                e.src is not None and e.d2h_queued for e in self.entries
-            ):
-                # device copies dropped without the schedule: never before their D2H is done
+            if any(s is not None for s in self.fwd_gpu_tensor_group.tensor_list) and self.d2h_done is not None:
+                # device bytes dropped without the schedule: never before their D2H is done
                 self.backend.current_stream().wait_event(self.d2h_done)
-            for e in self.entries:
-                e.src = None
+            for unit, host in enumerate(self.cpu_tensor_group.tensor_list):
+                if host is not None:
+                    self.pool.release(host, self.bwd_gpu_tensor_group.events[unit] or self.d2h_done)
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 
     def __repr__(self) -> str:
         return (
-            f"_LayerState(index={self.index}, state={self.state!r}, units={len(self.entries)}, "
-            f"offloaded_bytes={self.offloaded_bytes()})"
+            f"_LayerState(index={self.index}, state={self.state!r}, units={len(self.watch)}, "
+            f"offloaded_bytes={sum(h.numel() for h in self.cpu_tensor_group.tensor_list if h is not None)})"
         )

@@ -32,7 +32,7 @@ __all__ = [
 
 Policy = Literal["opt_out", "opt_in"]
 
-# Read once at import time, as TransformerEngine does (te_offload.md §1.1).
+# Read once at import time, as TransformerEngine does: the choice is fixed for the process.
 _NVTE_CPU_OFFLOAD_V1: bool = os.environ.get("NVTE_CPU_OFFLOAD_V1", "0") == "1"
 
 _POLICIES = ("opt_out", "opt_in")

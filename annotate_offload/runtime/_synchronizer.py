@@ -6,24 +6,52 @@ Note [Default schedule]. With ``L`` model layers of which the set ``O`` is offlo
 * forward: every eligible tensor saved in an offloaded layer starts its D2H copy *at save time*,
   on the D2H stream, behind its ready event (from :func:`start_offload`, or the compute stream's
   position at save). The copy stream never idles while the layer computes.
-* release: layer ``i``'s device copies are dropped (after the compute stream waits for its D2H) at
+* release: layer ``i``'s device bytes are dropped (after the compute stream waits for its D2H) at
   the entry of layer ``i + 1 + lag`` at the latest, or at the end of forward when that layer does
   not exist. ``release_lag=None`` is TransformerEngine's bound ``lag = L - N - 1`` (release at the
   entry of ``L - N + i``). At every layer entry, layers whose D2H has already finished are released
   early without any wait.
 * prefetch: when backward reaches layer ``m``, the reloads of offloaded layers ``m - k .. m`` start
-  on the H2D stream (``prefetch_layers=None`` is TE's distance ``k = L - N - 1``; a given ``k >= 1`` keeps
-  a reload in flight behind compute even at ``N = L - 1``, where TE serialises).
-* when backward reaches layer ``m``, the device memory of layers above ``m`` is released; the end
-  of backward releases the rest, and the runtime then holds no device tensors.
+  on the H2D stream (``prefetch_layers=None`` is TE's distance ``k = L - N - 1``; a given
+  ``k >= 1`` keeps a reload in flight behind compute even at ``N = L - 1``, where TE serialises).
+  With ``k = 1`` the reload of ``m - 1`` waits for half of layer ``m`` (Note [Paced prefetch]).
+* a unit's reload is dropped by the runtime once each of its handles has been unpacked
+  (Note [Offload lifetime]): autograd frees it after its last use, so a layer's reloads shrink
+  while its backward runs.
+* when backward reaches layer ``m``, the layers above ``m`` that backward has passed are released;
+  the end of a backward pass releases the layers it passed. A layer it did not reach (another
+  output's graph, in manual mode the reloads the user started for it) keeps its state until its
+  own backward, or until the next forward starts a new step.
 
 Peak offloaded activations on the device: ``lag + 1`` offloaded layers in forward (plus the kept
-layers), ``k + 1`` in backward; :meth:`DefaultOffloadSynchronizer.schedule` reports the numbers.
+layers), at most ``k + 1`` in backward (about 1.5 with ``k = 1``).
+
+Note [Paced prefetch]. With a look-ahead of one layer, the reload of layer ``m - 1`` starts once
+half of the bytes layer ``m`` holds for backward have been used: its reloaded units (counted when
+each is dropped) or, for a kept layer ``m`` above an offloaded one (the last layer at
+``N = L - 1``), its saved activations (counted at their first unpack). Starting it at ``m``'s first
+backward node would hold both layers whole on the device; starting it at the half keeps about 1.5
+layers there while the H2D stream still runs ahead of compute (``m``'s second half is left to
+consume). If the half is never reached, the pre-hook of ``m - 1`` (or its first unpack) starts the
+reload; reaching another layer disarms the pending start.
+
+Note [Scopes inside a checkpoint]. A layer scope opened while autograd runs a backward is the
+recompute of a ``torch.utils.checkpoint`` around it (or a forward run by a backward hook). The
+scope then installs pass-through saved-tensor hooks, so exactly the saves that went to the runtime
+in forward stay away from the checkpoint's hooks in the recompute, and the checkpoint pairs its
+saved tensors by position with the same ones. The runtime's state is not touched: the tensors the
+recompute saves inside the scope belong to a graph that is never run.
+
+Note [Errors leave nothing behind]. A layer scope is one ``saved_tensors_hooks`` entry plus the
+step's state. An exception inside a scope (the context's ``__exit__``), a refused entry, or an
+error while the runtime enters a layer closes the hooks and drops the step (host copies stay valid
+for a graph that is still alive, so dropping a step never changes a result). An exception the
+runtime does not see, between a layer and its ``sync_fn``, leaves a layer without its commit: the
+context's next entry takes that forward as abandoned, drops its step and counts from layer 0.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import threading
@@ -32,6 +60,7 @@ import weakref
 from typing import Any, Iterable, Optional
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..errors import OffloadError
 from ._device import _Backend, get_backend
@@ -40,17 +69,16 @@ from ._layer_state import (
     _is_fake,
     _is_frozen_weight_copy,
     _is_param_alias,
-    HalfPacer,
     _Kept,
     _LayerState,
     _Packed,
-    check_kept_version,
+    _Pacer,
     frozen_shapes,
 )
 from ._marks import check_policy
 from ._pinned_pool import get_pool
 from ._stats import OffloadStats
-from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _view_meta
+from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _ViewMeta
 
 __all__ = ["OffloadSynchronizer", "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
 
@@ -73,6 +101,11 @@ def _active_synchronizer() -> Optional["OffloadSynchronizer"]:
     return stack[-1] if stack else None
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward on this thread (e.g. a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}={value!r}: expected an int")
@@ -82,38 +115,27 @@ def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> i
     return value
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _no_root() -> None:
+    return None
+
+
 class _Step:
-    """Per-step state: layer states of one forward, and backward bookkeeping."""
+    """One forward's layer states and its backward bookkeeping."""
 
-    __slots__ = ("index", "layers", "kept", "shared", "bwd_active", "bwd_seen", "__weakref__")
+    __slots__ = ("layers", "kept", "armed", "shared", "bwd_active", "bwd_seen", "ended")
 
-    def __init__(self, index: int):
-        self.index = index
-        self.layers: Any = {}  # dict[int, _LayerState]; weak values once backward ended
-        self.kept: dict[int, HalfPacer] = {}  # kept layers whose consumption paces a prefetch
+    def __init__(self) -> None:
+        self.layers: Any = {}  # dict[int, _LayerState]; weak values once a backward ended
+        self.kept: dict[int, _Pacer] = {}  # kept layers that pace a reload (Note [Paced prefetch])
+        self.armed: Optional[_Pacer] = None  # the pacer holding a deferred reload
         self.shared: dict = {}  # storage units copied in this step, for cross-layer dedup
-        self.bwd_active = False
-        self.bwd_seen: set[int] = set()
-
-
-# Note [Kept-layer paced prefetch]: at the start of backward the last layer is usually kept
-# (N = L-1) and its saved tensors are all on the device; starting the reload of the offloaded layer
-# below it at that layer's first backward node puts both on the device at once (W1: 1.07 + 1.00 GiB,
-# the activation peak). With a look-ahead of one layer that reload starts once half of the kept
-# layer's saved bytes have been unpacked (autograd frees each after its node ran), like the
-# half-layer prefetch between two offloaded layers: the kept layer gets a HalfPacer of its own.
-
-
-class _KeptCounted(_Kept):
-    """A kept tensor of a paced kept layer: its first unpack counts as consumed."""
-
-    __slots__ = ("layer", "nbytes")
-
-    def __init__(self, tensor: torch.Tensor, layer: HalfPacer):
-        super().__init__(tensor)
-        self.layer = layer
-        self.nbytes = tensor.numel() * tensor.element_size()
-        layer.total_bytes += self.nbytes
+        self.bwd_active = False  # a backward pass is running through this step's boundaries
+        self.bwd_seen: set[int] = set()  # layers that backward pass has reached
+        self.ended = False  # a backward pass ended: the next layer entry starts a new step
 
 
 class _StreamOverride:
@@ -130,6 +152,13 @@ class _StreamOverride:
 
 class OffloadSynchronizer:
     """Base class: saved-tensor hooks, layer scopes, steps and eligibility.
+
+    Two ways to drive it. TransformerEngine's: :meth:`fwd_step` per layer (counted modulo
+    ``num_layers``), :meth:`push_tensor` / :meth:`pop_tensor` (or the context of
+    :func:`get_cpu_offload_context`, which installs them as saved-tensor hooks), :meth:`bwd_step`
+    and :meth:`finish_part_of_bwd`, inside or outside a backward pass. And by layer index, as the
+    layer wrappers do: :meth:`enter_layer`, :meth:`commit_layer` (or :meth:`exit_layer`),
+    :meth:`abort` after an exception.
 
     Args:
         num_layers (int): model layers, i.e. layer scopes per forward (TE's ``model_layers``).
@@ -149,7 +178,6 @@ class OffloadSynchronizer:
         TypeError, ValueError: for arguments of the wrong type or out of range.
     """
 
-    _eager_d2h = True
     _manual = False
 
     def __init__(
@@ -171,63 +199,54 @@ class OffloadSynchronizer:
             else _check_int("min_offload_numel", min_offload_numel, 0)
         )
         # Note [Device binding]: without a device (and no ANNOTATE_OFFLOAD_DEVICE), the backend is
-        # bound per step from the first tensor an offloaded layer saves, not here: a model that is
-        # transformed and then moved (.to("cuda"), Trainer, accelerate) offloads on the device it
-        # trains on. Until then the CPU backend stands in (no stream, no CUDA initialisation).
+        # bound per step from the first CUDA tensor an offloaded layer saves, not here: a model that
+        # is transformed and then moved (.to("cuda"), Trainer, accelerate) offloads on the device it
+        # trains on. Each step starts on the CPU backend (no stream, no CUDA initialisation), and a
+        # CPU tensor saved first (the empty tensor non-reentrant checkpoint saves with its inputs,
+        # a CPU scalar) does not bind the step, or its CUDA tensors would all stay on the device.
         self._offload_stream = offload_stream
         self._lazy_device = device is None and not os.environ.get("ANNOTATE_OFFLOAD_DEVICE")
         self._bind(get_backend("cpu" if self._lazy_device else device))
         self._frozen_shapes: set[tuple] = set()
-        self.__dict__.update(self._fresh_state())
-        self._warned_count = False  # a forward whose context count did not match num_layers
+        self._reset()
 
-    # -- copies ------------------------------------------------------------------------------
-    # Note [Copying a synchronizer]: ``copy.deepcopy`` of a model after ``offload_transform`` (an
-    # EMA copy, ``torch.optim.swa_utils.AveragedModel``, a frozen reference model) reaches the
-    # runtime through the model's forward. The copy is a fresh runtime with the same configuration:
-    # the per-step state (saved tensors in flight, their host buffers, the statistics) belongs to
-    # the original's autograd graph, and the process-wide backend (CUDA side streams) and pinned
-    # pool are shared, never duplicated. Pickling is refused: streams and host buffers do not
-    # survive a process, and a model is saved through its ``state_dict``.
-    def _fresh_state(self) -> dict[str, Any]:
-        """The per-step attributes of a runtime that has not run a step yet (``__init__`` and copies)."""
-        return {
-            "stats": OffloadStats(),
-            "_step": None,  # Optional[_Step]
-            "_bound_step": None,  # the step the backend was bound for (Note [Device binding])
-            "_steps": 0,
-            "_scope": None,
-            "_scope_index": -1,
-            "_cur": None,  # Optional[_LayerState]: the open layer scope's state
-            "_cur_kept": None,  # Optional[HalfPacer]
-            "_last_entered": -1,
-            "_num_of_fwds": None,  # TE-compatible counter for fwd_step()
-            "current_layer_id": 0,
-        }
+    def _reset(self) -> None:
+        """The per-step state of a runtime that has not run a step yet."""
+        self.stats = OffloadStats()
+        self._step: Optional[_Step] = None
+        self._bound_step: Optional[_Step] = None  # the step the backend was bound for (Note [Device binding])
+        self._steps = 0
+        self._scope: Any = None  # the saved_tensors_hooks of the open layer scope
+        self._cur: Optional[_LayerState] = None  # the current layer's state (None: kept layer)
+        self._cur_index: Optional[int] = None  # the current layer (between its entry and its end)
+        self._last_entered = -1
+        self._num_of_fwds: Optional[int] = None  # TransformerEngine's layer counter (fwd_step)
+        self.current_layer_id = 0  # the layer backward reached last (bwd_step)
+        self._warned_count = False
 
     def _bind(self, backend: _Backend) -> None:
         self.backend: Any = backend if self._offload_stream is None else _StreamOverride(backend, self._offload_stream)
         self.pool = get_pool(backend.device_type)
 
     def _bind_to(self, t: torch.Tensor) -> None:
-        """Bind this step to ``t``'s device (Note [Device binding]); states of the step get the backend."""
+        """Bind this step to CUDA tensor ``t``'s device (Note [Device binding]); its layers that saved
+        nothing yet take the backend."""
         self._bound_step = self._step
-        if t.device.type not in ("cpu", "cuda"):
-            return  # meta and other devices: kept on the device (reason not_on_device)
         self._bind(get_backend(t.device))
         for state in self._step.layers.values():
-            if not state.entries:
+            if not state.fwd_gpu_tensor_group.tensor_list:
                 state.backend, state.pool = self.backend, self.pool
 
+    # Note [Copying a synchronizer]: ``copy.deepcopy`` of a model that drives a synchronizer (an
+    # EMA copy, ``torch.optim.swa_utils.AveragedModel``, a frozen reference model) gives a fresh
+    # runtime with the same configuration: the per-step state belongs to the original's autograd
+    # graph, and the process-wide backend (CUDA side streams) and host pool are shared. Pickling is
+    # refused: streams and host buffers do not outlive the process.
     def __deepcopy__(self, memo: dict) -> "OffloadSynchronizer":
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        fresh = self._fresh_state()
-        for key, value in self.__dict__.items():
-            if key in fresh:
-                continue
-            new.__dict__[key] = value if key in ("backend", "pool", "_offload_stream") else copy.deepcopy(value, memo)
-        new.__dict__.update(fresh)
+        new = memo[id(self)] = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._frozen_shapes = set(self._frozen_shapes)
+        new._reset()
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -241,8 +260,8 @@ class OffloadSynchronizer:
     def _layer_offloaded(self, index: int) -> bool:
         raise NotImplementedError
 
-    def _paces_prefetch(self, index: int) -> bool:
-        """True if kept layer ``index``'s consumption starts a reload (Note [Kept-layer paced prefetch])."""
+    def _paces(self, index: int) -> bool:
+        """Kept layer ``index`` paces the reload below it (Note [Paced prefetch])."""
         return False
 
     def add_frozen_weights(self, params: Iterable[torch.Tensor]) -> None:
@@ -287,35 +306,49 @@ class OffloadSynchronizer:
             return "parameter"
         return None
 
-    # -- saved-tensor hooks (TE names) -------------------------------------------------------
+    # -- saved tensors -----------------------------------------------------------------------
     def push_tensor(self, tensor: torch.Tensor) -> Any:
-        """Pack hook: keep ``tensor`` on the device or record it for offload; returns a handle."""
+        """Record ``tensor`` in the current layer (TransformerEngine's pack).
+
+        Returns:
+            ``tensor`` itself if it stays on the device, else an ``int`` handle (the tensor's
+            position in its layer's group, as in TransformerEngine) for :meth:`pop_tensor`.
+        """
         state = self._cur
-        if state is None:
-            self.stats._keep("layer_not_offloaded", tensor.numel() * tensor.element_size())
-            kept = self._cur_kept
-            return _Kept(tensor) if kept is None else _KeptCounted(tensor, kept)
-        if self._lazy_device and self._bound_step is not self._step:
+        if state is not None and self._lazy_device and self._bound_step is not self._step and tensor.is_cuda:
             self._bind_to(tensor)
-        reason = self._keep_reason(tensor)
+        reason = "layer_not_offloaded" if state is None else self._keep_reason(tensor)
         if reason is not None:
             self.stats._keep(reason, tensor.numel() * tensor.element_size())
-            return _Kept(tensor)
+            return tensor
         return state.pack(tensor, self._ready_event(tensor))
 
     def pop_tensor(self, handle: Any) -> torch.Tensor:
-        """Unpack hook: return the saved tensor (waiting for its reload where needed)."""
-        if type(handle) is _Kept:
-            return check_kept_version(handle)
-        if type(handle) is _KeptCounted:
-            t = check_kept_version(handle)
-            if handle.nbytes:
-                handle.layer.consume(handle.nbytes)
-                handle.nbytes = 0  # count each tensor once (a retained graph unpacks it again)
-            return t
+        """The tensor of a :meth:`push_tensor` handle (TransformerEngine's unpack), waiting for its
+        reload where needed.
+
+        Raises:
+            RuntimeError: autograd's error if the tensor was modified in place after it was saved.
+            OffloadError: manual mode, if its layer was released but not reloaded.
+            TypeError: for anything :meth:`push_tensor` did not return.
+        """
         if type(handle) is _Packed:
             return handle.layer.unpack(handle, allow_on_demand=not self._manual)
-        return handle
+        if isinstance(handle, torch.Tensor):
+            return handle
+        raise TypeError(f"pop_tensor: expected a handle returned by push_tensor, got {type(handle).__name__}")
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        """Pack hook: :meth:`push_tensor`, with a kept tensor's version checked at unpack (and its
+        bytes counted by its layer's pacer, Note [Paced prefetch])."""
+        handle = self.push_tensor(tensor)
+        if handle is not tensor:
+            return handle
+        pacer = self._step.kept.get(self._cur_index) if self._cur is None and self._step is not None else None
+        return _Kept(tensor, None if pacer is None or _is_param_alias(tensor) else pacer)
+
+    def _unpack(self, handle: Any) -> torch.Tensor:
+        return handle.unpack() if type(handle) is _Kept else self.pop_tensor(handle)
 
     # -- compiled graphs (annotate_offload/compile, Note [Compiled offload ops]) --------------
     # In a compiled graph the fx pass decided which saved activations move and where each layer's
@@ -325,7 +358,8 @@ class OffloadSynchronizer:
         """A compiled forward that runs layers ``first..last`` starts; returns its step. A new step
         starts unless the graph continues the forward of the current one (``first`` past the last
         layer entered, as in :meth:`enter_layer`)."""
-        if self._step is None or first <= self._last_entered:
+        step = self._step
+        if step is None or step.ended or first <= self._last_entered:
             self._new_step()
         self._last_entered = last
         return self._step
@@ -333,39 +367,42 @@ class OffloadSynchronizer:
     def graph_pack(self, step: Any, index: int, t: torch.Tensor) -> tuple:
         """Start the D2H of ``t``, saved by layer ``index`` in ``step``; returns the record that
         :meth:`graph_release`, :meth:`graph_unpack` and :meth:`graph_reach` take."""
-        if self._lazy_device and self._bound_step is not step and step is self._step:
+        if self._lazy_device and self._bound_step is not step and step is self._step and t.is_cuda:
             self._bind_to(t)
         state = step.layers.get(index)
         if state is None:
-            # no sharing of storage units across layers: once a layer is released, a compiled graph
-            # may reuse its buffers (same storage, same version) for new values of a later layer
-            state = step.layers[index] = _LayerState(index, self.backend, self.pool, self.stats, self._eager_d2h)
+            # no units shared across layers: once a layer is released, a compiled graph may reuse its
+            # buffers (same storage, same version) for new values of a later layer
+            state = step.layers[index] = _LayerState(index, self, None)
         handle = state.pack(t)
         if type(handle) is _Packed:
-            # a graph never changes a saved tensor in place, but it may reuse the tensor object for a
-            # later buffer once it is dead: no version check on the original
-            handle.ref = handle.base_ref = None
+            # a graph never changes a saved tensor in place, but it reuses a dead tensor object for a
+            # later buffer: no version check on the original after its release
+            handle.root = _no_root
         return handle, step
 
     def graph_release(self, record: tuple) -> None:
-        """Drop the device copies of the record's layer (the compute stream waits for their D2H)."""
+        """Drop the device bytes of the record's layer (the compute stream waits for their D2H)."""
         if type(record[0]) is _Packed:
             record[0].layer.release_forward()
 
     def graph_unpack(self, record: tuple) -> torch.Tensor:
         """The tensor of ``record``, reloaded (or waited for) on the compute stream. A compiled graph
-        may write into what an op returns, so a storage unit that several saved tensors share is
-        handed out as a copy of its bytes."""
+        may write into what an op returns, so a unit that several saved tensors share is handed out
+        as a copy of its bytes."""
         handle = record[0]
         t = self.pop_tensor(handle)
-        if type(handle) is _Packed and handle.entry.handles > 1:
-            lo, hi = _unit_range(t, False)
-            t = _rebuild(_flat_bytes(t, lo, hi).clone(), _view_meta(t, lo))
+        if type(handle) is _Packed:
+            layer = handle.layer
+            if len(layer.users[layer.fwd_gpu_tensor_group.aux["unit_index"][handle]]) > 1:
+                lo, hi = _unit_range(t, False)
+                meta = _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // t.element_size())
+                t = _rebuild(_flat_bytes(t, lo, hi).clone(), meta)
         return t
 
     def graph_reach(self, record: tuple, index: int) -> None:
         """A compiled backward reached layer ``index`` of the step ``record`` belongs to."""
-        self._on_backward_layer(record[1], index, None)
+        self._on_backward_layer(record[1], index)
 
     @staticmethod
     def _ready_event(t: torch.Tensor) -> Any:
@@ -377,128 +414,141 @@ class OffloadSynchronizer:
     def _start_offload_now(self, t: torch.Tensor) -> None:
         """``start_offload`` inside an open scope: enqueue the copy before autograd saves ``t``."""
         state = self._cur
-        if state is not None and self._lazy_device and self._bound_step is not self._step:
+        if state is not None and self._lazy_device and self._bound_step is not self._step and t.is_cuda:
             self._bind_to(t)
         if state is None or not state.eager_d2h or self._keep_reason(t) is not None:
             return
-        from ._tensor_group import _unit_range
-
         rng = _unit_range(t, bool(getattr(t, "offload_base_tensor", False)))
         if rng is not None:
-            state._entry_for(t, rng, self._ready_event(t))
+            state.unit_for(t, rng, self._ready_event(t))
 
-    # -- layer scopes (the engine API used by the annotation layer) --------------------------
-    @staticmethod
-    def is_recomputing() -> bool:
-        """True while autograd runs a backward (e.g. an activation-checkpoint recompute)."""
-        return torch._C._current_graph_task_id() != -1
+    # -- layers ------------------------------------------------------------------------------
+    def fwd_step(self) -> int:
+        """Start the next layer, counting entries modulo ``num_layers`` (TransformerEngine's
+        semantics), and return its index. The layer in progress, if any, ends here."""
+        n = self._num_of_fwds
+        index = 0 if n is None or n >= self.num_layers - 1 else n + 1
+        self._begin(index)
+        self._num_of_fwds = index
+        return index
 
-    def _scope_ready(self) -> bool:
-        return torch.is_grad_enabled() and not self.is_recomputing()
+    def _begin(self, index: int) -> None:
+        try:
+            self._end()
+            step = self._step
+            if step is None or step.ended or index <= self._last_entered:
+                self._new_step()
+                step = self._step
+            self._last_entered = index
+            self._on_layer_entry(index)
+            state = None
+            if self._manual or self._layer_offloaded(index):
+                state = step.layers[index] = _LayerState(index, self, None if self._manual else step.shared)
+            elif self._paces(index):
+                step.kept[index] = _Pacer()
+            self._cur, self._cur_index = state, index
+        except BaseException:
+            self.abort()
+            raise
+
+    def _end(self) -> None:
+        """The current layer's forward is over: mark the end of its D2H copies."""
+        if _in_backward():
+            return  # a pass-through scope (Note [Scopes inside a checkpoint])
+        index, state = self._cur_index, self._cur
+        self._cur = self._cur_index = None
+        if state is not None and state.eager_d2h:
+            state.finish_forward()
+        if index == self.num_layers - 1:
+            self._on_layer_entry(self.num_layers)  # end of forward: everything due is released
+
+    def _enter(self, index: Optional[int]) -> Optional[int]:
+        """Open a layer scope: ``index``, or the next one by TE's count (``None``). Returns the
+        layer index, or ``None`` without grad and in a recompute (Note [Scopes inside a checkpoint])."""
+        if not torch.is_grad_enabled():
+            return None
+        if self._scope is not None:
+            still_open = self._cur_index
+            self.abort()
+            raise OffloadError(
+                f"offload runtime: a layer was entered while layer {still_open}'s offload scope is still open; "
+                "this step's offload state was dropped. Close each layer (sync_fn after `with ctx:`, or "
+                "commit_layer) before entering the next one."
+            )
+        if _in_backward():
+            hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+        else:
+            if index is None:
+                index = self.fwd_step()
+            else:
+                self._begin(index)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._scope = hooks
+        _active_stack().append(self)
+        return index
 
     def enter_layer(self, index: int) -> bool:
-        """Open layer ``index``'s saved-tensor scope. Returns ``False`` (no-op) without grad.
+        """Open layer ``index``'s saved-tensor scope. Returns ``False`` (no-op) without grad, and
+        inside a backward (a checkpoint's recompute: pass-through hooks until the scope closes).
 
         Entering a layer whose index is not larger than the last one entered starts a new step:
         the previous step's device memory is released (its host copies stay available to a graph
         that is still alive).
 
         Raises:
-            OffloadError: if a scope is already open (a layer entered without exit/commit).
+            OffloadError: if a scope is already open (it is closed and the step dropped first).
             ValueError: if ``index`` is out of ``[0, num_layers)``.
         """
-        if not self._scope_ready():
-            return False
-        if self._scope is not None:
-            raise OffloadError(
-                f"annotate_offload: layer {index} entered while layer {self._scope_index}'s "
-                "offload scope is still open. Call the synchronization function (or "
-                "commit_layer) after each layer and before entering the next one."
-            )
-        index = _check_int("layer index", index, 0, self.num_layers - 1)
-        if self._step is None or index <= self._last_entered:
-            self._new_step()
-        self._last_entered = index
-        step = self._step
-        self._on_layer_entry(index)
-        state = step.layers.get(index)
-        if state is None and (self._manual or self._layer_offloaded(index)):
-            state = step.layers[index] = _LayerState(
-                index,
-                self.backend,
-                self.pool,
-                self.stats,
-                self._eager_d2h,
-                step.shared if self._eager_d2h else None,
-            )
-        self._cur = state
-        self._cur_kept = None
-        if state is None and self._paces_prefetch(index):
-            self._cur_kept = step.kept[index] = HalfPacer()
-        self._scope_index = index
-        scope = torch.autograd.graph.saved_tensors_hooks(self.push_tensor, self.pop_tensor)
-        scope.__enter__()
-        self._scope = scope
-        _active_stack().append(self)
-        return True
+        return self._enter(_check_int("layer index", index, 0, self.num_layers - 1)) is not None
 
     def exit_layer(self) -> None:
-        """Close the open scope (if any) and mark the end of its D2H copies."""
-        scope = self._scope
+        """Close the open scope (if any) and end its layer's forward."""
+        scope, self._scope = self._scope, None
         if scope is None:
             return
-        self._scope = None
         stack = _active_stack()
-        if stack and stack[-1] is self:
-            stack.pop()
+        if self in stack:
+            stack.remove(self)
         scope.__exit__(None, None, None)
-        state, self._cur = self._cur, None
-        self._cur_kept = None
-        if state is not None and self._eager_d2h:
-            state.finish_forward()
-        if self._scope_index == self.num_layers - 1:
-            self._on_forward_end()
+        self._end()
 
     def commit_layer(self, output: Any, index: int) -> Any:
         """Close layer ``index``'s scope and mark the layer boundary on ``output``.
 
         Registers a backward pre-hook on the ``grad_fn`` of every tensor in ``output`` (a tensor
-        or a nested tuple/list/dict): when backward reaches the layer, its reloads are prefetched
-        and the layers above it are released. Returns ``output`` unchanged. No-op without grad.
+        or a pytree of them): when backward reaches the layer, its reloads are prefetched and the
+        layers above it are released. Returns ``output`` unchanged. No-op without grad.
 
         Raises:
-            OffloadError: if the open scope belongs to another layer.
+            OffloadError: if the open scope belongs to another layer (the step is dropped).
         """
-        if not self._scope_ready():
-            return output
-        if self._scope is not None:
-            if self._scope_index != index:
-                raise OffloadError(
-                    f"annotate_offload: commit_layer(..., {index}) while layer "
-                    f"{self._scope_index}'s scope is open; commit the layer that was entered"
-                )
-            self.exit_layer()
-        self._mark_boundary(output, index)
+        if self._scope is not None and self._cur_index not in (None, index):
+            still_open = self._cur_index
+            self.abort()
+            raise OffloadError(
+                f"offload runtime: commit_layer(..., {index}) while layer {still_open}'s scope is open; "
+                "commit the layer that was entered (this step's offload state was dropped)"
+            )
+        self.exit_layer()
+        if torch.is_grad_enabled() and not _in_backward():
+            self._mark_boundary(output, index)
         return output
 
-    def _mark_boundary(self, output: Any, index: int) -> int:
+    def _mark_boundary(self, output: Any, index: int) -> None:
         step = self._step
         if step is None:
-            return 0
+            return
         hook = functools.partial(self._on_backward_layer, step, index)
-        seen: set[int] = set()
-        for t in _iter_tensors(output):
-            node = t.grad_fn
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
+        nodes = {t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        for node in nodes:
             node.register_prehook(hook)
-        return len(seen)
 
     def abort(self) -> None:
-        """Recover from an exception in forward: close the scope, release this step."""
-        if self._scope is not None:
-            scope, self._scope = self._scope, None
+        """Recover from an exception: close the scope, release this step (Note [Errors leave
+        nothing behind])."""
+        scope, self._scope = self._scope, None
+        if scope is not None:
             stack = _active_stack()
             if self in stack:
                 stack.remove(self)
@@ -506,11 +556,10 @@ class OffloadSynchronizer:
                 scope.__exit__(None, None, None)
             except Exception:  # noqa: BLE001
                 pass
-        self._cur = None
-        self._cur_kept = None
-        if self._step is not None:
-            self._release_step(self._step)
-            self._step = None
+        self._cur = self._cur_index = None
+        step, self._step = self._step, None
+        if step is not None:
+            self._release_step(step)
         self._last_entered = -1
         self._num_of_fwds = None
 
@@ -520,22 +569,24 @@ class OffloadSynchronizer:
             self._release_step(self._step)
         self.stats = OffloadStats(step=self._steps)
         self._steps += 1
-        self._step = _Step(self.stats.step)
+        self._step = _Step()
+        if self._lazy_device:
+            self._bind(get_backend("cpu"))  # until the step's first CUDA tensor (Note [Device binding])
 
     def _release_step(self, step: _Step) -> None:
-        step.shared = {}  # borrowing happens only within a step's forward
+        step.shared.clear()  # borrowing happens only within a step's forward
         for state in list(step.layers.values()):
             state.release_all()
         self.stats.pinned_bytes = self.pool.cached_bytes
 
     def _on_layer_entry(self, index: int) -> None:
-        """Schedule hook: release layers due at the entry of ``index``."""
+        """Schedule hook: release what is due at the entry of ``index`` (``num_layers``: end of forward)."""
 
-    def _on_forward_end(self) -> None:
-        """Schedule hook: the last layer's scope has closed."""
+    def _prefetch(self, step: _Step, index: int) -> None:
+        """Schedule hook: start reloads when backward reaches layer ``index``."""
 
-    def _on_backward_layer(self, step: _Step, index: int, grad_outputs: Any) -> None:
-        if not step.bwd_active:
+    def _on_backward_layer(self, step: _Step, index: int, grad_outputs: Any = None) -> None:
+        if not step.bwd_active and _in_backward():
             step.bwd_active = True
             if self._num_of_fwds is not None and self._num_of_fwds != self.num_layers - 1:
                 self._warn_layer_count()
@@ -546,29 +597,32 @@ class OffloadSynchronizer:
             return
         step.bwd_seen.add(index)
         self.current_layer_id = index
-        for j, state in list(step.layers.items()):
-            if j > index and j in step.bwd_seen:
-                state.release_all()
+        if step.armed is not None:  # the reload it deferred is due by now (Note [Paced prefetch])
+            step.armed.then = step.armed = None
+        for j in list(step.bwd_seen):
+            state = step.layers.get(j)
+            if j > index and state is not None:
+                state.release_all()  # backward has moved below it
         self._prefetch(step, index)
 
-    def _prefetch(self, step: _Step, index: int) -> None:
-        """Schedule hook: start reloads when backward reaches layer ``index``."""
-
     def _on_backward_end(self, step: _Step) -> None:
-        for state in list(step.layers.values()):
-            state.release_all()
-        for kept in step.kept.values():
-            kept.on_half_consumed = None  # not reached: the layer's own pre-hook reloaded it
-        # From now on only autograd's handles keep the layer states (and their host buffers)
-        # alive: a graph freed by this backward returns its buffers to the pool at once, and a
-        # retained graph can still be prefetched in its next backward.
-        step.layers = weakref.WeakValueDictionary(step.layers)
-        step.shared = {}
+        """End of a backward pass: release the layers it reached, keep the others."""
+        for j in step.bwd_seen:
+            state = step.layers.get(j)
+            if state is not None:
+                state.release_all()
+        step.bwd_seen = set()
         step.bwd_active = False
-        step.bwd_seen.clear()
+        step.ended = True
+        if step.armed is not None:
+            step.armed.then = step.armed = None
+        step.shared.clear()
+        if not isinstance(step.layers, weakref.WeakValueDictionary):
+            # From now on only autograd's handles keep the layer states (and their host buffers)
+            # alive: a graph freed by this backward returns its buffers to the pool at once, and
+            # a retained graph, or another output's, can still be reloaded in its own backward.
+            step.layers = weakref.WeakValueDictionary(step.layers)
         if step is self._step and self._scope is None:
-            self._step = None
-            self._last_entered = -1
             self._num_of_fwds = None
         self.stats.pinned_bytes = self.pool.cached_bytes
 
@@ -589,22 +643,14 @@ class OffloadSynchronizer:
             stacklevel=3,
         )
 
-    def fwd_step(self) -> int:
-        """Open the next layer's scope by counting entries modulo ``num_layers`` (TE semantics)."""
-        if self._num_of_fwds is None or self._num_of_fwds >= self.num_layers - 1:
-            self._num_of_fwds = 0
-        else:
-            self._num_of_fwds += 1
-        self.enter_layer(self._num_of_fwds)
-        return self._num_of_fwds
-
     def bwd_step(self, layer_num: int) -> None:
-        """Backward reached ``layer_num`` (TE name; normally called by the boundary pre-hook)."""
+        """Backward reached layer ``layer_num``: release the layers above it that backward passed,
+        start the reloads due. Called by the layer boundaries; callable outside a backward too."""
         if self._step is not None:
-            self._on_backward_layer(self._step, layer_num, None)
+            self._on_backward_layer(self._step, layer_num)
 
     def finish_part_of_bwd(self) -> None:
-        """End of a backward pass (TE name): release everything still on the device."""
+        """End of a backward pass (TE name): release the layers it reached."""
         if self._step is not None:
             self._on_backward_end(self._step)
 
@@ -627,19 +673,6 @@ def _marked(t: torch.Tensor) -> bool:
     return bool(getattr(t, "_TE_do_not_offload", False) or getattr(t, "_do_not_offload", False))
 
 
-def _iter_tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from _iter_tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _iter_tensors(x)
-    elif hasattr(obj, "to_tuple") and callable(obj.to_tuple):  # HF ModelOutput
-        yield from _iter_tensors(obj.to_tuple())
-
-
 class DefaultOffloadSynchronizer(OffloadSynchronizer):
     """The automatic schedule (see Note [Default schedule] in this module).
 
@@ -652,7 +685,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             the last layer cannot be offloaded (its backward runs first).
         release_lag (int): release layer ``i`` by the entry of layer ``i + 1 + release_lag``.
             ``None``: TransformerEngine's bound, ``L - N - 1``. Default: ``None``.
-        prefetch_layers (int): reload layer ``j`` when backward reaches layer ``j + k``, ``k >= 1``.
+        prefetch_layers (int): reload layer ``j`` when backward reaches layer ``j + k``, ``k >= 1``;
+            with ``k = 1`` once half of layer ``j + 1`` is used (Note [Paced prefetch]).
             ``None``: TransformerEngine's distance ``L - N - 1``. Default: ``None``.
         policy, min_offload_numel, device: see :class:`OffloadSynchronizer`.
 
@@ -684,9 +718,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         )
         L = self.num_layers
         if offloaded_layers is not None:
-            layers = []
-            for i in offloaded_layers:
-                layers.append(_check_int("offloaded_layers item", i, 0, L - 1))
+            layers = [_check_int("offloaded_layers item", i, 0, L - 1) for i in offloaded_layers]
             if L - 1 in layers:
                 raise ValueError(
                     f"offloaded_layers={sorted(set(layers))}: the last layer ({L - 1}) cannot be "
@@ -695,120 +727,40 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             offloaded = frozenset(layers)
         else:
             n = L - 1 if num_offloaded_layers is None else num_offloaded_layers
-            _check_int("num_offloaded_layers", n, 0, L - 1)
-            offloaded = frozenset(range(n))
+            offloaded = frozenset(range(_check_int("num_offloaded_layers", n, 0, L - 1)))
         self.offloaded_layers = offloaded
-        n = len(offloaded)
-        default_gap = max(L - n - 1, 0)
-        self.release_lag = (
-            default_gap if release_lag is None else _check_int("release_lag", release_lag, 0)
-        )
+        default_gap = max(L - len(offloaded) - 1, 0)
         self.prefetch_layers = (
-            default_gap
-            if prefetch_layers is None
-            else _check_int("prefetch_layers", prefetch_layers, 1)  # as offload_transform and the config
+            default_gap if prefetch_layers is None else _check_int("prefetch_layers", prefetch_layers, 1)
         )
+        self.release_lag = default_gap if release_lag is None else _check_int("release_lag", release_lag, 0)
 
     def _layer_offloaded(self, index: int) -> bool:
         return index in self.offloaded_layers
 
-    def _paces_prefetch(self, index: int) -> bool:
+    def _paces(self, index: int) -> bool:
         return self.prefetch_layers == 1 and index - 1 in self.offloaded_layers
 
     def release_point(self, index: int) -> int:
         """Entry index at which layer ``index`` is released at the latest (``L``: end of forward)."""
         return min(index + 1 + self.release_lag, self.num_layers)
 
-    def _fresh_state(self) -> dict[str, Any]:
-        # _pending: offloaded layers of this step whose copies are held
-        return {**super()._fresh_state(), "_pending": []}
-
-    def _new_step(self) -> None:
-        super()._new_step()
-        self._pending = []
-
-    def _release_due(self, point: int) -> None:
-        step = self._step
-        if step is None:
-            return
-        keep = []
-        for j in self._pending:
-            state = step.layers.get(j)
-            if state is None:
-                continue
-            if self.release_point(j) <= point or state.d2h_complete():
-                state.release_forward()
-            else:
-                keep.append(j)
-        self._pending = keep
-
     def _on_layer_entry(self, index: int) -> None:
-        self._release_due(index)
-        if index in self.offloaded_layers:
-            self._pending.append(index)
-
-    def _on_forward_end(self) -> None:
-        self._release_due(self.num_layers)
+        for j, state in list(self._step.layers.items() if self._step is not None else ()):
+            if j < index and (self.release_point(j) <= index or state.d2h_complete()):
+                state.release_forward()
 
     def _prefetch(self, step: _Step, index: int) -> None:
-        low = index - self.prefetch_layers
         current = step.layers.get(index)
-        if current is not None:
-            current.start_reload()  # normally prefetched already; reload it now if it was not
-        # the layer whose consumption paces the next reload: the current offloaded layer's reload,
-        # or a kept layer's saved tensors (Note [Kept-layer paced prefetch])
         pacer = current.pacer if current is not None else step.kept.get(index)
-        for j in sorted(step.layers.keys(), reverse=True):
+        for j in sorted(step.layers.keys(), reverse=True):  # the layer reached first, then below
             state = step.layers.get(j)
-            if state is None or not low <= j < index:
+            if state is None or not index - self.prefetch_layers <= j <= index:
                 continue
-            if self.prefetch_layers == 1 and pacer is not None and pacer.before_half():
-                # Note [Half-layer prefetch]: with a look-ahead of one layer, start layer j's
-                # reload once half of the current layer's reloaded bytes have been consumed
-                # rather than at its first node. The H2D stream is still fed (the current
-                # layer's second half is in flight then), but only ~1.5 offloaded layers are
-                # on the device in backward instead of 2. If that point is never reached the
-                # pre-hook of layer j (or its first unpack) reloads it.
-                pacer.on_half_consumed = state.start_reload
+            if j < index and self.prefetch_layers == 1 and pacer is not None and 2 * pacer.used < pacer.total:
+                pacer.then, step.armed = state.start_reload, pacer  # Note [Paced prefetch]
             else:
                 state.start_reload()
-
-    def schedule(self) -> dict:
-        """The schedule's arithmetic: per layer when it is released and reloaded, and the bound.
-
-        Returns:
-            dict with ``layers`` (list of per-layer dicts: ``offloaded``, ``release_at_entry_of``
-            (a layer index, or ``"end of forward"``), ``reload_when_backward_reaches``),
-            ``max_offloaded_layers_on_device_forward`` and ``..._backward``.
-        """
-        L = self.num_layers
-        rows = []
-        for i in range(L):
-            off = i in self.offloaded_layers
-            rp = self.release_point(i)
-            rows.append(
-                {
-                    "layer": i,
-                    "offloaded": off,
-                    "release_at_entry_of": (rp if rp < L else "end of forward") if off else None,
-                    "reload_when_backward_reaches": min(i + self.prefetch_layers, L - 1)
-                    if off
-                    else None,
-                }
-            )
-        fwd = 0
-        for e in range(L + 1):
-            held = sum(1 for i in self.offloaded_layers if i < e < self.release_point(i) + (e == L))
-            held += 1 if e < L and e in self.offloaded_layers else 0
-            fwd = max(fwd, held)
-        bwd = min(self.prefetch_layers + 1, len(self.offloaded_layers))
-        return {
-            "layers": rows,
-            "max_offloaded_layers_on_device_forward": fwd,
-            "max_offloaded_layers_on_device_backward": bwd,
-            "release_lag": self.release_lag,
-            "prefetch_layers": self.prefetch_layers,
-        }
 
 
 class ManualOffloadSynchronizer(OffloadSynchronizer):
@@ -816,13 +768,13 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
 
     Every eligible tensor of every layer is recorded and held on the device until the user calls,
     in this order per layer: :meth:`start_offload_layer` (enqueue D2H),
-    :meth:`release_activation_forward_gpu_memory` (compute waits for the D2H, device copies are
+    :meth:`release_activation_forward_gpu_memory` (compute waits for the D2H, device bytes are
     dropped), :meth:`start_reload_layer` (enqueue H2D; unpack waits per tensor). A layer never
     offloaded keeps its tensors on the device. Any other order raises ``RuntimeError``
-    (:class:`~annotate_offload.errors.OffloadError`).
+    (:class:`OffloadError`). Each backward pass releases only the layers it reached, so one
+    backward per output in the same step works as in TransformerEngine.
     """
 
-    _eager_d2h = False
     _manual = True
 
     def _layer_offloaded(self, index: int) -> bool:
@@ -850,7 +802,7 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
         self._state(layer_id, "not_offloaded", "start_offload_layer").start_offload()
 
     def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
-        """Make the compute stream wait for the D2H and drop the device copies."""
+        """Make the compute stream wait for the D2H and drop the device bytes."""
         state = self._state(layer_id, "offload_started", "release_activation_forward_gpu_memory")
         state.finish_forward()
         state.release_forward()

@@ -1,20 +1,23 @@
-"""Storage units, view rebuilding, and TE's ``TensorGroup`` / ``TensorGroupProcessor``.
+"""Storage units, and TransformerEngine's ``TensorGroup`` / ``TensorGroupProcessor``: how saved
+tensors are grouped, deduplicated and rebuilt, by the runtime and by code that calls TE's names.
 
-Note [Storage units] (DESIGN.md runtime rule 4). What crosses the link is never "a tensor" but a
-byte range of a storage:
+Note [Storage units]. What crosses the link is never "a tensor" but a byte range of a storage:
 
 * a tensor, or a view whose memory span covers at least half of its storage (``x.t()``,
   ``x[:, 1:]``, interleaved q/k/v of one fused buffer), or any view marked
-  ``offload_base_tensor``, moves its **whole storage** once and is rebuilt with
-  ``as_strided(size, stride, storage_offset)``: strides and storage offsets are exactly what the
-  consumer saw;
-* a small view of a large storage moves only its own span (the offset is then relative to it);
+  ``offload_base_tensor``, moves its **whole storage** once;
+* a small view of a large storage moves only its own span;
 * an expanded (stride-0) tensor moves its span, which is the un-expanded data: a
   ``(1, 4096)`` vector expanded to ``(64, 4096)`` moves 16 KiB, not 1 MiB.
 
-Aliases are deduplicated by storage identity (not by ``id(tensor)``, and not by data pointer
-alone, which conflated a tensor with its transpose in ms-swift PR #10157): each byte crosses the
-link once per step.
+Every saved tensor is rebuilt with ``as_strided(size, stride, offset)`` on its unit's bytes, where
+``offset`` is the unit's own storage offset plus the tensor's offset inside the unit. The bytes may
+sit at byte ``lo`` of the original storage (served before release), or at byte 0 of a host copy or
+a reload: either way the consumer gets exactly the sizes, strides and values it saved.
+
+Units are deduplicated by storage identity, byte range and version (not by ``id(tensor)``, and
+not by data pointer alone, which conflates a tensor with its transpose): each byte crosses the
+link once per step, and an aliased unit waits for the latest ready event among its members.
 """
 
 from __future__ import annotations
@@ -33,61 +36,44 @@ class _ViewMeta(NamedTuple):
     dtype: torch.dtype
     shape: tuple
     stride: tuple
-    offset: int  # in elements of ``dtype``, relative to the unit's first byte
-
-
-def _span_elems(t: torch.Tensor) -> tuple[int, int]:
-    """``[lo, hi)`` element range of ``t`` inside its storage (strides must be non-negative)."""
-    lo = t.storage_offset()
-    hi = lo + 1
-    for size, stride in zip(t.shape, t.stride()):
-        if size == 0:
-            return lo, lo
-        hi += (size - 1) * stride
-    return lo, hi
+    offset: int  # in elements of ``dtype``, from the unit's first byte
 
 
 def _unit_range(t: torch.Tensor, whole: bool) -> Optional[tuple[int, int]]:
     """Byte range ``[lo, hi)`` of ``t``'s storage to move, or ``None`` if it cannot be moved."""
     if any(s < 0 for s in t.stride()):
         return None
-    item = t.element_size()
-    storage_bytes = t.untyped_storage().nbytes()
-    lo, hi = _span_elems(t)
-    lo_b, hi_b = lo * item, hi * item
-    if hi_b > storage_bytes:
+    lo = hi = t.storage_offset()
+    if t.numel():
+        hi += 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    item, storage_bytes = t.element_size(), t.untyped_storage().nbytes()
+    lo, hi = lo * item, hi * item
+    if hi > storage_bytes:
         return None
-    if whole or 2 * (hi_b - lo_b) >= storage_bytes:
-        if storage_bytes % item == 0:
-            return 0, storage_bytes
-    return lo_b, hi_b
+    if (whole or 2 * (hi - lo) >= storage_bytes) and storage_bytes % item == 0:
+        return 0, storage_bytes
+    return lo, hi
 
 
 def _flat_bytes(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """A ``uint8`` tensor aliasing bytes ``[lo, hi)`` of ``t``'s storage (no copy)."""
     flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-    flat.set_(t.untyped_storage(), lo, (hi - lo,), (1,))
-    return flat
-
-
-def _view_meta(t: torch.Tensor, lo: int) -> _ViewMeta:
-    item = t.element_size()
-    return _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // item)
+    return flat.set_(t.untyped_storage(), lo, (hi - lo,), (1,))
 
 
 def _rebuild(flat: torch.Tensor, meta: _ViewMeta) -> torch.Tensor:
-    """Rebuild a saved tensor from its unit's flat ``uint8`` bytes (no copy)."""
-    typed = flat.view(meta.dtype) if meta.dtype != torch.uint8 else flat
-    return typed.as_strided(meta.shape, meta.stride, meta.offset)
+    """Rebuild a saved tensor from its unit's flat ``uint8`` bytes, wherever they sit (no copy)."""
+    typed = flat.view(meta.dtype)
+    return typed.as_strided(meta.shape, meta.stride, typed.storage_offset() + meta.offset)
 
 
 @dataclasses.dataclass
 class TensorGroup:
-    """The tensors of one layer that move together (TransformerEngine's ``TensorGroup``).
+    """Tensors that move together (TransformerEngine's ``TensorGroup``).
 
     Attributes:
         tensor_list (list[torch.Tensor]): the tensors.
-        events (list): one ready event per tensor (``None`` where none was recorded).
+        events (list): one event per tensor (``None`` where none was recorded).
         aux (Any): what :class:`TensorGroupProcessor` needs to undo its processing.
     """
 
@@ -97,14 +83,13 @@ class TensorGroup:
 
 
 class TensorGroupProcessor:
-    """Shrink a group before offload and restore it after reload (TE-compatible static API).
+    """Shrink a group to storage units before offload and rebuild it after reload (TE's API).
 
-    ``tensor_group_process_before_offload`` turns each tensor into its storage unit (see
-    Note [Storage units]), deduplicates units by storage identity and byte range, and keeps for
-    every aliased unit the **latest** ready event among its members (an aliased group must not
-    start copying before its last writer is done). ``tensor_group_process_after_reload`` rebuilds
-    every original tensor with ``as_strided`` on its reloaded unit, so views of one buffer stay
-    views of one buffer. Stride-0 tensors are never materialised.
+    The runtime groups every layer's saved tensors with the same methods: a layer's
+    ``fwd_gpu_tensor_group`` is a unit group as returned by :meth:`tensor_group_process_before_offload`
+    (one flat ``uint8`` tensor per unit, its ready event, and in ``aux`` how each saved tensor is
+    rebuilt), filled one save at a time; each unpack is :meth:`tensor_group_process_after_reload`'s
+    rebuild of one tensor. See Note [Storage units].
     """
 
     @staticmethod
@@ -114,36 +99,27 @@ class TensorGroupProcessor:
         Raises:
             ValueError: for a tensor with negative strides (it cannot be rebuilt by strides).
         """
-        aux: dict = {"metas": [], "unit_index": []}
-        units: list[torch.Tensor] = []
-        events: list = []
-        seen: dict[tuple, int] = {}
+        units = TensorGroup(aux=TensorGroupProcessor._new_aux())
         for pos, t in enumerate(group.tensor_list):
-            whole = bool(getattr(t, "offload_base_tensor", False))
-            rng = _unit_range(t, whole)
+            rng = _unit_range(t, bool(getattr(t, "offload_base_tensor", False)))
             if rng is None:
                 raise ValueError(
-                    f"TensorGroupProcessor: tensor {pos} (shape {tuple(t.shape)}, stride "
-                    f"{tuple(t.stride())}) cannot be described by its storage; do not offload it "
-                    "(mark_not_offload) or make it contiguous first"
+                    f"TensorGroupProcessor: tensor {pos} (shape {tuple(t.shape)}, stride {tuple(t.stride())}) "
+                    "cannot be described by its storage; do not offload it (mark_not_offload) or make it "
+                    "contiguous first"
                 )
-            lo, hi = rng
-            key = (t.untyped_storage()._cdata, lo, hi)
             event = group.events[pos] if pos < len(group.events) else None
-            idx = seen.get(key)
-            if idx is None:
-                idx = seen[key] = len(units)
-                units.append(_flat_bytes(t, lo, hi))
-                events.append(event)
+            unit = TensorGroupProcessor._find(units, t, rng)
+            if unit is None:
+                unit = TensorGroupProcessor._add_unit(units, t, rng, event)
             elif event is not None:
-                events[idx] = event  # later members are later on the stream: keep the latest
-            aux["metas"].append(_view_meta(t, lo))
-            aux["unit_index"].append(idx)
-        return TensorGroup(units, events, aux), aux
+                units.events[unit] = event  # later members are later on the stream: keep the latest
+            TensorGroupProcessor._add_view(units, t, unit)
+        return units, units.aux
 
     @staticmethod
     def tensor_group_process_after_reload(group: TensorGroup) -> TensorGroup:
-        """Rebuild the original tensors from reloaded units (``group.aux`` from before offload).
+        """Rebuild the original tensors from their units (``group.aux`` from before offload).
 
         Raises:
             ValueError: if ``group.aux`` is missing.
@@ -154,9 +130,40 @@ class TensorGroupProcessor:
                 "tensor_group_process_before_offload"
             )
         aux = group.aux
-        tensors = [
-            _rebuild(group.tensor_list[idx], meta)
-            for idx, meta in zip(aux["unit_index"], aux["metas"])
-        ]
-        events = [group.events[idx] if group.events else None for idx in aux["unit_index"]]
+        tensors = [_rebuild(group.tensor_list[u], meta) for u, meta in zip(aux["unit_index"], aux["metas"])]
+        events = [group.events[u] if group.events else None for u in aux["unit_index"]]
         return TensorGroup(tensors, events, None)
+
+    # -- one save at a time (the runtime's path) ---------------------------------------------
+    @staticmethod
+    def _new_aux() -> dict:
+        # units: (storage id, lo, hi, version) per unit; by_storage: storage id -> its units;
+        # metas / unit_index: per saved tensor
+        return {"units": [], "by_storage": {}, "metas": [], "unit_index": []}
+
+    @staticmethod
+    def _find(units: TensorGroup, t: torch.Tensor, rng: tuple[int, int]) -> Optional[int]:
+        """The unit still holding its device bytes that contains ``t``'s range at ``t``'s version."""
+        for u in units.aux["by_storage"].get(t.untyped_storage()._cdata, ()):
+            _, lo, hi, version = units.aux["units"][u]
+            if version == t._version and lo <= rng[0] and rng[1] <= hi and units.tensor_list[u] is not None:
+                return u
+        return None
+
+    @staticmethod
+    def _add_unit(units: TensorGroup, t: torch.Tensor, rng: tuple[int, int], event: Any) -> int:
+        units.tensor_list.append(_flat_bytes(t, *rng))
+        units.events.append(event)
+        sid, unit = t.untyped_storage()._cdata, len(units.tensor_list) - 1
+        units.aux["units"].append((sid, rng[0], rng[1], t._version))
+        units.aux["by_storage"].setdefault(sid, []).append(unit)
+        return unit
+
+    @staticmethod
+    def _add_view(units: TensorGroup, t: torch.Tensor, unit: int) -> int:
+        """Record how ``t`` is rebuilt from ``unit``; returns its position in ``aux``."""
+        lo = units.aux["units"][unit][1]
+        meta = _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // t.element_size())
+        units.aux["metas"].append(meta)
+        units.aux["unit_index"].append(unit)
+        return len(units.aux["metas"]) - 1

@@ -1,84 +1,193 @@
-"""num_layers="auto": the planner's per-layer choices are applied (keep, offload, recompute, recompute_offload)."""
+"""``memory_budget=``: the planner's choices, schedule and optimizer split are applied; budgets are checked;
+a plain ``num_layers=N`` gets the overlap schedule (Note [Default schedule from the link])."""
 
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
+import dataclasses
+import re
+import warnings
 
 import pytest
 import torch
 
+import annotate_offload as ao
 import annotate_offload.planner as planner
 from annotate_offload.annotate import offload_layer, offload_transform
+from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, StepMeasurement
 
 from ._models import Stack, assert_same_step, cfg, run_step, sync_of
 
 X = torch.randn(2, 32, 64)
 CHUNK = 2 * 32 * 64 * 4  # one (2, 32, 64) fp32 layer input, bytes
+GB = 10**9
 
 
 def _stub(choices, seen=None):
-    def plan_offload(model, *, memory_budget, example_inputs, layers, **kw):
+    real = planner.plan_offload(None, memory_budget="1TiB", measurements=[LayerMeasurement(1.0, 2.0, GB, GB)] * 4,
+                                step=StepMeasurement(), bandwidth=LinkBandwidth(10.0, 10.0))
+
+    def plan_offload(model, *, memory_budget, example_inputs, layers, keep, **kw):
         if seen is not None:
-            seen.update(layers=layers, budget=memory_budget, **kw)
-        return SimpleNamespace(choices=tuple(choices), reasons=tuple(f"stub {c}" for c in choices),
-                               release_lag=1, prefetch_layers=1, predicted_step_ms=1.0,
-                               predicted_peak_bytes=123, memory_budget=memory_budget)
+            seen.update(layers=layers, budget=memory_budget, keep=keep, **kw)
+        return dataclasses.replace(real, choices=tuple(choices), release_lag=1, prefetch_layers=1, memory_budget=1)
+
     return plan_offload
 
 
-def test_auto_applies_every_choice(monkeypatch):
+def test_the_plans_choices_and_schedule_are_applied_and_exact(monkeypatch):
     seen = {}
     monkeypatch.setattr(planner, "plan_offload", _stub(["offload", "recompute_offload", "recompute", "keep"], seen))
     model = Stack(4)
     ref = copy.deepcopy(model)
-    offload_transform(model, num_layers="auto", memory_budget=1 << 20, example_inputs=(X,), config=cfg())
-    assert seen["layers"] == list(model.layers) and seen["budget"] == 1 << 20
+    offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
+    assert seen["layers"] == list(model.layers) and seen["budget"] == "1MiB" and seen["keep"] == []
     plan = model.offload_plan
     assert [lp.choice for lp in plan.layers] == ["offload", "recompute_offload", "recompute", "keep"]
-    assert "why 2: stub recompute" in repr(plan)
     sync = sync_of(model)
     assert (sync.release_lag, sync.prefetch_layers) == (1, 1)  # the schedule the planner assumed
-    assert model.layers[2].__dict__.get("forward") is not None  # checkpointed by us
     assert_same_step(run_step(model, X), run_step(ref, X))
     per_layer = sync.stats.bytes_offloaded_per_layer
     assert per_layer[1] == CHUNK  # recompute_offload: only the checkpoint input moves
-    assert per_layer[0] > CHUNK  # offload: the layer's saved activations
-    assert set(per_layer) == {0, 1}
+    assert per_layer[0] > CHUNK and set(per_layer) == {0, 1}
 
 
-def test_auto_respects_declared_keep(monkeypatch):
-    monkeypatch.setattr(planner, "plan_offload", _stub(["offload", "recompute_offload", "keep", "keep"]))
+def test_declared_keep_layers_are_passed_to_the_planner(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(planner, "plan_offload", _stub(["keep", "recompute_offload", "keep", "keep"], seen))
     model = Stack(4)
     offload_layer(offload=False)(model.layers[0])
     for blk in model.layers[1:]:
         offload_layer(blk)
-    offload_transform(model, num_layers="auto", memory_budget=1 << 20, example_inputs=(X,))
-    assert [lp.choice for lp in model.offload_plan.layers] == ["keep", "recompute_offload", "keep", "keep"]
+    offload_transform(model, memory_budget=1 << 20, example_inputs=(X,))
+    assert seen["keep"] == [0]
 
 
-def test_auto_with_the_real_planner_is_exact_and_within_budget():
+def test_the_real_planner_fits_the_budget_exactly_and_the_plan_shows_predicted_and_measured():
     model = Stack(4)
     ref = copy.deepcopy(model)
-    offload_transform(model, num_layers="auto", memory_budget=150_000, example_inputs=(X,), config=cfg())
-    assert len(model.offload_plan.layers) == 4 and "auto: predicted" in repr(model.offload_plan)
+    probe = planner.plan_offload(model, memory_budget="1TiB", example_inputs=(X,), layers=list(model.layers))
+    budget = probe.keep_all.peak_bytes - probe.measurements[0].saved_bytes // 2
+    offload_transform(model, memory_budget=budget, example_inputs=(X,), config=cfg())
+    plan = model.offload_plan
+    assert plan.planner.prediction.peak_bytes <= budget and not plan.planner.fits
+    assert model.offload_plan.optimizer_kwargs() == plan.planner.optimizer_kwargs()
     assert_same_step(run_step(model, X), run_step(ref, X))
+    measured = plan.measure(lambda: run_step(model, X))
+    assert measured["peak_bytes"] is None and len(measured["layer_ms"]) == 4 and measured["step_ms"] > 0
+    text = repr(plan)
+    assert "pred. ms" in text and "meas. ms" in text and f"{plan.planner.prediction.step_ms:.2f}" in text
+    assert not model._forward_pre_hooks and not any(m._forward_hooks for m in model.layers)  # one-off hooks
 
 
-def test_auto_infeasible_budget_is_the_planners_error():
-    with pytest.raises(ValueError, match="cannot be met; the smallest feasible budget is"):
-        offload_transform(Stack(4), num_layers="auto", memory_budget=1, example_inputs=(X,))
+def test_a_model_that_fits_keeps_everything_with_a_one_line_warning():
+    model = Stack(4)
+    with pytest.warns(UserWarning, match="fits memory_budget=") as caught:
+        offload_transform(model, memory_budget="64GiB", example_inputs=(X,))
+    assert len([w for w in caught if "fits" in str(w.message)]) == 1 and "\n" not in str(caught[0].message)
+    plan = model.offload_plan
+    assert [lp.choice for lp in plan.layers] == ["keep"] * 4
+    assert plan.optimizer_kwargs() == {"offload_fraction": 0.0}
 
 
-def test_auto_plan_counts_what_the_runtime_will_not_move():
+@pytest.mark.parametrize("budget", ["abc", 0, -5, 1, "1KiB"])
+def test_bad_budgets_name_the_smallest_feasible_budget_and_leave_the_model_alone(budget):
+    model = Stack(4)
+    with pytest.raises(ValueError, match=r"memory_budget=.*the smallest feasible budget for this model and batch is \d+"):
+        offload_transform(model, memory_budget=budget, example_inputs=(X,))
+    assert "offload_plan" not in model.__dict__ and "forward" not in model.layers[0].__dict__
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(num_layers="auto"), ValueError, r"num_layers='auto' requires memory_budget="),
+        (dict(num_layers=2, memory_budget="1GiB", example_inputs=(X,)), ValueError,
+         r"memory_budget='1GiB' plans the layers itself, but num_layers=2"),
+        (dict(memory_budget="1GiB"), ValueError, r"memory_budget='1GiB' needs example_inputs="),
+        (dict(memory_budget="1GiB", example_inputs=(X,), config=cfg(recompute=True)), ValueError,
+         "config.recompute=True with memory_budget=; the planner chooses recompute per layer"),
+        (dict(memory_budget="1GiB", example_inputs=(X,), config=cfg(memory_budget="2GiB")), ValueError,
+         "differs from config.memory_budget"),
+    ],
+)
+def test_budget_arguments_are_checked_before_anything_is_measured(monkeypatch, kwargs, error, match):
+    monkeypatch.setattr(planner, "plan_offload", lambda *a, **k: pytest.fail("measured before checking"))
+    with pytest.raises(error, match=match):
+        offload_transform(Stack(4), **kwargs)
+
+
+def test_a_budget_of_the_wrong_type_is_refused_before_measuring(monkeypatch):
+    from annotate_offload.planner import _plan
+
+    monkeypatch.setattr(_plan, "measure", lambda *a, **k: pytest.fail("measured before checking"))
+    model = Stack(4)
+    with pytest.raises(TypeError, match="memory_budget must be bytes"):
+        offload_transform(model, memory_budget=[1], example_inputs=(X,))
+    assert "offload_plan" not in model.__dict__
+
+
+def test_the_configs_budget_plans_too(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(planner, "plan_offload", _stub(["keep"] * 4, seen))
+    offload_transform(Stack(4), config=cfg(memory_budget="20GiB"), example_inputs=(X,))
+    assert seen["budget"] == "20GiB"
+
+
+def test_a_plain_num_layers_gets_the_overlap_schedule_and_te_s_context_keeps_te_s():
+    model = Stack(4)
+    offload_transform(model, 2, config=cfg())
+    sync = sync_of(model)
+    assert (sync.release_lag, sync.prefetch_layers) == (1, 1)
+    assert len(model._forward_pre_hooks) == 1  # measures the link at the first training forward on CUDA
+    with torch.no_grad():
+        model(X)
+    assert len(model._forward_pre_hooks) == 1  # not a training forward: still waiting
+    run_step(model, X)
+    assert not model._forward_pre_hooks and (sync.release_lag, sync.prefetch_layers) == (1, 1)  # CPU: kept
+    given = Stack(4)
+    offload_transform(given, 2, config=cfg(release_lag=0, prefetch_layers=2))
+    assert (sync_of(given).release_lag, sync_of(given).prefetch_layers) == (0, 2) and not given._forward_pre_hooks
+    ctx, _ = ao.get_cpu_offload_context(True, 2, 4, device="cpu")
+    assert (ctx.offload_synchronizer.release_lag, ctx.offload_synchronizer.prefetch_layers) == (1, 1)  # TE: L-N-1
+    ctx, _ = ao.get_cpu_offload_context(True, 1, 4, device="cpu")
+    assert (ctx.offload_synchronizer.release_lag, ctx.offload_synchronizer.prefetch_layers) == (2, 2)
+
+
+def test_a_deep_copy_of_a_planned_model_measures_itself(monkeypatch):
+    monkeypatch.setattr(planner, "plan_offload", _stub(["offload", "keep", "keep", "keep"]))
+    model = Stack(4)
+    offload_transform(model, memory_budget="1GiB", example_inputs=(X,), config=cfg())
+    twin = copy.deepcopy(model)
+    assert twin.offload_plan.model() is twin and twin.offload_plan.planner == model.offload_plan.planner
+    twin.offload_plan.measure(lambda: run_step(twin, X))
+    assert twin.offload_plan.measured is not None and model.offload_plan.measured is None
+
+
+def test_the_plan_counts_what_the_runtime_will_not_move():
     # with the default threshold (256K elements) nothing of this model moves: the plan must not
     # choose offload and promise a peak the run would exceed
     from annotate_offload.models import GPTConfig, GPTStack
 
-    torch.manual_seed(0)
     x = torch.randn(4, 128, 64)
     model = GPTStack(GPTConfig(hidden=64, heads=4, layers=4))
-    offload_transform(model, num_layers="auto", memory_budget=5 << 20, example_inputs=(x,))
+    probe = planner.plan_offload(model, memory_budget="1TiB", example_inputs=(x,), optimizer=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offload_transform(model, memory_budget=probe.keep_all.peak_bytes - 1000, example_inputs=(x,))
     assert not any(lp.choice == "offload" for lp in model.offload_plan.layers)  # it would free nothing
     model(x).square().mean().backward()
     assert model.offload_plan.runtime.stats.bytes_offloaded == 0
+
+
+@pytest.mark.cuda
+def test_the_schedule_is_chosen_from_the_link_at_the_first_training_forward_on_cuda():
+    model = Stack(6, h=1024).cuda()
+    offload_transform(model, 4, config=cfg())
+    x = torch.randn(8, 512, 1024, device="cuda")
+    run_step(model, x)
+    assert not model._forward_pre_hooks
+    note = next(n for n in model.offload_plan.notes if n.startswith("schedule from the link"))
+    lag, prefetch = map(int, re.findall(r"=(\d+)", note))
+    assert (sync_of(model).release_lag, sync_of(model).prefetch_layers) == (lag, prefetch)
+    assert 0 <= lag <= 1 and 1 <= prefetch <= 1  # capped at TE's gap L - N - 1 = 1

@@ -211,12 +211,11 @@ def test_num_layers_out_of_range(n):
     assert model.__dict__.keys() == before.keys()  # untouched
 
 
-def test_last_but_one_warns_like_te_and_points_to_prefetch():
-    with pytest.warns(UserWarning, match="no overlap.*prefetch_layers"):
-        offload_transform(Stack(L), num_layers=L - 1)
+def test_last_but_one_overlaps_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        offload_transform(Stack(L), num_layers=L - 1, config=cfg(prefetch_layers=1, release_lag=1))
+        model = offload_transform(Stack(L), num_layers=L - 1)  # the overlap schedule (Note [Default schedule from the link])
+    assert (sync_of(model).release_lag, sync_of(model).prefetch_layers) == (1, 1)
 
 
 def test_options_live_in_the_config_and_bad_values_name_the_field():
@@ -265,7 +264,7 @@ def test_numpy_integer_counts_are_accepted():
 
 
 def test_auto_needs_budget_and_inputs():
-    with pytest.raises(ValueError, match="num_layers='auto' needs memory_budget= .* and example_inputs="):
+    with pytest.raises(ValueError, match="memory_budget=1048576 needs example_inputs="):
         offload_transform(Stack(L), num_layers="auto", memory_budget=1 << 20)
 
 
@@ -489,7 +488,7 @@ def test_bad_example_inputs_and_a_stray_memory_budget_are_refused_before_the_mod
     before = (dict(model.__dict__), [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()])
     with pytest.raises(TypeError, match=r"example_inputs must be a tensor.*got str.*example_inputs=\(x,\)"):
         offload_transform(model, num_layers=1, example_inputs="hello")
-    with pytest.raises(ValueError, match=r"memory_budget=1048576 is used only by num_layers='auto'.*num_layers=1"):
+    with pytest.raises(ValueError, match=r"memory_budget=1048576 plans the layers itself, but num_layers=1"):
         offload_transform(model, num_layers=1, memory_budget=1 << 20)
     with pytest.raises(TypeError, match=r"dict with the non-str key 0.*pass positional inputs as a tuple"):
         offload_transform(model, num_layers=1, example_inputs={0: X()})

@@ -35,3 +35,12 @@ def test_small_w1_on_gpu_offloads_exactly_and_saves_memory():
         row = next(r for r in rep.rows if r.name == name)
         assert row.error is None and row.exact in ("yes", "no"), (name, row.error)
     assert rep.floor_ms > 0 and rep.device == torch.cuda.get_device_name()
+
+
+def test_small_w1_budget_plan_stays_near_the_reference_peak():
+    args = SimpleNamespace(tiny=False, warmup=1, steps=3, budget=["ref"], rounds=1)
+    rep = bench.run_budgets(_SMALL, args, torch.device("cuda"))
+    reference, plan = rep.rows[1], rep.rows[2]
+    assert plan.times and plan.predicted.prediction.peak_bytes <= reference.peak, plan.error
+    assert plan.peak <= 1.10 * reference.peak  # Note [Planner memory model]'s error bars
+    print(bench.format_budgets(rep, "test"))

@@ -49,6 +49,18 @@ def test_llama_tiny_three_steps_both_offloads_with_baseline_and_plot(capsys, tmp
 
 
 @pytest.mark.slow
+def test_a_memory_budget_prints_the_plan_predicted_and_measured_beside_the_single_strategies(capsys):
+    code, out, err = _train(capsys, *SMALL, "train.train_iters=2", "model.cpu_offloading_num_layers=None",
+                            "model.memory_budget=12MiB", "--compare-strategies", "--rounds", "2")
+    assert code == 0, out + err
+    assert "activations planned for memory_budget=12MiB" in out
+    assert re.search(r"^\| \| offload \| baseline \| full recompute \| offload only \|$", out, flags=re.M)
+    assert "median of 2 rounds, order rotated" in out and "| predicted peak |" in out and "| predicted step time |" in out
+    assert "plan for memory_budget=12.00 MiB" in out and "pred. ms" in out and "meas. ms" in out
+    assert re.search(r"the plan is -?[\d.]+% faster than the best single strategy", out) or "does not fit" in out
+
+
+@pytest.mark.slow
 def test_activation_offload_only_losses_are_identical(capsys):
     code, out, err = _train(capsys, *SMALL, "train.train_iters=2", "optimizer.optimizer_cpu_offload=False")
     assert code == 0, out + err
@@ -67,10 +79,10 @@ def test_no_compare_baseline(capsys):
 def test_baseline_out_of_memory_is_reported_not_raised(capsys, monkeypatch):
     real = _recipes._optimizer
 
-    def optimizer(model, cfg, offload):
-        if not offload:
+    def optimizer(model, cfg, fraction):
+        if not hasattr(model, "offload_plan"):  # the baseline
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real(model, cfg, offload)
+        return real(model, cfg, fraction)
 
     monkeypatch.setattr(_recipes, "_optimizer", optimizer)
     code, out, err = _train(capsys, *SMALL, "train.train_iters=1")
@@ -83,10 +95,10 @@ def test_baseline_out_of_memory_is_reported_not_raised(capsys, monkeypatch):
 def test_parity_failure_exits_1(capsys, monkeypatch):
     real = _recipes._optimizer
 
-    def optimizer(model, cfg, offload):  # a baseline that trains differently
-        if not offload:
+    def optimizer(model, cfg, fraction):  # a baseline that trains differently
+        if not hasattr(model, "offload_plan"):
             return torch.optim.SGD(model.parameters(), lr=0.5)
-        return real(model, cfg, offload)
+        return real(model, cfg, fraction)
 
     monkeypatch.setattr(_recipes, "_optimizer", optimizer)
     code, out, err = _train(capsys, *SMALL, "train.train_iters=2", "optimizer.optimizer_cpu_offload=False")
@@ -133,6 +145,9 @@ def test_plan_prints_plan_and_predicted_memory(capsys):
         (["--plot", "{tmp}/no/such/dir/out.png"], r"--plot .*folder .* does not exist"),
         (["--plot", "{tmp}/out.txt"], r"use a \.png, \.pdf or \.svg"),
         (["--bogus"], r"unrecognized arguments: --bogus"),
+        (["model.memory_budget=abc"], r"memory_budget must be a positive size \(model\.memory_budget='abc'\)"),
+        (["--compare-strategies"], r"--compare-strategies sizes the strategies for model\.memory_budget"),
+        (["--rounds", "0"], r"--rounds 0: give at least 1"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(capsys, tmp_path, args, message):
@@ -175,8 +190,8 @@ def test_plan_of_a_gpu_recipe_runs_without_a_gpu(capsys):
     # plan trains nothing, so llama-1b is planned from uninitialised CPU weights (shape of 1B, 2 layers here)
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    code = main(["plan", "--recipe", "llama-1b", "model.num_layers=2", "model.cpu_offloading_num_layers=1",
-                 "model.seq_length=16", "train.micro_batch_size=1"])
+    code = main(["plan", "--recipe", "llama-1b", "model.num_layers=2", "model.memory_budget=None",
+                 "model.cpu_offloading_num_layers=1", "model.seq_length=16", "train.micro_batch_size=1"])
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert "recipe llama-1b on cpu" in out and "planned without a GPU" in out
@@ -190,11 +205,21 @@ def test_plan_of_llama_1b_counts_bf16_autocast_activations(capsys):
     meta]) and gives the 2.07 GiB per layer the runtime moves on a GPU (3.26 GiB in fp32)."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    code = main(["plan", "--recipe", "llama-1b", "model.num_layers=2", "model.cpu_offloading_num_layers=1"])
+    code = main(["plan", "--recipe", "llama-1b", "model.num_layers=2", "model.memory_budget=None",
+                 "model.cpu_offloading_num_layers=1"])
     out, err = capsys.readouterr()
     assert code == 0, out + err
     row = next(line for line in out.splitlines() if line.strip().startswith("0    layers.0"))
     assert row.rstrip().endswith("2.07 GiB"), row
+
+
+@pytest.mark.slow
+def test_plan_of_llama_1b_with_its_budget_says_the_planner_needs_the_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["plan", "--recipe", "llama-1b", "model.num_layers=2", "model.seq_length=16"]) == 0
+    out = capsys.readouterr().out
+    assert "model.memory_budget=20GiB: the planner measures the layers on the GPU" in out and "| parameters |" in out
 
 
 def test_llama_1b_needs_a_gpu(capsys):

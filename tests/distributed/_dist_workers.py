@@ -12,7 +12,6 @@ from torch import nn
 from _dist_harness import LR, batches, full, loss_fn, make_model
 
 from annotate_offload.annotate import offload_transform
-from annotate_offload.distributed import _seams
 from annotate_offload.distributed import attach_optimizer, clip_grad_norm_, load_checkpoint, local_thread_budget, save_checkpoint
 from annotate_offload.config import ModelConfig
 from annotate_offload.errors import OffloadError
@@ -36,13 +35,19 @@ def _train(model: nn.Module, opt: Any, rank: int, steps: int, first: int = 0, to
     return losses
 
 
+def _host(opt: Any) -> list[tuple[torch.Tensor, int]]:
+    """(parameter, host chunk) of every host-stepped parameter."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return [(p, pl.chunk) for p, pl in zip(params, opt.placements) if pl.side == "cpu"]
+
+
 def _owned_chunks(opt: Any) -> list[int]:
     """Host chunks this rank steps (all of them unless the host step is sharded)."""
-    return [ci for ci in range(len(opt._chunks)) if opt._steps_here(ci)]
+    return sorted({c for p, c in _host(opt) if opt.pipeline.steps_here(p)})
 
 
 def _owned_host_params(opt: Any) -> int:
-    return sum(len(opt._chunks[ci].slots) for ci in _owned_chunks(opt))
+    return sum(1 for p, _ in _host(opt) if opt.pipeline.steps_here(p))
 
 
 def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -72,13 +77,12 @@ def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach:
         late = [0]
 
         def count_late(*_):  # what OffloadCommHook.copied_at_step counts, for the optimizer's own hooks
-            late[0] += sum(1 for p in opt.param_groups[0]["params"]
-                           if (s := _seams.host_slot(opt, p)) is not None and not _seams.grad_copied(s, p.grad))
+            late[0] += sum(1 for p in opt.pipeline.params if p.grad is not None and not opt.pipeline.grad_copied(p))
 
         opt.register_step_pre_hook(count_late)
     stepped: dict[int, int] = {}  # host chunk -> host optimizer steps run on this rank
-    for ci, c in enumerate(opt._chunks):
-        c.opt.register_step_post_hook(lambda *_, ci=ci: stepped.__setitem__(ci, stepped.get(ci, 0) + 1))
+    for ci, sub in enumerate(opt.cpu_optimizers):
+        sub.register_step_post_hook(lambda *_, ci=ci: stepped.__setitem__(ci, stepped.get(ci, 0) + 1))
     losses = _train(ddp, opt, rank, steps)
     shard = getattr(hook, "shard", None)
     try:
@@ -88,7 +92,7 @@ def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach:
         state_dict = f"OffloadError: {e}"
     return {
         "weights": _weights(model), "losses": losses, "warnings": caught, "stepped_chunks": sorted(stepped),
-        "chunks": len(opt._chunks), "owned_chunks": None if shard is None else _owned_chunks(opt),
+        "chunks": len(opt.cpu_optimizers), "owned_chunks": None if shard is None else _owned_chunks(opt),
         "owned_host_params": _owned_host_params(opt),
         "broadcasts": None if shard is None else shard.broadcasts, "state_dict": state_dict,
         "copied_in_hook": None if hook is None else hook.copied_in_hook,

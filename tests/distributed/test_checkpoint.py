@@ -12,18 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist_harness import LR, assert_bitwise, make_model, reference, run_ranks, train_single
+from _dist_harness import LR, assert_bitwise, make_model, run_ranks, train_single
 from _dist_workers import _offload, checkpoint_suite
 
 from annotate_offload.distributed import load_checkpoint, save_checkpoint
 from annotate_offload.optim import HybridDeviceOptimizer
 
 HALF, STEPS = 2, 4
-
-
-@pytest.fixture(scope="module")
-def ref() -> dict[str, torch.Tensor]:
-    return reference(STEPS, 2)
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +45,24 @@ def runs(tmp_path_factory) -> dict:
             "single_from_ddp": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+@pytest.mark.slow
 def test_fsdp_resumes_single_process_checkpoint_at_another_fraction(ref, runs):
     for r in runs["ranks"]:
         assert_bitwise(r["fsdp_from_single"]["weights"], ref)
 
 
+@pytest.mark.slow
 def test_ddp_resumes_fsdp_checkpoint_at_another_fraction(ref, runs):
     for r in runs["ranks"]:
         assert_bitwise(r["ddp_from_fsdp"]["weights"], ref)
 
 
+@pytest.mark.slow
 def test_single_process_resumes_fsdp_checkpoint_with_nothing_offloaded(ref, runs):
     assert_bitwise(runs["single_from_fsdp"], ref)
 
 
+@pytest.mark.slow
 def test_single_process_resumes_sharded_ddp_checkpoint(ref, runs):
     """Note [Host-step sharding]: each DDP rank saved the state of the chunks it steps; together they
     hold every parameter's state, and one process resumes it bit for bit."""
@@ -78,6 +77,7 @@ def test_single_process_resumes_sharded_ddp_checkpoint(ref, runs):
     assert_bitwise(runs["single_from_ddp"], ref)
 
 
+@pytest.mark.slow
 def test_checkpoint_has_fraction_independent_keys(runs):
     import torch.distributed.checkpoint as dcp
 

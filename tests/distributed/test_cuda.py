@@ -16,6 +16,7 @@ from _dist_workers import cuda_suite
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
 STEPS = 3

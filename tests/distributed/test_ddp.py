@@ -9,15 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist_harness import assert_bitwise, reference, run_ranks
+from _dist_harness import assert_bitwise, run_ranks
 from _dist_workers import ddp_suite
 
+pytestmark = pytest.mark.slow  # two processes (spawn) per module
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def ref() -> dict[str, torch.Tensor]:
-    return reference(STEPS, 2)
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist_harness import LR, assert_bitwise, batches, loss_fn, make_model, reference, run_ranks
+from _dist_harness import LR, assert_bitwise, batches, loss_fn, make_model, run_ranks
 from _dist_workers import fsdp_suite
 
 from annotate_offload.config import ModelConfig
 
+pytestmark = pytest.mark.slow  # two processes (spawn) per module
 STEPS = 3
 _CONFIG = ModelConfig(cpu_offloading=True, min_offload_numel=1, prefetch_layers=1)  # tiny activations move too
-
-
-@pytest.fixture(scope="module")
-def ref() -> dict[str, torch.Tensor]:
-    return reference(STEPS, 2)
 
 
 @pytest.fixture(scope="module")

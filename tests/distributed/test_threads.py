@@ -60,9 +60,10 @@ def test_torchrun_environment_and_omp_num_threads_ignored(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     b = local_thread_budget(cpus=list(range(32)), nodes=TWO_NODES)
     assert (b.local_rank, b.local_world_size, b.threads, b.numa_node) == (1, 2, 15, 1)
-    # the optimizer takes it as given, whatever OMP_NUM_THREADS says
+    # the optimizer takes it as given, whatever OMP_NUM_THREADS says (on the 32-core host it is for)
     import torch
 
+    monkeypatch.setattr("annotate_offload.optim._threads.usable_cpus", lambda: 32)
     opt = HybridDeviceOptimizer([torch.nn.Parameter(torch.ones(4))], offload_fraction=1.0, cpu_threads=b.threads)
     assert opt.thread_budget == 15
     opt.close()

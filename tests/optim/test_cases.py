@@ -135,8 +135,8 @@ def test_o06_moving_state_and_back(f):
     train(m, opt, xs[3:])
     train(r, ref, xs[3:])
     assert_same(m, r)
-    host = next(s for s in opt._host_slots)
-    assert opt.state[host.param]["master_param"] is host.master  # re-attached to the pinned master
+    for p, master in opt.gpu_params_map_cpu_copy.items():
+        assert opt.state[p]["master_param"] is master  # re-attached to the pinned host master
 
 
 def test_o06_step_counter_placement():
@@ -180,11 +180,11 @@ def test_o07_lr_schedulers(kind, overlap):
         opt.step()
         ref.step()
         # lr (and betas for OneCycle) of every sub-optimizer group equal the HDO group's and plain AdamW's
-        for c in opt._chunks:
-            for sub, g, _ in c.links:
-                assert sub["lr"] == g["lr"] and sub["betas"] == g["betas"]
-        for sub, g, _ in opt._gpu_links:
-            assert sub["lr"] == g["lr"]
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        for sub in opt.sub_optimizers:
+            for sg in sub.param_groups:
+                g = group_of[id(opt.inner_param_to_orig_param[sg["params"][0]])]
+                assert sg["lr"] == g["lr"] and sg["betas"] == g["betas"]
         assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
         s1.step()
         s2.step()

@@ -304,18 +304,3 @@ def test_zero_grad_keeping_tensors_steps_a_parameter_no_backward_reached(monkeyp
     for og in (True, False):
         got = run(lambda ps: HybridDeviceOptimizer(ps, offload_fraction=1.0, lr=1e-2, offload_gradients=og))
         assert all(torch.equal(g, r) for g, r in zip(got, ref)), og
-
-
-@pytest.mark.parametrize("clip", ["torch", "opt", None])
-@pytest.mark.parametrize("og", [True, False])
-def test_torch_clip_that_misses_host_gradients_warns(clip, og, monkeypatch, recwarn):
-    # Note [Gradient transforms that miss host gradients]: HF Trainer / accelerate clip with torch's
-    # function, which sees only the gradients left on the device
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)
-    m, _ = pair()
-    opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, offload_gradients=og, lr=1e-2)
-    train(m, opt, _xs(2), clip=clip)
-    hits = [w for w in recwarn.list if "host-held gradients were not changed" in str(w.message)]
-    assert len(hits) == (1 if (og and clip == "torch") else 0)  # once, not every step
-    if hits:
-        assert "opt.clip_grad_norm_" in str(hits[0].message) and "offload_gradients=False" in str(hits[0].message)

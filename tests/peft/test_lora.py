@@ -346,3 +346,21 @@ def test_lora_under_recompute_is_exact(policy, num_layers):
     x = ids()
     for seed in range(2):
         assert_same(step(model, x, seed=seed), step(ref, x, seed=seed))
+
+
+def test_in_place_change_of_a_tensor_kept_by_adapter_marks_raises_like_autograd():
+    """A tensor the adapter's marked scope keeps on the device goes through the runtime's own pack
+    hook, so an in-place change after it was saved raises autograd's error in backward."""
+    from annotate_offload import get_cpu_offload_context
+    from annotate_offload.peft._policy import keep_saves
+
+    x = torch.randn(8, 512, requires_grad=True)
+    ctx, sync_fn = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, min_offload_numel=0)
+    with ctx:
+        h = x * 2
+        with keep_saves():
+            y = h.sin()
+        h.mul_(3)
+    y = sync_fn(y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

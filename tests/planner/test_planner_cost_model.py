@@ -1,98 +1,120 @@
-"""Cost model: hand-computed step times and peaks for small plans (Notes [Planner time/memory model])."""
+"""Cost model: hand-computed step times and peaks (Notes [Planner time model], [Planner memory model])."""
 
 import pytest
 
-from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, predict
+from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, StepMeasurement, predict
 
 GB = 10**9
 
 
-def layers(n, f=10.0, b=20.0, a=GB, c=GB // 10):
-    return [LayerMeasurement(f, b, a, c, name=f"l{i}") for i in range(n)]
+def layers(n, f=10.0, b=20.0, a=GB, c=GB // 10, **kw):
+    return [LayerMeasurement(f, b, a, c, name=f"l{i}", **kw) for i in range(n)]
 
 
 FAST = LinkBandwidth(1000.0, 1000.0)  # 1 GB in 1 ms
 SLOW = LinkBandwidth(50.0, 50.0)  # 1 GB in 20 ms
 
 
-def test_keep_all_is_sum_of_compute_and_of_saved_bytes():
+def test_keep_all_is_the_sum_of_compute_and_the_peak_is_at_the_turn():
     p = predict(layers(3), ["keep"] * 3, FAST)
-    assert p.step_ms == 90.0
-    assert p.peak_bytes == 3 * GB
-    assert p.d2h_stall_ms == (0.0, 0.0, 0.0) and p.copy_ms == (0.0, 0.0, 0.0)
+    assert p.step_ms == 90.0 and p.layer_ms == (30.0, 30.0, 30.0)
+    # bwd_2 = a0 + a1 (held) + c (output gradient) + a2 (its own saved tensors)
+    assert p.peak_bytes == 3 * GB + GB // 10
+    assert p.layer_peak_bytes == (GB + GB // 10, 2 * GB + GB // 10, 3 * GB + GB // 10)
 
 
-def test_hidden_offload_costs_no_time_and_frees_one_layer():
+def test_static_bytes_rest_of_the_step_and_peaks_add():
+    step = StepMeasurement(static_bytes=5 * GB, other_ms=7.0)
+    m = layers(3, forward_peak_bytes=GB, backward_peak_bytes=GB // 4)
+    p = predict(m, ["keep"] * 3, FAST, step)
+    assert p.step_ms == 97.0
+    # fwd_2 = static + a0 + a1 + c2 + F+; bwd_2 = static + a0 + a1 + c2 + a2 + B+ (larger)
+    assert p.peak_bytes == 5 * GB + 3 * GB + GB // 10 + GB // 4
+
+
+def test_gradients_accumulate_in_backward_and_the_optimizer_step_holds_them_all():
+    m = layers(3, a=GB, c=0, grad_bytes=GB)
+    p = predict(m, ["keep"] * 3, FAST, StepMeasurement(other_grad_bytes=GB // 2))
+    # bwd_j = other grads + grads of layers >= j + a_{<j} + a_j: 4.5 GB each; the optimizer step: 3.5 GB
+    assert p.layer_peak_bytes == (GB // 2 + 4 * GB,) * 3 and p.peak_bytes == 4 * GB + GB // 2
+    rec = predict(m, ["recompute"] * 3, FAST, StepMeasurement())
+    # recompute frees what is held but the gradients stay: the peak moves to layer 0's backward
+    assert rec.layer_peak_bytes == (4 * GB, 3 * GB, 2 * GB)
+
+
+def test_a_hidden_offload_costs_no_time_and_frees_its_layer():
     p = predict(layers(4), ["offload", "keep", "keep", "keep"], FAST)
-    assert p.step_ms == 120.0  # 1 ms copies hide behind 10 ms forward / 20 ms backward
-    # F_1 = a0 (in flight until the entry of layer 2) + a1; F_3 = a1 + a2 + a3; B_1 = reloaded a0 + a1
-    assert p.peak_bytes == 3 * GB
-    assert p.copy_ms[0] == pytest.approx(2.0)
+    assert p.step_ms == 120.0  # 1 ms copies hide behind 10 ms forwards and 20 ms backwards
+    keep = predict(layers(4), ["keep"] * 4, FAST)
+    assert keep.peak_bytes - p.peak_bytes == GB
 
 
-def test_d2h_that_cannot_hide_delays_forward_at_the_release_point():
+def test_a_d2h_that_cannot_hide_delays_forward_at_the_release_point():
     p = predict(layers(4), ["offload", "keep", "keep", "keep"], LinkBandwidth(25.0, 1000.0))
-    # fwd: layer 0 runs 0-10 and its D2H (40 ms, starting with the layer) ends at 40; the entry of
-    # layer 2 at 20 waits to 40; forward ends at 60. bwd: 80, 100; entry of layer 1 starts H2D (1 ms);
-    # layer 1 ends at 120; layer 0 does not wait; ends at 140.
-    assert p.d2h_stall_ms[0] == pytest.approx(20.0)
-    assert p.h2d_stall_ms[0] == 0.0
+    # layer 0's D2H (40 ms, from 0) ends at 40; layer 2 enters at 20 and waits to 40; forward ends at 60,
+    # backward adds 80 (the 1 ms reload at the entry of layer 1 hides): 140
     assert p.step_ms == pytest.approx(140.0)
+    assert p.layer_ms[2] == pytest.approx(20.0 + 10.0 + 20.0)
 
 
-def test_a_d2h_shorter_than_its_layer_plus_the_next_hides():
-    # 20 ms of D2H starts with layer 0 and ends at 20, exactly when layer 2 enters: no stall
-    p = predict(layers(4), ["offload", "keep", "keep", "keep"], SLOW)
-    assert p.d2h_stall_ms[0] == 0.0 and p.step_ms == pytest.approx(120.0)
-
-
-def test_h2d_that_cannot_hide_delays_backward():
+def test_an_h2d_that_cannot_hide_delays_backward():
     m = [LayerMeasurement(40.0, 5.0, GB, 0) for _ in range(4)]
     p = predict(m, ["offload", "keep", "keep", "keep"], SLOW)
-    # fwd 160 (D2H of 20 ms hides behind layer 0 itself); bwd 165, 170; entry of layer 1 at 170: H2D to
-    # 190; layer 1 ends 175; layer 0 waits to 190 and ends at 195.
-    assert p.d2h_stall_ms[0] == 0.0
-    assert p.h2d_stall_ms[0] == pytest.approx(15.0)
+    # fwd 160; bwd 165, 170; entry of layer 1 at 170 starts the 20 ms reload; layer 0 waits to 190: 195
     assert p.step_ms == pytest.approx(195.0)
 
 
 def test_d2h_copies_queue_on_one_stream():
     m = [LayerMeasurement(10.0, 100.0, GB, 0) for _ in range(5)]
     p = predict(m, ["offload", "offload", "keep", "keep", "keep"], LinkBandwidth(25.0, 1000.0))
-    # D2H 40 ms each: layer 0's copy 0-40; layer 1's copy queues behind it, 40-80 (alone it would end at
-    # 50). Layer 2 enters at 20 and waits to 40 (stall 20), runs 40-50; layer 3 waits from 50 to 80.
-    assert p.d2h_stall_ms[:2] == (pytest.approx(20.0), pytest.approx(30.0))
+    # copies 0-40 and 40-80: layer 2 waits from 20 to 40, layer 3 from 50 to 80; forward ends at 100
+    assert sum(p.layer_ms) == pytest.approx(p.step_ms) and p.step_ms == pytest.approx(100.0 + 500.0)
 
 
-def test_h2d_waits_for_its_own_d2h():
-    m = [LayerMeasurement(10.0, 1.0, GB, 0) for _ in range(3)]
-    p = predict(m, ["offload", "keep", "keep"], LinkBandwidth(25.0, 1000.0), release_lag=0)
-    # release_lag=0: layer 1 enters at 10 and waits for the D2H to 40; fwd ends at 60; bwd 61, then the
-    # reload (1 ms) at the entry of layer 1: 62 + 0 stall; total 63.
-    assert p.d2h_stall_ms[0] == pytest.approx(30.0)
-    assert p.step_ms == pytest.approx(63.0)
+def test_a_larger_release_lag_hides_a_slow_copy_and_holds_it_longer():
+    m = layers(6, forward_peak_bytes=5 * GB)  # the forward phase is the peak of each layer
+    plan = ["offload", "keep", "keep", "keep", "keep", "keep"]
+    lag1 = predict(m, plan, LinkBandwidth(25.0, 1000.0), release_lag=1)
+    lag3 = predict(m, plan, LinkBandwidth(25.0, 1000.0), release_lag=3)
+    assert lag1.step_ms == pytest.approx(180.0 + 20.0) and lag3.step_ms == pytest.approx(180.0)
+    # layer 0's bytes are on the device until the entry of layer 2 (lag 1) or 4 (lag 3)
+    assert lag3.layer_peak_bytes[3] - lag1.layer_peak_bytes[3] == GB
 
 
-def test_recompute_adds_forward_to_backward_and_holds_the_input():
+def test_recompute_adds_the_forward_and_holds_the_input():
     p = predict(layers(3), ["recompute", "keep", "keep"], FAST)
     assert p.step_ms == 100.0
-    # F_2 = c0 + a1 + a2 is the peak; B_0 = a0 + c0 is smaller
-    assert p.peak_bytes == GB // 10 + 2 * GB
+    assert p.layer_peak_bytes[2] == GB // 10 + GB + GB // 10 + GB  # c0 held, a1, output gradient, a2
+    rec_offload = predict(layers(4), ["recompute_offload", "keep", "keep", "keep"], SLOW)
+    assert rec_offload.step_ms == 130.0  # 0.1 GB input copies hide
 
 
-def test_recomputing_the_last_layer_does_not_lower_the_peak():
-    keep = predict(layers(3), ["keep"] * 3, FAST)
-    last = predict(layers(3), ["keep", "keep", "recompute"], FAST)
-    assert last.peak_bytes == keep.peak_bytes + GB // 10  # B_2 = a0 + a1 + (a2 + c2)
-    assert last.step_ms == keep.step_ms + 10.0
+def test_autocast_holds_a_recomputed_layers_weight_casts_to_the_end_of_forward():
+    m = layers(3, cast_bytes=GB // 5, forward_peak_bytes=5 * GB)  # the forward phase is each layer's peak
+    rec = predict(m, ["recompute", "recompute", "keep"], FAST)
+    plain = predict(layers(3, forward_peak_bytes=5 * GB), ["recompute", "recompute", "keep"], FAST)
+    diff = [a - b for a, b in zip(rec.layer_peak_bytes, plain.layer_peak_bytes)]
+    assert diff[0] == 0 and diff[2] == 2 * GB // 5  # layer 2's forward: both earlier layers' casts are cached
 
 
-def test_recompute_offload_moves_only_the_input():
-    p = predict(layers(4), ["recompute_offload", "keep", "keep", "keep"], SLOW)
-    # input copy 0.1 GB = 2 ms hides; backward adds f0
-    assert p.step_ms == 130.0
-    assert p.peak_bytes == 3 * GB
-    assert p.copy_ms[0] == pytest.approx(4.0)
+def test_unmoved_bytes_stay_on_the_device():
+    part = layers(4, unmoved_bytes=GB // 4)
+    plan = ["offload", "keep", "keep", "keep"]
+    assert predict(part, plan, SLOW).peak_bytes == predict(layers(4), plan, SLOW).peak_bytes + GB // 4
+    with pytest.raises(ValueError, match="unmoved_bytes=2 exceeds saved_bytes=1"):
+        LayerMeasurement(1.0, 1.0, 1, 1, unmoved_bytes=2)
+
+
+def test_the_optimizer_split_moves_whole_tensors_in_order_as_megatron():
+    step = StepMeasurement(param_numels=(10, 30, 60), param_state_bytes=(80, 240, 480), device_ms=1e6, host_ms=3e7)
+    assert [step.host_tensors(f) for f in (0.0, 0.1, 0.11, 0.4, 0.41, 1.0)] == [0, 1, 2, 2, 3, 3]
+    assert all(step.host_tensors(step.fraction(m)) == m for m in range(4))
+    assert step.fewest_host_tensors(0) == 0 and step.fewest_host_tensors(81) == 2 and step.fewest_host_tensors(801) is None
+    m = layers(3)
+    base, half = predict(m, ["keep"] * 3, FAST, step), predict(m, ["keep"] * 3, FAST, step, offload_fraction=0.35)
+    assert base.peak_bytes - half.peak_bytes == 320  # the first two tensors' state is on the host
+    assert half.optimizer_ms == pytest.approx((60 * 1e6 + 40 * 3e7) / 1e9) and half.offload_fraction == step.fraction(2)
+    assert half.step_ms == pytest.approx(90.0 + half.optimizer_ms)
 
 
 @pytest.mark.parametrize(
@@ -107,11 +129,6 @@ def test_recompute_offload_moves_only_the_input():
 def test_bad_plans_are_rejected(choices, match):
     with pytest.raises(ValueError, match=match):
         predict(layers(4), choices, FAST)
-
-
-def test_release_lag_zero_allows_one_more_layer_and_exposes_the_copy():
-    p = predict(layers(4), ["keep", "keep", "offload", "keep"], SLOW, release_lag=0)
-    assert p.d2h_stall_ms[2] == pytest.approx(10.0)  # the 20 ms copy starts with layer 2, released after 10
 
 
 @pytest.mark.parametrize(
@@ -129,26 +146,12 @@ def test_measurement_fields_are_validated(kwargs, match):
         LayerMeasurement(**base)
 
 
-def test_bandwidth_must_be_positive():
+def test_bad_schedule_bandwidth_and_fraction():
     with pytest.raises(ValueError, match="d2h_gbps must be > 0"):
         LinkBandwidth(0.0, 1.0)
-    with pytest.raises(ValueError, match="prefetch_layers must be an int >= 1"):
+    with pytest.raises(ValueError, match="prefetch_layers must be None or an int >= 1"):
         predict(layers(3), ["keep"] * 3, FAST, prefetch_layers=0)
-
-
-def test_an_offloaded_layer_keeps_its_unmoved_bytes_and_copies_only_the_rest():
-    # saved tensors under the runtime's min_offload_numel stay on the GPU: a plan that counted them as
-    # moved would promise a peak the run exceeds
-    full = layers(4)
-    part = [LayerMeasurement(10.0, 20.0, GB, GB // 10, unmoved_bytes=GB // 4, unmoved_input_bytes=GB // 10)
-            for _ in range(4)]
-    plan = ["offload", "keep", "keep", "keep"]
-    a, b = predict(full, plan, SLOW), predict(part, plan, SLOW)
-    assert b.copy_ms[0] == pytest.approx(0.75 * a.copy_ms[0])  # 3/4 of the bytes cross the link
-    assert b.peak_bytes == a.peak_bytes + GB // 4  # at layer 3's forward: a1 + a2 + a3 plus layer 0's unmoved part
-    rec = ["recompute_offload", "keep", "keep", "keep"]
-    assert predict(part, rec, SLOW).copy_ms[0] == 0.0  # its whole input stays
-    nothing = [LayerMeasurement(10.0, 20.0, GB, GB // 10, unmoved_bytes=GB) for _ in range(4)]
-    assert predict(nothing, plan, FAST).peak_bytes == predict(nothing, ["keep"] * 4, FAST).peak_bytes
-    with pytest.raises(ValueError, match="unmoved_bytes=2 exceeds saved_bytes=1"):
-        LayerMeasurement(1.0, 1.0, 1, 1, unmoved_bytes=2)
+    with pytest.raises(ValueError, match="offload_fraction must be in"):
+        predict(layers(3), ["keep"] * 3, FAST, offload_fraction=1.5)
+    with pytest.raises(ValueError, match="one entry per parameter"):
+        StepMeasurement(param_numels=(1,), param_state_bytes=())

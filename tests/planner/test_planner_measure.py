@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from annotate_offload.planner._bandwidth import measure_bandwidth
+from annotate_offload.planner._bandwidth import measure_adamw, measure_bandwidth
 from annotate_offload.planner._cost_model import LinkBandwidth
-from annotate_offload.planner._measure import measure_layers
+from annotate_offload.planner._measure import measure, measure_layers
 from annotate_offload.planner import _bandwidth
 from annotate_offload.planner._measure import discover_layers
 
@@ -79,6 +79,42 @@ def test_saved_bytes_count_unique_storages_without_parameters():
     bn_stats = 2 * width * 4
     assert m[0].saved_bytes == act + act + bn_stats + act + act
     assert m[0].forward_ms > 0 and m[0].backward_ms > 0
+
+
+def test_the_step_measurement_counts_weights_gradients_peaks_and_the_optimizer(monkeypatch):
+    monkeypatch.setattr(_bandwidth, "_ADAMW_CACHE", {"cpu": (100.0, 100.0)})
+    width, batch = 16, 8
+    net = Net(width, depth=2)
+    x = torch.randn(batch, width)
+    layers, step = measure(net, None, (x,), warmup=0, repeats=1)
+    act, block_params = batch * width * 4, width * width * 4 + 2 * width * 4  # linear weight; norm weight, bias
+    outside = (width * width + width + width + 1) * 4  # inp, head
+    assert step.static_bytes == sum(t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers()))
+    assert step.other_grad_bytes == outside and [q.grad_bytes for q in layers] == [block_params] * 2
+    assert step.param_numels == tuple(p.numel() for p in net.parameters())
+    assert step.param_state_bytes == tuple(8 * p.numel() for p in net.parameters())
+    assert (step.device_ms, step.host_ms) == (100.0, 100.0) and step.other_ms >= 0
+    # on a CPU: F+ = the new saved tensors and the output (here relu's saved result; the input is the
+    # caller's), B+ = the input gradient
+    assert layers[0].forward_peak_bytes == layers[0].saved_bytes - act
+    assert layers[0].backward_peak_bytes == act
+    assert measure(net, None, (x,), warmup=0, repeats=1, optimizer=False)[1].param_numels == ()
+
+
+def test_weights_autocast_casts_are_counted_as_staying_on_the_device():
+    net = Net(width=64, depth=2)
+    x = torch.randn(32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    cast = 64 * 64 * 2  # the bf16 copy of each block's Linear weight, saved for its backward
+    assert all(q.cast_bytes == cast and q.unmoved_bytes >= cast for q in m)
+    assert measure_layers(net, None, (x,), warmup=0, repeats=1)[0].cast_bytes == 0
+
+
+def test_adamw_speed_is_measured_once_per_device(monkeypatch):
+    monkeypatch.setattr(_bandwidth, "_ADAMW_CACHE", {})
+    first = measure_adamw("cpu", numel=1 << 12)
+    assert first[0] == first[1] > 0 and measure_adamw("cpu") is first
 
 
 def test_views_of_one_storage_count_once():
@@ -184,6 +220,16 @@ def test_cuda_measurement_restores_cuda_rng_and_times_with_events():
     m = measure_layers(net, None, (x,))
     assert all(q.forward_ms > 0 and q.backward_ms > 0 for q in m)
     assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), cuda_rng))
+
+
+@pytest.mark.cuda
+def test_cuda_step_measurement_reads_the_allocator():
+    net = Net(width=256, depth=2).cuda()
+    x = torch.randn(4096, 256, device="cuda")
+    layers, step = measure(net, None, (x,))
+    assert step.static_bytes == torch.cuda.memory_allocated()  # weights, buffers and x; no gradients
+    assert all(q.forward_peak_bytes >= q.saved_bytes - 4096 * 256 * 4 > 0 and q.backward_peak_bytes > 0 for q in layers)
+    assert step.host_ms > step.device_ms > 0
 
 
 @pytest.mark.cuda

@@ -28,9 +28,23 @@ TE_PARAMS = [
 ]
 
 
-def test_signature_matches_transformer_engine_positional_order():
-    params = list(inspect.signature(ao.get_cpu_offload_context).parameters)
-    assert params[: len(TE_PARAMS)] == TE_PARAMS
+def test_signature_is_transformer_engines_plus_four_keyword_only_options():
+    params = inspect.signature(ao.get_cpu_offload_context).parameters
+    assert list(params)[: len(TE_PARAMS)] == TE_PARAMS
+    extra = [p for name, p in params.items() if name not in TE_PARAMS]
+    assert [p.name for p in extra] == ["prefetch_layers", "policy", "min_offload_numel", "device"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
+
+
+def test_prefetch_layers_sets_the_look_ahead_both_ways():
+    ctx, _ = ao.get_cpu_offload_context(True, 3, 4, device="cpu", prefetch_layers=1)
+    s = ctx.offload_synchronizer
+    assert (s.prefetch_layers, s.release_lag) == (1, 1)
+    ctx, _ = ao.get_cpu_offload_context(True, 3, 4, device="cpu", prefetch_layers=2)
+    s = ctx.offload_synchronizer
+    assert (s.prefetch_layers, s.release_lag) == (2, 2)
+    ctx, _ = ao.get_cpu_offload_context(True, 1, 4, device="cpu")
+    assert (ctx.offload_synchronizer.prefetch_layers, ctx.offload_synchronizer.release_lag) == (2, 2)  # TE's L-N-1
 
 
 def test_disabled_returns_nullcontext_and_identity():
@@ -87,8 +101,8 @@ def test_offload_weights_is_deprecated_and_double_buffering_accepted():
         (dict(num_layers="2"), TypeError, "num_layers='2'"),
         (dict(num_layers=-1), ValueError, "num_layers=-1"),
         (dict(model_layers=0), ValueError, "model_layers=0"),
-        (dict(release_lag=-1), ValueError, "release_lag=-1"),
         (dict(prefetch_layers=1.5), TypeError, "prefetch_layers=1.5"),
+        (dict(prefetch_layers=0), ValueError, "prefetch_layers=0"),
         (dict(policy="everything"), ValueError, "policy='everything'"),
         (dict(min_offload_numel=-5), ValueError, "min_offload_numel=-5"),
         (dict(device="tpu"), ValueError, "device='tpu'"),
@@ -103,19 +117,6 @@ def test_bad_arguments_name_parameter_and_value(kwargs, exc, match):
 
 def _ctx(layers=3, n=1, **kw):
     return ao.get_cpu_offload_context(True, n, layers, device="cpu", min_offload_numel=0, **kw)
-
-
-def test_reentering_without_sync_raises_and_leaves_no_state():
-    blocks = make_stack(3)
-    ctx, sync = _ctx()
-    x = torch.randn(2, 8, 64, requires_grad=True)
-    with ctx:
-        y = blocks[0](x)
-    with pytest.raises(OffloadError, match="re-entered without calling the synchronization"):
-        with ctx:
-            blocks[1](y)
-    assert not ao.is_cpu_offload_enabled()
-    assert ctx.inside_context is False
 
 
 def test_sync_inside_context_or_without_grad_tensor_raises():

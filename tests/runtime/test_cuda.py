@@ -18,7 +18,9 @@ import torch
 import torch.nn as nn
 
 import annotate_offload as ao
-from annotate_offload.runtime import DefaultOffloadSynchronizer, PinnedBufferPool
+from annotate_offload.runtime import DefaultOffloadSynchronizer
+from annotate_offload.runtime._pinned_pool import PinnedBufferPool
+from annotate_offload.runtime._device import get_backend
 
 from ._models import assert_bit_identical, clone, grads, make_stack, run_offloaded, run_plain
 
@@ -238,7 +240,7 @@ def test_memory_back_to_start_after_backward_and_accounting_on_a_transformer():
         out.float().sum().backward()
         del out
         gc.collect()
-        ctx, sync = ao.get_cpu_offload_context(True, 3, 4, prefetch_layers=1, release_lag=1)
+        ctx, sync = ao.get_cpu_offload_context(True, 3, 4, prefetch_layers=1)
         run_offloaded(blocks, x, ctx, sync).float().sum().backward()  # warm-up (pinned pool)
         gc.collect()
         for _ in range(2):
@@ -258,8 +260,8 @@ def test_memory_back_to_start_after_backward_and_accounting_on_a_transformer():
 def test_bit_identical_over_50_iterations_with_perturbed_timing(perturb):
     blocks = make_stack(4, hidden=512, heads=8, device="cuda", dtype=torch.bfloat16)
     ref = clone(blocks)
-    ctx, sync = ao.get_cpu_offload_context(True, 3, 4, prefetch_layers=1, release_lag=1)
-    backend = ctx.offload_synchronizer.backend
+    ctx, sync = ao.get_cpu_offload_context(True, 3, 4, prefetch_layers=1)
+    backend = get_backend("cuda")  # the process-wide backend whose streams the runtime binds to
     stream = {"d2h": backend.d2h_stream, "h2d": backend.h2d_stream}.get(perturb)
     g = torch.Generator(device="cpu").manual_seed(0)
     with _sdpa_exact():
@@ -294,6 +296,41 @@ def test_a09_in_place_after_offload_raises_100_times():
         loss = s.commit_layer(y.sum(), 1)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+def test_in_place_change_of_a_saved_output_raises_100_of_100_with_a_slow_d2h():
+    """Note [Version check]: ``sigmoid`` saves its output, which the layer then scales in place.
+    The D2H of that output is held back on the copy stream, so it reads the bytes after the
+    in-place write; the saved tensor itself is gone by backward. Autograd raises without offload;
+    with offload the runtime must raise every time, never return a gradient."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4096, 4096, device="cuda")
+    x = torch.randn(2048, 4096, device="cuda")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y = torch.sigmoid(lin(x))
+        y.mul_(2)
+        y.sum().backward()
+    ctx, sync = ao.get_cpu_offload_context(True, 1, 2, prefetch_layers=1)
+    d2h = get_backend("cuda").d2h_stream  # the runtime binds to it at the first save
+    raised = 0
+    for _ in range(100):
+        with torch.cuda.stream(d2h):
+            torch.cuda._sleep(20_000_000)  # the copy starts after the in-place write below
+        with ctx:
+            y = torch.sigmoid(lin(x))
+            y.mul_(2)
+        y = sync(y)
+        with ctx:
+            out = (y * 3).sum()
+        out = sync(out)
+        del y
+        try:
+            out.backward()
+        except RuntimeError as exc:
+            raised += "modified by an inplace operation" in str(exc)
+        lin.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    assert raised == 100
 
 
 # -- A11 ---------------------------------------------------------------------------------------
@@ -347,7 +384,7 @@ def _forward_on_a_user_stream() -> None:
     x = torch.randn(4, 256, 512, device="cuda")
     user = torch.cuda.Stream()
     ctx, sync_fn = ao.get_cpu_offload_context(
-        enabled=True, num_layers=2, model_layers=3, release_lag=0, prefetch_layers=1, min_offload_numel=0
+        enabled=True, num_layers=2, model_layers=3, prefetch_layers=1, min_offload_numel=0
     )
     with _sdpa_exact():
         user.wait_stream(torch.cuda.current_stream())
@@ -369,9 +406,8 @@ def test_forward_on_a_user_stream_keeps_that_stream_current_and_is_exact():
 
     It runs in a child process. On the H200 (torch 2.11.0+cu130), a plain forward and backward on
     a side stream, with no offload at all, left the process in a state where a later
-    ``torch.autograd.graph.save_on_cpu`` backward (the W1 bench test) hit an illegal memory access
-    (benchmarks/NOTES.md, session of 2026-11-30 (fifth), D2-D6): a torch-level fault outside this
-    package that must not take the rest of the suite down with it.
+    ``torch.autograd.graph.save_on_cpu`` backward hit an illegal memory access: a torch-level
+    fault outside this package that must not take the rest of the suite down with it.
     """
     code = "from tests.runtime.test_cuda import _forward_on_a_user_stream as f; f()"
     out = subprocess.run(
@@ -387,7 +423,7 @@ def test_offload_on_a_device_that_is_not_current_keeps_the_current_device():
     ref_blocks = clone(blocks)
     x = torch.randn(2, 128, 256, device="cuda:1")
     ctx, sync_fn = ao.get_cpu_offload_context(
-        enabled=True, num_layers=2, model_layers=3, release_lag=0, prefetch_layers=1,
+        enabled=True, num_layers=2, model_layers=3, prefetch_layers=1,
         min_offload_numel=0, device="cuda:1",
     )
     torch.cuda.set_device(0)
@@ -398,3 +434,21 @@ def test_offload_on_a_device_that_is_not_current_keeps_the_current_device():
         run_plain(ref_blocks, x).square().mean().backward()
     assert ctx.offload_synchronizer.stats.bytes_offloaded > 0
     assert_bit_identical(grads(blocks), grads(ref_blocks))
+
+
+def test_a_checkpointed_layer_offloads_its_inputs_on_cuda_without_a_device():
+    """Note [Device binding]: the empty CPU tensor that non-reentrant checkpoint saves first must not
+    bind the step to the CPU backend; the layer's CUDA input is offloaded."""
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    ctx, sync_fn = ao.get_cpu_offload_context(True, 1, 2)
+    with ctx:
+        h = torch.utils.checkpoint.checkpoint(torch.tanh, x, use_reentrant=False)
+    h = sync_fn(h)
+    with ctx:
+        y = h.sum()
+    sync_fn(y).backward()
+    assert ctx.offload_synchronizer.backend.device_type == "cuda"
+    assert ctx.offload_synchronizer.stats.bytes_offloaded == x.nbytes
+    xr = x.detach().clone().requires_grad_()
+    torch.tanh(xr).sum().backward()
+    assert torch.equal(x.grad, xr.grad)

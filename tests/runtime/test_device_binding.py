@@ -26,3 +26,22 @@ def test_without_a_device_the_backend_follows_the_saved_tensors(monkeypatch):
         y.backward()
     assert sync.backend.device_type == "cpu" and sync.stats.bytes_offloaded == 2 * x.nbytes
     assert torch.equal(w.grad, 2 * torch.autograd.grad(torch.tanh(x @ w).sum(), w)[0])
+
+
+def test_a_cpu_tensor_saved_first_does_not_bind_the_step(monkeypatch):
+    """Non-reentrant checkpoint saves an empty CPU tensor before the layer's inputs; binding the step
+    to it would keep every CUDA tensor of the step on the device. Only a CUDA tensor binds a step."""
+    from annotate_offload.runtime._synchronizer import OffloadSynchronizer
+
+    bound = []
+    real = OffloadSynchronizer._bind_to
+    monkeypatch.setattr(OffloadSynchronizer, "_bind_to", lambda self, t: (bound.append(t.device), real(self, t)))
+    ctx, sync_fn = ao.get_cpu_offload_context(True, 1, 2, min_offload_numel=0)
+    x = torch.randn(32, 64, requires_grad=True)
+    with ctx:
+        h = torch.utils.checkpoint.checkpoint(torch.tanh, x, use_reentrant=False)
+    h = sync_fn(h)
+    with ctx:
+        y = h.sum()
+    sync_fn(y).backward()
+    assert bound == [] and ctx.offload_synchronizer.stats.bytes_offloaded == x.nbytes

@@ -24,7 +24,7 @@ def _reference(blocks, x):
 
 @pytest.mark.parametrize("n", [0, 1, L - 1])
 @pytest.mark.parametrize(
-    "knobs", [{}, {"release_lag": 1, "prefetch_layers": 1}, {"release_lag": 0, "prefetch_layers": 2}]
+    "knobs", [{}, {"prefetch_layers": 1}, {"prefetch_layers": 2}]
 )
 def test_default_mode_bit_identical(n, knobs):
     blocks = make_stack(L)
@@ -106,7 +106,7 @@ def test_autocast_bf16_bit_identical():
         out_ref = run_plain(ref, xr)
     out_ref.float().sum().backward()
     ctx, sync = ao.get_cpu_offload_context(
-        True, 2, 3, device="cpu", min_offload_numel=0, prefetch_layers=1, release_lag=1
+        True, 2, 3, device="cpu", min_offload_numel=0, prefetch_layers=1
     )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = run_offloaded(blocks, x, ctx, sync)

@@ -6,17 +6,18 @@ import warnings
 
 import torch
 
-from annotate_offload.runtime import DefaultOffloadSynchronizer, PinnedBufferPool
+from annotate_offload.runtime import DefaultOffloadSynchronizer
+from annotate_offload.runtime._pinned_pool import PinnedBufferPool
 
 
 def test_exact_sizes_and_reuse():
     pool = PinnedBufferPool(pin=False)
-    a = pool.acquire(1000)
-    assert a.tensor.numel() == 1000 and pool.cached_bytes == 1000
-    pool.release(a)
-    b = pool.acquire(1000)
-    assert b is a and pool.cached_bytes == 1000
-    c = pool.acquire(1001)
+    a, event = pool.acquire(1000)
+    assert a.numel() == 1000 and pool.cached_bytes == 1000 and event is None
+    pool.release(a, "last copy")
+    b, event = pool.acquire(1000)
+    assert b is a and pool.cached_bytes == 1000 and event == "last copy"
+    c, _ = pool.acquire(1001)
     assert pool.cached_bytes == 2001 and pool.in_use_bytes == 2001
     pool.release(b)
     pool.release(c)
@@ -32,9 +33,9 @@ def test_pinning_failure_falls_back_with_a_warning():
     pool._pin = fail
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        buf = pool.acquire(4096)
+        buf, _ = pool.acquire(4096)
         pool.acquire(4096)
-    assert not buf.pinned and buf.tensor.numel() == 4096
+    assert not buf.is_pinned() and buf.numel() == 4096
     assert sum("falling back to pageable" in str(w.message) for w in rec) == 1
 
 

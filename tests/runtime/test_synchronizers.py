@@ -15,25 +15,12 @@ def _layer(sync, i, x, w):
     return sync.commit_layer(y, i)
 
 
-def test_te_schedule_arithmetic():
-    s = DefaultOffloadSynchronizer(5, 2, device="cpu")
-    sched = s.schedule()
-    rows = sched["layers"]
-    assert [r["offloaded"] for r in rows] == [True, True, False, False, False]
+def test_release_points_follow_transformer_engines_bound_or_the_lag():
+    te = DefaultOffloadSynchronizer(5, 2, device="cpu")
     # TE: layer i released at the entry of L-N+i, reloaded when backward reaches L-1-N+i
-    assert [rows[i]["release_at_entry_of"] for i in range(2)] == [3, 4]
-    assert [rows[i]["reload_when_backward_reaches"] for i in range(2)] == [2, 3]
-    assert sched["max_offloaded_layers_on_device_forward"] == 2
-
-
-def test_lag_and_prefetch_at_n_equals_l_minus_one():
-    s = DefaultOffloadSynchronizer(8, 7, device="cpu", release_lag=1, prefetch_layers=1)
-    sched = s.schedule()
-    assert sched["layers"][0]["release_at_entry_of"] == 2
-    assert sched["layers"][6]["release_at_entry_of"] == "end of forward"
-    assert sched["layers"][3]["reload_when_backward_reaches"] == 4
-    assert sched["max_offloaded_layers_on_device_forward"] == 2
-    assert sched["max_offloaded_layers_on_device_backward"] == 2
+    assert [te.release_point(i) for i in range(2)] == [3, 4] and te.prefetch_layers == 2
+    lagged = DefaultOffloadSynchronizer(8, 7, device="cpu", release_lag=1, prefetch_layers=1)
+    assert lagged.release_point(0) == 2 and lagged.release_point(6) == 8  # 8: the end of forward
 
 
 def test_release_and_prefetch_happen_at_the_scheduled_layers():
@@ -60,6 +47,83 @@ def test_release_and_prefetch_happen_at_the_scheduled_layers():
     assert s.stats.resident_bytes == 0
 
 
+def _two_op_layer(sync, i, x, w1, w2):
+    sync.enter_layer(i)
+    y = torch.tanh(x @ w1)
+    z = torch.tanh(y @ w2)
+    return sync.commit_layer(z, i)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_each_reload_starts_once_half_of_the_layer_above_is_used(monkeypatch, k):
+    """Note [Paced prefetch]: at N = L-1 with a look-ahead of one layer, the kept last layer paces
+    the first reload (layer L-2 starts once half of layer L-1's saved activations were unpacked),
+    and each reload below starts once half of the layer above's reloads were used up, not at that
+    layer's first backward node. A longer look-ahead starts them at the layer boundaries."""
+    from annotate_offload.runtime._layer_state import _LayerState
+
+    L = 4
+    w1, w2 = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
+    x0 = torch.randn(8, 64, requires_grad=True)
+
+    def run(sync):
+        h = x0
+        for i in range(L):
+            h = _two_op_layer(sync, i, h, w1, w2) if sync else torch.tanh(torch.tanh(h @ w1) @ w2)
+        return h
+
+    ref = torch.autograd.grad(run(None).sum(), (x0, w1, w2))
+    s = DefaultOffloadSynchronizer(L, L - 1, device="cpu", min_offload_numel=0, release_lag=1, prefetch_layers=k)
+    starts = []  # (layer, (bytes used, bytes held) of the layer above) at each layer's reload
+    real = _LayerState.start_reload
+
+    def spy(state):
+        if state.state != "reload_started":
+            above = s._step.layers.get(state.index + 1)
+            pacer = above.pacer if above is not None else s._step.kept.get(state.index + 1)
+            starts.append((state.index, None if pacer is None else (pacer.used, pacer.total)))
+        return real(state)
+
+    monkeypatch.setattr(_LayerState, "start_reload", spy)
+    got = torch.autograd.grad(run(s).sum(), (x0, w1, w2))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert [i for i, _ in starts] == [2, 1, 0]
+    if k == 1:
+        for _, (used, held) in starts:
+            assert held > 0 and held <= 2 * used < 2 * held  # half of the layer above, not all of it
+    else:
+        assert starts[0][1] is None and all(used == 0 for _, (used, _) in starts[1:])
+    assert s.stats.on_demand_reloads == 0 and s.stats.resident_bytes == 0
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_a_reload_is_dropped_once_each_of_its_handles_was_unpacked(manual):
+    s = (ManualOffloadSynchronizer(1, device="cpu", min_offload_numel=0) if manual
+         else DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0, prefetch_layers=1))
+    a, b = torch.randn(8, 16), torch.randn(8, 16)
+    assert s.fwd_step() == 0
+    ha1, ha2, hb = s.push_tensor(a), s.push_tensor(a), s.push_tensor(b)  # a: one unit, two handles
+    if manual:
+        s.start_offload_layer(0)
+        s.release_activation_forward_gpu_memory(0)
+        s.start_reload_layer(0)
+    else:
+        s.fwd_step()  # releases layer 0 (CPU: its copy is done)
+        s.bwd_step(1)  # reloads it
+    unit = a.nbytes
+    assert s.stats.resident_bytes == 2 * unit
+    assert torch.equal(s.pop_tensor(hb), b) and s.stats.resident_bytes == unit  # b's only handle
+    for _ in range(2):  # a handle unpacked twice counts once
+        assert torch.equal(s.pop_tensor(ha1), a) and s.stats.resident_bytes == unit
+    assert torch.equal(s.pop_tensor(ha2), a) and s.stats.resident_bytes == 0
+    reloaded = s.stats.bytes_reloaded
+    assert torch.equal(s.pop_tensor(hb), b)  # unpacked again once dropped: its unit alone comes back
+    assert s.stats.bytes_reloaded == reloaded + unit and s.stats.on_demand_reloads == 1
+    s.finish_part_of_bwd()
+    assert s.stats.resident_bytes == 0
+
+
 def test_explicit_offloaded_layers_and_validation():
     s = DefaultOffloadSynchronizer(6, offloaded_layers=[1, 3], device="cpu")
     assert s.offloaded_layers == {1, 3}
@@ -76,9 +140,10 @@ def test_entering_a_layer_twice_without_commit_raises():
     s.enter_layer(0)
     with pytest.raises(OffloadError, match="still open"):
         s.enter_layer(1)
+    assert s._scope is None and s._step is None  # the refused entry dropped the step
+    s.enter_layer(0)
     with pytest.raises(OffloadError, match="commit the layer that was entered"):
         s.commit_layer(torch.zeros(1, requires_grad=True), 2)
-    s.abort()
     assert s._scope is None and s._step is None
 
 
@@ -240,65 +305,6 @@ def test_marks_on_a_base_cover_its_views():
     assert s.stats.bytes_offloaded == x.nbytes
 
 
-def _two_op_layer(sync, i, x, w1, w2):
-    sync.enter_layer(i)
-    y = torch.tanh(x @ w1)
-    z = torch.tanh(y @ w2)
-    return sync.commit_layer(z, i)
-
-
-@pytest.mark.parametrize("k", [1, 2])
-def test_kept_last_layer_paces_the_first_reload(monkeypatch, k):
-    """Note [Kept-layer paced prefetch]: at N = L-1 with a look-ahead of one layer, layer L-2's
-    reload starts once half of the kept layer L-1's saved bytes were unpacked, not at its first
-    backward node (both would be on the device at once); gradients are unchanged."""
-    from annotate_offload.runtime import _layer_state
-
-    L = 4
-    w1 = torch.nn.Parameter(torch.randn(64, 64))
-    w2 = torch.nn.Parameter(torch.randn(64, 64))
-    x0 = torch.randn(8, 64, requires_grad=True)
-
-    def run(sync):
-        h = x0
-        for i in range(L):
-            h = _two_op_layer(sync, i, h, w1, w2) if sync is not None else torch.tanh(torch.tanh(h @ w1) @ w2)
-        return h
-
-    ref = torch.autograd.grad(run(None).sum(), (x0, w1, w2))
-    s = DefaultOffloadSynchronizer(L, L - 1, device="cpu", min_offload_numel=0, release_lag=1, prefetch_layers=k)
-    starts = []
-    real = _layer_state._LayerState.start_reload
-
-    def spy(state):
-        if state.state != "reload_started":  # the first call of this layer's reload
-            kept = step.kept.get(L - 1)
-            above = step.layers.get(state.index + 1)  # the offloaded layer above, if any
-            starts.append((state.index, None if kept is None else (kept.consumed_bytes, kept.total_bytes),
-                           None if above is None else (above.pacer.consumed_bytes, above.pacer.total_bytes)))
-        return real(state)
-
-    monkeypatch.setattr(_layer_state._LayerState, "start_reload", spy)
-    out = run(s)
-    step = s._step
-    got = torch.autograd.grad(out.sum(), (x0, w1, w2))
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    first = starts[0]
-    assert first[0] == L - 2
-    if k == 1:
-        consumed, saved = first[1]
-        assert saved > 0 and saved <= 2 * consumed < 2 * saved  # half of the kept layer, not all of it
-        # Note [Half-layer prefetch]: layer L-3's reload waits for half of layer L-2's reload
-        second = starts[1]
-        assert second[0] == L - 3
-        consumed, reloaded = second[2]
-        assert reloaded > 0 and reloaded <= 2 * consumed < 2 * reloaded
-    else:
-        assert first[1] is None  # no pacing with a longer look-ahead: reloads start at once
-    assert s.stats.on_demand_reloads == 0
-
-
 def test_deepcopy_gives_a_fresh_runtime_with_the_same_configuration():
     import copy
     import pickle
@@ -311,7 +317,7 @@ def test_deepcopy_gives_a_fresh_runtime_with_the_same_configuration():
     s.enter_layer(0)
     y = s.commit_layer((x * 2).sin(), 0)  # a step in flight: its state must not reach the copy
     c = copy.deepcopy(s)
-    assert type(c) is type(s) and c.stats is not s.stats and c._step is None and c._pending == []
+    assert type(c) is type(s) and c.stats is not s.stats and c._step is None
     assert (c.num_layers, c.offloaded_layers, c.release_lag, c.prefetch_layers, c.min_offload_numel, c.policy) == (
         s.num_layers, s.offloaded_layers, s.release_lag, s.prefetch_layers, s.min_offload_numel, s.policy)
     assert c._frozen_shapes == s._frozen_shapes and c._frozen_shapes is not s._frozen_shapes

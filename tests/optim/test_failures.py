@@ -1,0 +1,134 @@
+"""Failure semantics (Note [Failed steps] in annotate_offload/optim/_pipeline.py) and bounds.
+
+After an exception in ``step()`` every parameter is stepped or untouched, the exception lists the
+untouched ones, and a retried ``step()`` steps each of them exactly once, in every mode; ``close()``
+always cleans up first.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from _hdo_util import assert_same, loss_of, pair
+from annotate_offload.errors import OffloadError
+from annotate_offload.optim import HybridDeviceOptimizer
+
+
+class _FailOnce(torch.optim.AdamW):
+    """AdamW whose instance marked ``fail_next`` raises at its next step (a host chunk that fails once)."""
+
+    def step(self, closure=None):
+        if getattr(self, "fail_next", False):
+            self.fail_next = False
+            raise RuntimeError("host chunk failed")
+        return super().step(closure)
+
+
+MODES = {"exact": {}, "offload_gradients": {"offload_gradients": True}, "serial": {"overlap_cpu_optimizer_d2h_h2d": False},
+         "step_in_backward": {"step_in_backward": True}}
+
+
+def _xs(n, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 8, generator=g) for _ in range(n)]
+
+
+def _build(mode, f=0.75):
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, chunk_bytes=128, lr=1e-2, fused=True,
+                                cpu_optimizer_cls=_FailOnce, **MODES.get(mode, {}))
+    ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
+    assert len(opt.cpu_optimizers) >= 3 and opt.gpu_optimizer is not None
+    return m, r, opt, ref
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_failed_step_is_all_or_nothing_per_parameter_and_a_retry_steps_the_rest_once(mode):
+    m, r, opt, ref = _build(mode)
+    x = _xs(1)[0]
+    opt.cpu_optimizers[len(opt.cpu_optimizers) // 2].fail_next = True  # before backward: step_in_backward runs it there
+    before = [p.detach().clone() for p in m.parameters()]
+    loss_of(m, x).backward()
+    loss_of(r, x).backward()
+    ref.step()
+    with pytest.raises(RuntimeError, match="host chunk failed") as info:
+        opt.step()
+    untouched = info.value.untouched_params
+    assert 0 < len(untouched) < len(before)
+    assert "untouched_params" in "".join(getattr(info.value, "__notes__", []))
+    for i, (p, q, b) in enumerate(zip(m.parameters(), r.parameters(), before)):
+        assert torch.equal(p, b if i in untouched else q), i  # untouched, or stepped exactly as torch steps it
+    opt.step()  # the retry steps exactly the untouched ones, once
+    assert_same(m, r)
+    for p, q in zip(m.parameters(), r.parameters()):
+        assert torch.equal(opt.state[p]["step"], ref.state[q]["step"])
+    for model, o in ((m, opt), (r, ref)):  # and training goes on in step
+        o.zero_grad()
+        loss_of(model, _xs(1, seed=8)[0]).backward()
+        o.step()
+    assert_same(m, r)
+    opt.close()
+
+
+def test_a_failed_host_chunk_in_delayed_mode_runs_again_before_the_next_step():
+    """Delayed mode: step t's host work runs during step t + 1; a chunk that failed is reported by the
+    next step(), which writes only the finished chunks' weights (untouched_params: all the others),
+    and runs once more when step() is called again."""
+    m, r = pair()
+    kw = dict(offload_fraction=0.75, chunk_bytes=128, lr=1e-2, fused=True, delayed_param_update=True)
+    opt = HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=_FailOnce, **kw)
+    twin = HybridDeviceOptimizer(r.parameters(), **kw)
+    opt.cpu_optimizers[1].fail_next = True  # fails in the worker after step 0, during the next backward
+    xs = _xs(3)
+    for i, x in enumerate(xs):
+        for model, o in ((m, opt), (r, twin)):
+            loss_of(model, x).backward()
+            if o is opt and i == 1:
+                before = [p.detach().clone() for p in m.parameters()]
+                with pytest.raises(RuntimeError, match="host chunk failed") as info:
+                    o.step()  # reports step 0's failed chunk; nothing of step 1 ran
+                untouched = info.value.untouched_params
+                host = [i for i, pl in enumerate(opt.placements) if pl.side == "cpu"]
+                assert set(untouched) > set(range(len(before))) - set(host) and not set(host) <= set(untouched)
+                for j, (a, b) in enumerate(zip(before, m.parameters())):
+                    assert torch.equal(a, b) == (j in untouched), j
+            o.step()
+            o.zero_grad()
+    opt.flush()
+    twin.flush()
+    assert_same(m, r)
+    for p, q in zip(m.parameters(), r.parameters()):
+        assert torch.equal(opt.state[p]["step"], twin.state[q]["step"])
+    opt.close()
+    twin.close()
+
+
+def test_close_cleans_up_then_reports_the_pending_failure():
+    m, _, opt, _ = _build("step_in_backward")
+    workers = lambda: sum(t.name.startswith("hdo-cpu-step") for t in threading.enumerate())  # noqa: E731
+    n = workers()
+    opt.cpu_optimizers[0].fail_next = True
+    loss_of(m, _xs(1)[0]).backward()  # the chunk fails in the worker; nothing reported yet
+    with pytest.raises(RuntimeError, match="host chunk failed"):
+        opt.close()
+    assert workers() == n - 1  # the worker was stopped anyway
+    assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in m.parameters())  # and the hooks removed
+    opt.close()  # idempotent
+    with pytest.raises(OffloadError, match="closed"):
+        opt.step()
+
+
+def test_cpu_threads_is_bounded_by_the_usable_cpus():
+    n = len(os.sched_getaffinity(0))
+    m, _ = pair()
+    with pytest.raises(ValueError, match=rf"cpu_threads={n + 1}: pass None or an int in \[1, {n}\]; this process may "
+                                         rf"run on {n} CPUs"):
+        HybridDeviceOptimizer(m.parameters(), cpu_threads=n + 1)
+    with pytest.raises(ValueError, match=r"cpu_threads=100000"):
+        HybridDeviceOptimizer(m.parameters(), cpu_threads=100000)
+    assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in m.parameters())
+    HybridDeviceOptimizer(m.parameters(), cpu_threads=n).close()
