@@ -14,10 +14,18 @@ Nothing above the layers is traced or replaced: the root forward, its arguments,
 the declared layers, fixed per wrapper, so eval forwards, skipped layers and repeated forwards
 cannot desynchronise it. Outside a training forward (autograd off, or inside backward where a
 checkpoint recomputes the layer), and inside the layer's own open scope (a user forward set later
-that calls the earlier wrapper), the wrapper only calls the forward. Under ``torch.compile`` the
-wrapper runs eagerly: the graph breaks at each layer call. The runtime binds its device from the
-tensors of each step (Note [Device binding] in ``runtime/_synchronizer.py``), so the transform
-and ``.to(device)`` may come in either order.
+that calls the earlier wrapper), the wrapper only calls the forward. The runtime binds its device
+from the tensors of each step (Note [Device binding] in ``runtime/_synchronizer.py``), so the
+transform and ``.to(device)`` may come in either order.
+
+Note [Traced layers]. Under ``torch.compile`` Dynamo traces the wrapper (no graph break): it runs
+the forward inside ``torch.fx.traceback.annotate`` with the tag ``(key, i)`` (``key``: the model's
+runtime, Note [Compiled offload ops] in ``compile/_ops.py``) and puts a ``layer`` marker op at the
+entry of layer ``i`` (and after the last layer) with the key and a checksum of the plan. AOTAutograd carries the tag onto every forward and
+backward node of the layer, and the fx pass in ``compile/_pass.py`` offloads the saved activations
+of the partitioned graph through the same runtime. No scope opens in traced code, so the adapter
+marks' hooks stand aside there. Dynamo guards on ``key``, the plan, the layer index and the grad
+mode, so a model transformed, removed or copied later gets its own graph.
 
 The wrappers hold weak references to their layer and to the transform's state, which the model
 owns: a transformed model has no reference cycle and is freed when its last reference goes, like
@@ -45,10 +53,12 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.fx.traceback
 import torch.nn as nn
 import torch.utils.checkpoint as _cp
 from torch.utils._pytree import tree_leaves
 
+from annotate_offload.compile._ops import TAG, register as register_runtime
 from annotate_offload.errors import OffloadError
 from annotate_offload.runtime._context import inside_checkpoint
 from annotate_offload.runtime._marks import mark_ready
@@ -62,7 +72,8 @@ _HOOK: list[Any] = []
 
 
 def _count_registration(module: nn.Module, name: str, submodule: Any) -> None:
-    _GENERATION[0] += 1
+    if not torch.compiler.is_compiling():  # a model that registers modules in its forward must not recompile
+        _GENERATION[0] += 1
 
 
 def generation() -> int:
@@ -87,23 +98,6 @@ def _in_reentrant_checkpoint() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (and what it calls) run eagerly under ``torch.compile``: Dynamo does not trace the
-    runtime's Python side effects, it breaks the graph at the layer call. Dynamo is looked up only
-    once something imported it, so eager training never imports it."""
-    skipped: list[Callable[..., Any]] = []
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if not skipped:
-            skipped.append(sys.modules["torch._dynamo"].disable(fn))
-        return skipped[0](*args, **kwargs)
-
-    return run
 
 
 def _refuse_pickle(self: Any, protocol: Any = None) -> Any:
@@ -137,11 +131,14 @@ class LayerForward:
         module = self.module()
         return type(module).forward.__get__(module, type(module))
 
-    @_eager
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state()
         if state is None:  # the model is gone and the layer lives on: a plain module
             return self.target()(*args, **kwargs)
+        if torch.compiler.is_compiling():  # Dynamo on torch 2.11 does not trace function.__get__
+            module = self.module()
+            fn = self.prev if self.prev is not None else functools.partial(type(module).forward, module)
+            return state.traced(self.index, fn, args, kwargs)
         return state.run(self.index, self.target(), args, kwargs)
 
     @property
@@ -184,6 +181,7 @@ class OffloadState:
         self.marks: Any = None  # peft OffloadMarks on the model
         self.own_marks = False  # installed by offload_transform (removed with it)
         self.generation = generation()
+        self.key, self.plan_id = register_runtime(sync)  # Note [Traced layers]
         self._fresh()
 
     def _fresh(self) -> None:
@@ -241,6 +239,20 @@ class OffloadState:
             self.abort()
             raise
         return self._commit(out, index)
+
+    def traced(self, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One layer call as Dynamo traces it (Note [Traced layers])."""
+        if index in self.recompute and torch.is_grad_enabled():
+            fn = _checkpointed(fn)
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        key, plan, layer = self.key, self.plan_id, torch.ops.annotate_offload.layer
+        with torch.fx.traceback.annotate({TAG: (key, index)}):
+            layer(key, index, plan)
+            out = fn(*args, **kwargs)
+        if index == len(self.layers) - 1:
+            layer(key, index + 1, plan)
+        return out
 
     def _enter(self, index: int, args: tuple, kwargs: dict) -> None:
         me = threading.get_ident()
@@ -343,6 +355,7 @@ class OffloadState:
         new.fqns, new.recompute, new.offloaded = self.fqns, self.recompute, self.offloaded
         new.layers = copy.deepcopy(self.layers, memo)
         new.sync, new.plan = copy.deepcopy(self.sync, memo), copy.deepcopy(self.plan, memo)
+        new.key, new.plan_id = register_runtime(new.sync)
         new.marks, new.own_marks = copy.deepcopy(self.marks, memo), self.own_marks
         new.generation = self.generation
         new._fresh()

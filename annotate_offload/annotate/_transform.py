@@ -336,8 +336,8 @@ class _TuneSchedule:
 
     def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> None:
         state = root.__dict__.get(_STATE)
-        if state is not None and not torch.is_grad_enabled():
-            return  # wait for a training forward
+        if (state is not None and not torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return  # wait for a training forward that runs eagerly (Note [Traced layers] in _layers.py)
         root._forward_pre_hooks.pop(self.id, None)
         leaf = next((t for t in tree_leaves((args, kwargs, list(root.parameters()))) if isinstance(t, torch.Tensor)),
                     None)

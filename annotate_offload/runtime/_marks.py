@@ -91,6 +91,7 @@ def mark_not_offload(*tensors: torch.Tensor) -> None:
     """
     for t in _tensors(tensors, "mark_not_offload"):
         t._TE_do_not_offload = True
+        _traced_mark(t, False)
 
 
 def mark_activation_offload(*tensors: torch.Tensor) -> None:
@@ -104,13 +105,24 @@ def mark_activation_offload(*tensors: torch.Tensor) -> None:
     """
     for t in _tensors(tensors, "mark_activation_offload"):
         t.activation_offloading = True
+        _traced_mark(t, True)
+
+
+def _traced_mark(t: torch.Tensor, offload: bool) -> None:
+    """Under ``torch.compile`` a mark is also an op of the traced program, which the fx pass reads
+    (Note [Compiled offload pass] in ``annotate_offload/compile/_pass.py``)."""
+    if torch.compiler.is_compiling():
+        from annotate_offload.compile import _ops  # noqa: F401 - registers the op
+
+        torch.ops.annotate_offload.mark(t, offload)
 
 
 def mark_ready(t: torch.Tensor) -> None:
     """Record that ``t`` is final now (ready event on the current stream, with its version) without
     copying it: if autograd saves it later in this scope, its D2H waits for this event instead of
-    the stream position at save time (Note [Layer input at entry] in ``annotate/_layers.py``)."""
-    if t.device.type == "cuda":
+    the stream position at save time (Note [Layer input at entry] in ``annotate/_layers.py``). In a
+    compiled graph every D2H waits for the compute stream at its save: nothing to record."""
+    if t.device.type == "cuda" and not torch.compiler.is_compiling():
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(t.device))
         t.start_reload_event = event

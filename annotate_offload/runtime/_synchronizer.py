@@ -78,7 +78,7 @@ from ._layer_state import (
 from ._marks import check_policy
 from ._pinned_pool import get_pool
 from ._stats import OffloadStats
-from ._tensor_group import _unit_range
+from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _ViewMeta
 
 __all__ = ["OffloadSynchronizer", "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
 
@@ -93,7 +93,10 @@ def _active_stack() -> list:
 
 
 def _active_synchronizer() -> Optional["OffloadSynchronizer"]:
-    """The synchronizer whose layer scope is open on this thread, if any."""
+    """The synchronizer whose layer scope is open on this thread, if any. None in code that
+    ``torch.compile`` traces, which opens no scope (Note [Traced layers] in ``annotate/_layers.py``)."""
+    if torch.compiler.is_compiling():
+        return None
     stack = _active_stack()
     return stack[-1] if stack else None
 
@@ -114,6 +117,10 @@ def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> i
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _no_root() -> None:
+    return None
 
 
 class _Step:
@@ -342,6 +349,60 @@ class OffloadSynchronizer:
 
     def _unpack(self, handle: Any) -> torch.Tensor:
         return handle.unpack() if type(handle) is _Kept else self.pop_tensor(handle)
+
+    # -- compiled graphs (annotate_offload/compile, Note [Compiled offload ops]) --------------
+    # In a compiled graph the fx pass decided which saved activations move and where each layer's
+    # device copies are released; these calls feed them to the same storage units, host buffers,
+    # prefetch schedule and statistics as the hooks above.
+    def graph_begin(self, first: int, last: int) -> Any:
+        """A compiled forward that runs layers ``first..last`` starts; returns its step. A new step
+        starts unless the graph continues the forward of the current one (``first`` past the last
+        layer entered, as in :meth:`enter_layer`)."""
+        step = self._step
+        if step is None or step.ended or first <= self._last_entered:
+            self._new_step()
+        self._last_entered = last
+        return self._step
+
+    def graph_pack(self, step: Any, index: int, t: torch.Tensor) -> tuple:
+        """Start the D2H of ``t``, saved by layer ``index`` in ``step``; returns the record that
+        :meth:`graph_release`, :meth:`graph_unpack` and :meth:`graph_reach` take."""
+        if self._lazy_device and self._bound_step is not step and step is self._step and t.is_cuda:
+            self._bind_to(t)
+        state = step.layers.get(index)
+        if state is None:
+            # no units shared across layers: once a layer is released, a compiled graph may reuse its
+            # buffers (same storage, same version) for new values of a later layer
+            state = step.layers[index] = _LayerState(index, self, None)
+        handle = state.pack(t)
+        if type(handle) is _Packed:
+            # a graph never changes a saved tensor in place, but it reuses a dead tensor object for a
+            # later buffer: no version check on the original after its release
+            handle.root = _no_root
+        return handle, step
+
+    def graph_release(self, record: tuple) -> None:
+        """Drop the device bytes of the record's layer (the compute stream waits for their D2H)."""
+        if type(record[0]) is _Packed:
+            record[0].layer.release_forward()
+
+    def graph_unpack(self, record: tuple) -> torch.Tensor:
+        """The tensor of ``record``, reloaded (or waited for) on the compute stream. A compiled graph
+        may write into what an op returns, so a unit that several saved tensors share is handed out
+        as a copy of its bytes."""
+        handle = record[0]
+        t = self.pop_tensor(handle)
+        if type(handle) is _Packed:
+            layer = handle.layer
+            if len(layer.users[layer.fwd_gpu_tensor_group.aux["unit_index"][handle]]) > 1:
+                lo, hi = _unit_range(t, False)
+                meta = _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // t.element_size())
+                t = _rebuild(_flat_bytes(t, lo, hi).clone(), meta)
+        return t
+
+    def graph_reach(self, record: tuple, index: int) -> None:
+        """A compiled backward reached layer ``index`` of the step ``record`` belongs to."""
+        self._on_backward_layer(record[1], index)
 
     @staticmethod
     def _ready_event(t: torch.Tensor) -> Any:

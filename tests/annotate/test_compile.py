@@ -1,8 +1,9 @@
-"""torch.compile (backend="eager") of a transformed model: exact and offloading, in any order.
+"""torch.compile (backend="aot_eager") of a transformed model: exact and offloading, in any order.
 
-The layer forwards run eagerly (Dynamo breaks the graph at each layer call); the code around the
-layers is compiled. Whether the model, or another model of the same classes, was compiled before
-the transform does not matter: Dynamo's guards see the layers' instance forwards.
+Dynamo traces the layer wrappers and the fx pass in ``annotate_offload.compile`` offloads the saved
+activations of the partitioned graph (tests/compile has the rest). Whether the model, or another model
+of the same classes, was compiled before the transform does not matter: Dynamo's guards see the
+layers' instance forwards.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def test_compiled_transformed_model_trains_exactly_and_offloads(order):
     x = torch.randn(8, 64)
     if order == "class_compiled_before":  # a baseline of the same classes compiled first
         base = _Stack()
-        _step(base, x, torch.compile(base, backend="eager"))
+        _step(base, x, torch.compile(base, backend="aot_eager"))
     m = _Stack()
     ref = copy.deepcopy(m)
-    compiled = torch.compile(m, backend="eager")
+    compiled = torch.compile(m, backend="aot_eager")
     if order == "compile_then_transform":
         _step(m, x, compiled)
     offload_transform(m, 2, config=cfg())

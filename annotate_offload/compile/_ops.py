@@ -1,0 +1,152 @@
+"""The custom ops through which a compiled graph drives the offload runtime, and the runtime registry.
+
+Note [Compiled offload ops]. Under ``torch.compile`` a layer's code runs inside a compiled graph,
+where no saved-tensor hook sees what autograd saves: the partitioned graph says which activations
+the forward hands to the backward. The layer wrappers put a ``layer`` marker into the traced program
+(Note [Traced layers] in ``annotate/_layers.py``); the fx pass (``_pass.py``) reads the markers and
+puts in the ops below, each a call of the runtime eager mode uses (``OffloadSynchronizer.graph_*``:
+side streams, events, pinned pool, prefetch schedule, statistics)::
+
+    forward                                          backward
+    step = begin(key, first, last)   step of this call   r = reach(token, m, after)   backward reached layer m
+    token = save(x, step, i)         D2H of x, at save   x = load(token, [r], ...)     reload, or wait for it
+    release(tokens, keep)            drop device copies
+
+The forward returns the token (an empty CPU tensor carrying the runtime's record as a Python
+attribute) in place of ``x``: the graph drops ``x`` after ``release``, and the runtime holds the
+host copy until autograd frees the token. ``keep`` holds the released activations themselves, so the
+compiler cannot reuse their buffers while a D2H may still read them, and tensors that exist only
+from the release point on, so it cannot run earlier. ``after`` does the same for the backward ops.
+Data dependencies are the only ordering a compiler keeps, so every op has them.
+
+``key`` names the runtime of one transformed model: a process-wide counter, so the same script gets
+the same keys and a graph that a compile cache stored refers to the same model in a later run. It
+and a checksum of the plan are constants of the ``layer`` markers, which makes them part of the
+traced program's cache key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+import zlib
+from typing import Any
+
+import torch
+from torch.fx.node import has_side_effect
+
+from annotate_offload.errors import OffloadError
+
+__all__: list[str] = []
+
+TAG = "annotate_offload"  # the node.meta["custom"] key of a layer's nodes: (runtime key, layer index)
+_RUNTIMES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+_RECORD = "_annotate_offload_record"
+
+
+def register(sync: Any) -> tuple[int, int]:
+    """A new key for ``sync`` (the runtime of one transformed model; the registry holds it weakly),
+    and a checksum of its plan, which the markers carry so that a cached graph of another plan is
+    not reused."""
+    key = next(_KEYS)
+    _RUNTIMES[key] = sync
+    plan = (sorted(sync.offloaded_layers), sync.num_layers, sync.min_offload_numel, sync.policy, sync.release_lag)
+    return key, zlib.crc32(repr(plan).encode())
+
+
+def runtime(key: int) -> Any:
+    """The runtime registered as ``key``, or ``None`` once its model is gone."""
+    return _RUNTIMES.get(key)
+
+
+def _token(sync: Any, record: Any) -> torch.Tensor:
+    token = torch.empty(0, dtype=torch.uint8)
+    setattr(token, _RECORD, (sync, record))
+    return token
+
+
+def _record(token: torch.Tensor) -> tuple:
+    record = getattr(token, _RECORD, None)
+    if record is None:
+        raise OffloadError(
+            "annotate_offload: a compiled graph got an offload token without its record: something copied "
+            "the saved tensors of the compiled call (saved-tensor hooks around it, such as "
+            "torch.autograd.graph.save_on_cpu). Remove those hooks; the transform offloads already."
+        )
+    return record
+
+
+def _empty_fake(*args: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device="cpu")
+
+
+@torch.library.custom_op("annotate_offload::layer", mutates_args=())
+def layer(key: int, index: int, plan: int) -> None:
+    """Marks the entry of layer ``index`` (``num_layers``: the end of the last layer); the pass reads
+    and removes it, and it does nothing where it stays."""
+
+
+@layer.register_fake
+def _layer_fake(key: int, index: int, plan: int) -> None:
+    from ._pass import install
+
+    install()  # a graph with layers of this package is being traced: the pass must see its partition
+
+
+@torch.library.custom_op("annotate_offload::begin", mutates_args=())
+def begin(key: int, first: int, last: int) -> torch.Tensor:
+    sync = runtime(key)
+    if sync is None:
+        raise OffloadError(
+            f"annotate_offload: a compiled graph drives offload runtime {key}, whose model no longer exists in "
+            "this process. Compile the transformed model in the process that runs it."
+        )
+    return _token(sync, sync.graph_begin(first, last))
+
+
+@torch.library.custom_op("annotate_offload::save", mutates_args=())
+def save(x: torch.Tensor, step: torch.Tensor, index: int) -> torch.Tensor:
+    sync, record = _record(step)
+    return _token(sync, sync.graph_pack(record, index, x))
+
+
+@torch.library.custom_op("annotate_offload::release", mutates_args=())
+def release(tokens: list[torch.Tensor], keep: list[torch.Tensor]) -> None:
+    for token in tokens:
+        sync, record = _record(token)
+        sync.graph_release(record)
+
+
+@torch.library.custom_op("annotate_offload::reach", mutates_args=())
+def reach(token: torch.Tensor, index: int, after: list[torch.Tensor]) -> torch.Tensor:
+    sync, record = _record(token)
+    sync.graph_reach(record, index)
+    return torch.empty(0, dtype=torch.uint8)
+
+
+@torch.library.custom_op("annotate_offload::load", mutates_args=())
+def load(token: torch.Tensor, after: list[torch.Tensor], size: list[int], stride: list[int], dtype: torch.dtype,
+         device: torch.device) -> torch.Tensor:
+    sync, record = _record(token)
+    return sync.graph_unpack(record)
+
+
+@load.register_fake
+def _load_fake(token: torch.Tensor, after: list[torch.Tensor], size: list[int], stride: list[int],
+               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+@torch.library.custom_op("annotate_offload::mark", mutates_args=())
+def mark(x: torch.Tensor, offload: bool) -> None:
+    """``mark_not_offload`` (``offload=False``) or ``mark_activation_offload`` (``True``) in a traced
+    program; the pass reads and removes it, and it does nothing where it stays."""
+
+
+for _op in (begin, save, reach):
+    _op.register_fake(_empty_fake)
+for _op in (release, mark):
+    _op.register_fake(lambda *args: None)
+for _name in ("layer", "release", "reach", "mark"):
+    has_side_effect(getattr(torch.ops.annotate_offload, _name).default)

@@ -1,0 +1,196 @@
+"""torch.compile of a transformed model: the traced layers and the fx pass (annotate_offload.compile).
+
+* compiled + transformed equals the compiled baseline bit for bit (losses and gradients), on the
+  built-in GPT and Llama and a tiny Hugging Face Llama with LoRA (``aot_eager``), and with inductor;
+* the transform adds no graph: the compiled model has as many graphs and graph breaks as the
+  compiled untransformed one;
+* the pass reports the saved activations of the partitioned graph with the reason each one stays,
+  its offloaded bytes are what the eligibility rules leave, and the runtime copies exactly those;
+* graphs without the package's layers come out of the partitioner unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from annotate_offload.annotate import offload_transform
+from annotate_offload.compile import compiled_offloads
+
+from _compile_models import H, Stack, assert_same, gpt, hf_lora, llama, step  # noqa: E402
+
+dynamo = pytest.importorskip("torch._dynamo")
+import torch._functorch.config  # noqa: E402
+import torch._inductor.config  # noqa: E402
+from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _offloaded(report) -> list:
+    return [s for s in report.saved if s.kept is None]
+
+
+def _check_runtime_agrees(model) -> None:
+    """The runtime copied per step exactly what the pass reported for the model's one graph."""
+    (report,) = compiled_offloads(model)
+    stats = model.offload_plan.runtime.stats
+    assert stats.bytes_offloaded == report.offloaded_bytes > 0
+    assert stats.bytes_reloaded == stats.bytes_offloaded and stats.on_demand_reloads == 0
+    assert stats.tensors_offloaded == len(_offloaded(report))
+    assert set(stats.bytes_offloaded_per_layer) == {s.layer for s in _offloaded(report)}
+    assert stats.resident_bytes == 0  # the end of backward released every device copy
+
+
+@pytest.mark.parametrize("make", [gpt, llama, hf_lora], ids=["gpt", "llama", "hf_lora"])
+def test_compiled_transformed_model_equals_compiled_baseline(make):
+    if make is hf_lora:
+        pytest.importorskip("transformers"), pytest.importorskip("peft")
+    model, inputs = make()
+    ref = copy.deepcopy(model)
+    offload_transform(model, 2, min_offload_numel=16, prefetch_layers=1)
+    counts = {name: CompileCounterWithBackend("aot_eager") for name in ("baseline", "transformed")}
+    compiled_ref = torch.compile(ref, backend=counts["baseline"])
+    base = [step(ref, compiled_ref, inputs) for _ in range(2)]
+    base_breaks = sum(counters["graph_break"].values())
+    compiled = torch.compile(model, backend=counts["transformed"])
+    for want in base:
+        assert_same(step(model, compiled, inputs), want)
+        _check_runtime_agrees(model)
+    assert counts["transformed"].frame_count == counts["baseline"].frame_count == 1
+    assert sum(counters["graph_break"].values()) - base_breaks == base_breaks == 0
+    assert {s.layer for s in _offloaded(compiled_offloads(model)[0])} == {0, 1}
+
+
+def test_inductor_equals_compiled_baseline():
+    model, inputs = gpt()
+    ref = copy.deepcopy(model)
+    offload_transform(model, 2, min_offload_numel=16, prefetch_layers=1, release_lag=0)
+    # graph caches off, so the pass runs on this compile; compiled kernels may come from the cache
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        compiled, compiled_ref = torch.compile(model), torch.compile(ref)
+        for _ in range(2):
+            assert_same(step(model, compiled, inputs), step(ref, compiled_ref, inputs))
+            _check_runtime_agrees(model)
+
+
+def _report(model, x) -> list:
+    compiled = torch.compile(model, backend="aot_eager")
+    step(model, compiled, (x,))
+    (report,) = compiled_offloads(model)
+    return report
+
+
+def test_offloaded_bytes_are_the_eligible_saved_activations_of_offloaded_layers():
+    """Block i saves its input (8, H) and its relu output (8, 2H) (fp32) for backward, and its two
+    weights. With layers 0 and 1 offloaded the pass offloads relu_0, relu_1 and block 1's input (the
+    output of block 0); block 0's input is the compiled function's input and stays, like the weights.
+    Eager mode offloads that input too: 8 * H * 4 bytes more."""
+    x = torch.randn(8, H)
+    model = Stack()
+    offload_transform(model, 2, min_offload_numel=16)
+    report = _report(model, x)
+    moved = [(s.layer, s.shape) for s in _offloaded(report)]
+    assert sorted(moved) == [(0, (8, 2 * H)), (1, (8, H)), (1, (8, 2 * H))]
+    assert report.offloaded_bytes == 8 * (2 * H + H + 2 * H) * 4
+    kept = {(s.layer, s.shape): s.kept for s in report.saved if s.kept is not None}
+    assert kept[(0, (8, H))] == "input"  # the model input, saved by block 0's first Linear
+    assert {kept[(i, (2 * H, H))] for i in (0, 1)} == {kept[(i, (H, 2 * H))] for i in (0, 1)} == {"input"}
+    assert {why for (layer, _), why in kept.items() if layer in (2, 3)} == {"layer_not_offloaded"}
+
+    eager = Stack()
+    eager.load_state_dict(model.state_dict())
+    offload_transform(eager, 2, min_offload_numel=16)
+    step(eager, eager, (x,))
+    assert eager.offload_plan.runtime.stats.bytes_offloaded == report.offloaded_bytes + 8 * H * 4
+
+
+def test_small_and_marked_activations_stay():
+    x = torch.randn(8, H)
+    model = Stack()
+    offload_transform(model, 2, min_offload_numel=8 * H + 1)  # between a block input and a relu output
+    report = _report(model, x)
+    assert {s.shape for s in _offloaded(report)} == {(8, 2 * H)}
+    assert [s.kept for s in report.saved if s.layer == 1 and s.shape == (8, H)] == ["too_small"]
+
+    marked = Stack(keep_hidden=True)  # mark_not_offload on every relu output
+    offload_transform(marked, 2, min_offload_numel=16)
+    report = _report(marked, x)
+    assert [(s.layer, s.shape) for s in _offloaded(report)] == [(1, (8, H))]
+    assert {s.kept for s in report.saved if s.shape == (8, 2 * H) and s.layer in (0, 1)} == {"marked"}
+
+
+def test_two_forwards_before_backward_and_retained_graph_stay_exact():
+    x1, x2 = torch.randn(8, H), torch.randn(8, H)
+    model = Stack()
+    ref = copy.deepcopy(model)
+    offload_transform(model, 2, min_offload_numel=16)
+    runs = {}
+    for name, m in (("ref", ref), ("offload", model)):
+        compiled = torch.compile(m, backend="aot_eager")
+        a, b = compiled(x1.clone().requires_grad_()), compiled(x2.clone().requires_grad_())
+        a.square().mean().backward(retain_graph=True)
+        a.square().mean().backward()  # the retained graph reloads from its host copies again
+        b.square().mean().backward()
+        runs[name] = {n: p.grad.clone() for n, p in m.named_parameters()}
+    for name, grad in runs["ref"].items():
+        assert torch.equal(runs["offload"][name], grad), name
+
+
+def test_graphs_without_layers_are_unchanged():
+    """After a transformed model's compile has installed the pass, an untransformed model's forward
+    and backward graphs are what the partitioner makes with torch's activation-offloading hook off."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    transformed = Stack()
+    offload_transform(transformed, 2, min_offload_numel=16)
+    step(transformed, torch.compile(transformed, backend="aot_eager"), (torch.randn(8, H),))
+
+    def capture(codes):
+        def compiler(gm, example_inputs):
+            codes.append(gm.code)
+            return make_boxed_func(gm.forward)
+
+        return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+
+    plain, x = Stack(), torch.randn(8, H)
+    results = []
+    for hook in (True, False):
+        torch._dynamo.reset()
+        codes: list = []
+        with torch._functorch.config.patch(enable_activation_offloading=hook):
+            out = step(plain, torch.compile(plain, backend=capture(codes)), (x,))
+        results.append((codes, out))
+    (with_pass, out_a), (without, out_b) = results
+    assert len(with_pass) == 2 and with_pass == without
+    assert not any("annotate_offload" in code for code in with_pass)
+    assert_same(out_a, out_b)
+
+
+def test_eager_training_imports_no_compiler():
+    code = (
+        "import sys, torch\n"
+        "from annotate_offload.annotate import offload_transform\n"
+        "from annotate_offload.models import GPTConfig, GPTStack\n"
+        "m = GPTStack(GPTConfig(hidden=32, heads=2, layers=4))\n"
+        "offload_transform(m, 2, min_offload_numel=16)\n"
+        "m(torch.randn(2, 8, 32)).sum().backward()\n"
+        "assert m.offload_plan.runtime.stats.bytes_offloaded > 0\n"
+        "print(sorted(k for k in ('torch._dynamo', 'torch._inductor') if k in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
