@@ -31,7 +31,12 @@ from annotate_offload.compile import compiled_offloads
 from annotate_offload.models import GPTConfig, GPTStack
 from annotate_offload.testing import bit_reproducible
 
-pytestmark = pytest.mark.cuda
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skip(reason="layers called with CUDA tensors run eagerly under torch.compile until the pass's "
+                            "stream ordering has run on a GPU: remove that branch of LayerForward.__call__ "
+                            "(Note [Traced layers]) and run this file on the GPU machine"),
+]
 
 L = 8
 WORKLOADS = {
