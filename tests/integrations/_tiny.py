@@ -35,6 +35,7 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def same(a: list, b: list) -> None:
-    """``torch.equal`` on every logged value (losses, gradient norms), with the same count."""
+    """``torch.equal`` on every logged value (losses, gradient norms), with the same count (NaN where NaN)."""
     assert len(a) == len(b) > 0, (a, b)
-    assert torch.equal(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)), (a, b)
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    assert torch.equal(ta.isnan(), tb.isnan()) and torch.equal(ta[~ta.isnan()], tb[~tb.isnan()]), (a, b)
