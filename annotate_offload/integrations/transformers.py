@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,7 +69,9 @@ class OffloadCallback(TrainerCallback):
     level INFO, world process zero). Under ``torchrun`` (DDP) a ``HybridDeviceOptimizer`` is attached to
     the ``DistributedDataParallel`` model Trainer built, at its first training forward, with
     ``attach_optimizer(ddp, optimizer, shard_host_step=False)``: every rank steps every host chunk, so
-    ``optimizer.state_dict()`` needs no collective and Trainer's checkpoints save and resume it.
+    ``optimizer.state_dict()`` needs no collective and Trainer's checkpoints save and resume it. Trainer
+    builds DDP with ``gradient_as_bucket_view=False``, so host-stepped gradients are copied at ``step()``
+    rather than during backward.
 
     Args:
         num_layers (int | None): offload the first ``N`` decoder layers (``0 <= N < L``). Required unless
@@ -178,7 +181,9 @@ class _AttachToDDP:
                 "OffloadCallback: this distributed Trainer run does not train the model through "
                 "DistributedDataParallel (FSDP or DeepSpeed?); a HybridDeviceOptimizer is supported there under DDP "
                 "only. Use torch.optim.AdamW, or launch without FSDP/DeepSpeed.")
-        attach_optimizer(ddp, self.opt, shard_host_step=False)
+        with warnings.catch_warnings():  # Trainer's DDP has gradient_as_bucket_view=False and no way to change it
+            warnings.filterwarnings("ignore", r"register_offload_comm_hook: DistributedDataParallel\(gradient_as_bucket")
+            attach_optimizer(ddp, self.opt, shard_host_step=False)
 
 
 def _first_batch(loader: Any, device: torch.device) -> Any:
