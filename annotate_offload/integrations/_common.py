@@ -1,4 +1,4 @@
-"""What the framework callbacks share: the config, the optimizer checks, the optimizer's arguments (private)."""
+"""What the framework callbacks share: their arguments, the transform, the optimizer checks (private)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..annotate import offload_transform
@@ -103,18 +102,6 @@ def as_config(config: Any, who: str) -> tuple[Config, bool]:
                 raise ValueError(f"{who}: unknown config key '{name}.{key}'; {_closest_key(name, key)}")
         sections[name] = _SECTIONS[name](**values)
     return Config(**sections), "optimizer" in config
-
-
-def optimizer_cls_and_kwargs(config: Any, who: str = "optimizer_cls_and_kwargs") -> tuple[type, dict[str, Any]]:
-    """The optimizer class and keyword arguments of ``config``'s optimizer section (see the public wrappers)."""
-    o = as_config(config, who)[0].optimizer
-    kwargs: dict[str, Any] = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay)
-    if not o.optimizer_cpu_offload:
-        return torch.optim.AdamW, {**kwargs, "fused": True}
-    return HybridDeviceOptimizer, {**kwargs, "offload_fraction": o.optimizer_offload_fraction,
-                                   "overlap_cpu_optimizer_d2h_h2d": o.overlap_cpu_optimizer_d2h_h2d,
-                                   "use_torch_optimizer_for_cpu_offload": o.use_torch_optimizer_for_cpu_offload,
-                                   "pin_cpu_grads": o.pin_cpu_grads, "pin_cpu_params": o.pin_cpu_params}
 
 
 def hybrid_of(optimizer: Any) -> HybridDeviceOptimizer | None:

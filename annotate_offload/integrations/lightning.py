@@ -54,7 +54,8 @@ class OffloadCallback(pl.Callback):
             ``prefetch_layers``, ``recompute``, ``offload_policy``.
 
     Raises:
-        TypeError, ValueError: bad arguments, at construction (``offload_transform``'s checks).
+        TypeError, ValueError: bad arguments, at construction (``offload_transform``'s checks; a budget
+            without ``example_inputs``).
         ValueError: at fit start, before the first step: ``offload_gradients=True`` with ``gradient_clip_val``;
             ``step_in_backward=True`` with ``gradient_clip_val`` or ``accumulate_grad_batches > 1``;
             ``offload_gradients=True`` under DDP (``attach_optimizer``'s refusal); a config with
@@ -64,8 +65,11 @@ class OffloadCallback(pl.Callback):
     def __init__(self, num_layers: int | None = None, *, memory_budget: int | str | None = None,
                  example_inputs: Any = None, config: Any = None, **fields: Any) -> None:
         self._offload = Offload("OffloadCallback", num_layers, memory_budget, config, fields)
+        if self._offload.budget and example_inputs is None:
+            raise ValueError(f"OffloadCallback: memory_budget={self._offload.settings.memory_budget!r} needs "
+                             "example_inputs=, one training step's inputs to the LightningModule's forward, to plan "
+                             "on; pass e.g. example_inputs=(input_ids,).")
         self.example_inputs = example_inputs
-        self._attached: set[int] = set()  # ids of the optimizers attached to a DDP model
         self._log_plan = False
 
     @classmethod
@@ -97,9 +101,8 @@ class OffloadCallback(pl.Callback):
         for opt in opts:
             if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
                 opt._step_supports_amp_scaling = False  # no GradScaler reads it; Lightning's clip check does
-            if isinstance(trainer.strategy.model, DistributedDataParallel) and id(opt) not in self._attached:
+            if isinstance(trainer.strategy.model, DistributedDataParallel):  # a new wrapper and optimizer per fit
                 attach_optimizer(trainer.strategy.model, opt, shard_host_step=False)
-                self._attached.add(id(opt))
         if self._offload.wants(pl_module):
             example = tree_map(lambda t: t.to(pl_module.device) if isinstance(t, torch.Tensor) else t,
                                self.example_inputs)

@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_map
 from transformers import TrainerCallback
 
 from ..errors import OffloadError
-from . import _common
-from ._common import Offload, check_modes, hybrid_of
+from ..optim import HybridDeviceOptimizer
+from ._common import Offload, as_config, check_modes, hybrid_of
 
 __all__ = ["OffloadCallback", "optimizer_cls_and_kwargs"]
 
@@ -57,7 +57,14 @@ def optimizer_cls_and_kwargs(config: Any) -> tuple[type, dict[str, Any]]:
     Raises:
         TypeError, ValueError: an invalid config (field, value and fix in the message).
     """
-    return _common.optimizer_cls_and_kwargs(config)
+    o = as_config(config, "optimizer_cls_and_kwargs")[0].optimizer
+    kwargs = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay)
+    if not o.optimizer_cpu_offload:
+        return torch.optim.AdamW, {**kwargs, "fused": True}
+    return HybridDeviceOptimizer, {**kwargs, "offload_fraction": o.optimizer_offload_fraction,
+                                   "overlap_cpu_optimizer_d2h_h2d": o.overlap_cpu_optimizer_d2h_h2d,
+                                   "use_torch_optimizer_for_cpu_offload": o.use_torch_optimizer_for_cpu_offload,
+                                   "pin_cpu_grads": o.pin_cpu_grads, "pin_cpu_params": o.pin_cpu_params}
 
 
 class OffloadCallback(TrainerCallback):

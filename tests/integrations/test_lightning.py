@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ class Lit(pl.LightningModule):
     def __init__(self, optimizer) -> None:
         super().__init__()
         self.model, self.optimizer = llama(), optimizer
+        self.model.config.use_cache = False  # training (the planner profiles layers on captured inputs)
         self.losses, self.norms = [], []
 
     def forward(self, input_ids):
@@ -46,12 +49,12 @@ class Lit(pl.LightningModule):
         return opt
 
 
-def fit(optimizer, callbacks=(), *, ckpt_path=None, epochs=2, root=".", **kwargs) -> Lit:
+def fit(optimizer, callbacks=(), *, ckpt_path=None, epochs=2, root=".", seq=16, **kwargs) -> Lit:
     lit = Lit(optimizer)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, callbacks=list(callbacks), logger=False,
                          enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root), **kwargs)
-    trainer.fit(lit, torch.utils.data.DataLoader(tokens(16, 16), batch_size=4), ckpt_path=ckpt_path)
+    trainer.fit(lit, torch.utils.data.DataLoader(tokens(16, seq), batch_size=4), ckpt_path=ckpt_path)
     return lit
 
 
@@ -117,6 +120,20 @@ def test_lightning_refuses_before_the_first_step(optimizer, callback, kwargs, ma
         trainer.fit(lit, torch.utils.data.DataLoader(tokens(16, 16), batch_size=4))
     assert trainer.global_step == 0 and not lit.losses
     assert all(torch.equal(a, b) for a, b in zip(weights, lit.parameters()))
+
+
+def test_lightning_memory_budget_plans_on_example_inputs():
+    example = (tokens(4, 64)[:4],)  # one step's batch; activations outweigh weights and optimizer state here
+    with pytest.raises(ValueError, match=r"memory_budget='1GiB' needs example_inputs="):
+        OffloadCallback(memory_budget="1GiB")
+    with pytest.raises(ValueError, match=r"smallest feasible budget for this model and batch is (\d+) bytes") as err:
+        fit(HYBRID, [OffloadCallback(memory_budget="1B", example_inputs=example, min_offload_numel=0)], seq=64)
+    smallest = int(re.search(r"is (\d+) bytes", str(err.value)).group(1))
+    base = fit(ADAMW, seq=64)
+    ours = fit((HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 1.0}),
+               [OffloadCallback(memory_budget=int(smallest * 1.3), example_inputs=example, min_offload_numel=0)], seq=64)
+    check_same(base, ours)
+    assert ours.offload_plan.planner is not None and {lp.choice for lp in ours.offload_plan.layers} != {"keep"}
 
 
 def test_offload_gradients_accumulates_on_the_host_exactly():
