@@ -11,7 +11,7 @@ from torch import nn
 
 from ..annotate import offload_transform
 from ..annotate._settings import resolve
-from ..config import _SECTIONS, Config, ModelConfig, OptimizerConfig, _closest, _closest_key, check_offload_num_layers
+from ..config import _SECTIONS, Config, ModelConfig, OptimizerConfig, _closest, _closest_key
 from ..optim import HybridDeviceOptimizer
 
 __all__: list[str] = []
@@ -35,8 +35,9 @@ class Offload:
             self.settings = resolve(num_layers, self.config, fields, memory_budget)  # None: config.cpu_offloading=False
         except (TypeError, ValueError) as e:
             raise type(e)(str(e).replace("offload_transform:", f"{who}:", 1)) from None
-        if self.settings is not None and self.settings.num_layers != "auto":
-            check_offload_num_layers(self.settings.num_layers, None)  # N < L is checked on the model
+        if self.settings is not None and self.settings.num_layers != "auto" and self.settings.num_layers < 0:
+            raise ValueError(f"{who}: num_layers={self.settings.num_layers}: pass 0 <= num_layers < L, the model's "
+                             "layer count (the first N layers are offloaded; N < L is checked on the model).")
         self.num_layers, self.memory_budget, self.fields = num_layers, memory_budget, fields
         self.model: nn.Module | None = None  # the model transformed, once
 

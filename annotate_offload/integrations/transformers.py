@@ -181,7 +181,7 @@ class _AttachToDDP:
 
         from ..distributed import attach_optimizer
 
-        ddp = DistributedDataParallel._get_active_ddp_module()
+        ddp = DistributedDataParallel._get_active_ddp_module()  # DDP's record of the wrapper running (for Dynamo)
         self.handle.remove()
         if ddp is None or ddp.module is not self.model:
             raise OffloadError(
