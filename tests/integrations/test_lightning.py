@@ -21,6 +21,11 @@ ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "fused": True})
 HYBRID = (HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 0.5})
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Lightning's default_root_dir
+
+
 class Lit(pl.LightningModule):
     """A tiny Llama that records each step's loss and gradient norm (before clipping)."""
 
