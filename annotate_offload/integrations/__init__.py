@@ -1,0 +1,16 @@
+"""Framework integrations (optional extras): import the framework's module, not this package.
+
+* ``annotate_offload.integrations.transformers`` (extra ``[hf]``; TRL: ``[trl]``): ``OffloadCallback``,
+  a ``TrainerCallback`` for Hugging Face ``Trainer`` and TRL's trainers, and ``optimizer_cls_and_kwargs``
+  for ``Trainer(optimizer_cls_and_kwargs=...)``.
+* ``annotate_offload.integrations.lightning`` (extra ``[lightning]``): ``OffloadCallback``, a Lightning
+  ``Callback``.
+
+accelerate needs no integration: ``offload_transform`` may come before or after ``Accelerator.prepare``,
+and under DDP ``annotate_offload.distributed.attach_optimizer(ddp_model, optimizer, shard_host_step=False)``
+keeps ``optimizer.state_dict()`` free of collectives, so ``save_state``/``load_state`` work.
+
+Importing this package imports no framework and does not initialise CUDA.
+"""
+
+__all__: list[str] = []
