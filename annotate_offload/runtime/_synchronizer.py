@@ -106,6 +106,11 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _recording() -> bool:
+    """True while a forward records for backward: grad enabled and not inside a backward."""
+    return torch.is_grad_enabled() and not _in_backward()
+
+
 def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}={value!r}: expected an int")
@@ -531,7 +536,7 @@ class OffloadSynchronizer:
                 "commit the layer that was entered (this step's offload state was dropped)"
             )
         self.exit_layer()
-        if torch.is_grad_enabled() and not _in_backward():
+        if _recording():
             self._mark_boundary(output, index)
         return output
 
