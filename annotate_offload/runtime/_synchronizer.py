@@ -242,6 +242,12 @@ class OffloadSynchronizer:
             if not state.fwd_gpu_tensor_group.tensor_list:
                 state.backend, state.pool = self.backend, self.pool
 
+    def _maybe_bind(self, t: torch.Tensor, step: Optional[_Step]) -> None:
+        """Bind the step to ``t``'s device if ``t`` is the first CUDA tensor saved in it, and ``step``
+        is the current step (Note [Device binding])."""
+        if self._lazy_device and self._bound_step is not step and step is self._step and t.is_cuda:
+            self._bind_to(t)
+
     # Note [Copying a synchronizer]: ``copy.deepcopy`` of a model that drives a synchronizer (an
     # EMA copy, ``torch.optim.swa_utils.AveragedModel``, a frozen reference model) gives a fresh
     # runtime with the same configuration: the per-step state belongs to the original's autograd
@@ -320,8 +326,8 @@ class OffloadSynchronizer:
             position in its layer's group, as in TransformerEngine) for :meth:`pop_tensor`.
         """
         state = self._cur
-        if state is not None and self._lazy_device and self._bound_step is not self._step and tensor.is_cuda:
-            self._bind_to(tensor)
+        if state is not None:
+            self._maybe_bind(tensor, self._step)
         reason = "layer_not_offloaded" if state is None else self._keep_reason(tensor)
         if reason is not None:
             self.stats._keep(reason, tensor.numel() * tensor.element_size())
@@ -372,8 +378,7 @@ class OffloadSynchronizer:
     def graph_pack(self, step: Any, index: int, t: torch.Tensor) -> tuple:
         """Start the D2H of ``t``, saved by layer ``index`` in ``step``; returns the record that
         :meth:`graph_release`, :meth:`graph_unpack` and :meth:`graph_reach` take."""
-        if self._lazy_device and self._bound_step is not step and step is self._step and t.is_cuda:
-            self._bind_to(t)
+        self._maybe_bind(t, step)
         state = step.layers.get(index)
         if state is None:
             # no units shared across layers: once a layer is released, a compiled graph may reuse its
@@ -419,8 +424,8 @@ class OffloadSynchronizer:
     def _start_offload_now(self, t: torch.Tensor) -> None:
         """``start_offload`` inside an open scope: enqueue the copy before autograd saves ``t``."""
         state = self._cur
-        if state is not None and self._lazy_device and self._bound_step is not self._step and t.is_cuda:
-            self._bind_to(t)
+        if state is not None:
+            self._maybe_bind(t, self._step)
         if state is None or not state.eager_d2h or self._keep_reason(t) is not None:
             return
         rng = _unit_range(t, bool(getattr(t, "offload_base_tensor", False)))
