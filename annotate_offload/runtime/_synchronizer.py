@@ -369,11 +369,7 @@ class OffloadSynchronizer:
         """A compiled forward that runs layers ``first..last`` starts; returns its step. A new step
         starts unless the graph continues the forward of the current one (``first`` past the last
         layer entered, as in :meth:`enter_layer`)."""
-        step = self._step
-        if step is None or step.ended or first <= self._last_entered:
-            self._new_step()
-        self._last_entered = last
-        return self._step
+        return self._step_for(first, last)
 
     def graph_pack(self, step: Any, index: int, t: torch.Tensor) -> tuple:
         """Start the D2H of ``t``, saved by layer ``index`` in ``step``; returns the record that
@@ -445,11 +441,7 @@ class OffloadSynchronizer:
     def _begin(self, index: int) -> None:
         try:
             self._end()
-            step = self._step
-            if step is None or step.ended or index <= self._last_entered:
-                self._new_step()
-                step = self._step
-            self._last_entered = index
+            step = self._step_for(index, index)
             self._on_layer_entry(index)
             state = None
             if self._manual or self._layer_offloaded(index):
@@ -582,6 +574,15 @@ class OffloadSynchronizer:
         self._step = _Step()
         if self._lazy_device:
             self._bind(get_backend("cpu"))  # until the step's first CUDA tensor (Note [Device binding])
+
+    def _step_for(self, first: int, last: int) -> _Step:
+        """The step of a forward that enters layers ``first..last`` next: a new one unless it continues
+        the current step's forward (``first`` past the last layer entered)."""
+        step = self._step
+        if step is None or step.ended or first <= self._last_entered:
+            self._new_step()
+        self._last_entered = last
+        return self._step
 
     def _release_step(self, step: _Step) -> None:
         step.shared.clear()  # borrowing happens only within a step's forward
