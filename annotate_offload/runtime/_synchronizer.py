@@ -78,7 +78,7 @@ from ._layer_state import (
 from ._marks import check_policy
 from ._pinned_pool import get_pool
 from ._stats import OffloadStats
-from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _ViewMeta
+from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _view_meta
 
 __all__ = ["OffloadSynchronizer", "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
 
@@ -402,8 +402,7 @@ class OffloadSynchronizer:
             layer = handle.layer
             if len(layer.users[layer.fwd_gpu_tensor_group.aux["unit_index"][handle]]) > 1:
                 lo, hi = _unit_range(t, False)
-                meta = _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // t.element_size())
-                t = _rebuild(_flat_bytes(t, lo, hi).clone(), meta)
+                t = _rebuild(_flat_bytes(t, lo, hi).clone(), _view_meta(t, lo))
         return t
 
     def graph_reach(self, record: tuple, index: int) -> None:
