@@ -40,6 +40,7 @@ from ._synchronizer import (
     OffloadSynchronizer,
     _active_synchronizer,
     _check_int,
+    _identity,
     _recording,
 )
 
@@ -74,10 +75,6 @@ def active_offload_policy() -> Optional[str]:
     """
     sync = _active_synchronizer()
     return None if sync is None else sync.policy
-
-
-def _identity(tensor: Any) -> Any:
-    return tensor
 
 
 class _CpuOffloadContext(contextlib.ContextDecorator):

@@ -120,7 +120,8 @@ def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> i
     return value
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
+def _identity(t: Any) -> Any:
+    """Pass-through saved-tensor hooks, and the sync function of a disabled offload context."""
     return t
 
 
@@ -141,6 +142,11 @@ class _Step:
         self.bwd_active = False  # a backward pass is running through this step's boundaries
         self.bwd_seen: set[int] = set()  # layers that backward pass has reached
         self.ended = False  # a backward pass ended: the next layer entry starts a new step
+
+    def disarm(self) -> None:
+        """Drop the reload a pacer deferred, if any (Note [Paced prefetch])."""
+        if self.armed is not None:
+            self.armed.then = self.armed = None
 
 
 class _StreamOverride:
@@ -477,7 +483,7 @@ class OffloadSynchronizer:
                 "commit_layer) before entering the next one."
             )
         if _in_backward():
-            hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            hooks = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
         else:
             if index is None:
                 index = self.fwd_step()
@@ -607,8 +613,7 @@ class OffloadSynchronizer:
             return
         step.bwd_seen.add(index)
         self.current_layer_id = index
-        if step.armed is not None:  # the reload it deferred is due by now (Note [Paced prefetch])
-            step.armed.then = step.armed = None
+        step.disarm()  # the reload it deferred is due by now (Note [Paced prefetch])
         for j in list(step.bwd_seen):
             state = step.layers.get(j)
             if j > index and state is not None:
@@ -624,8 +629,7 @@ class OffloadSynchronizer:
         step.bwd_seen = set()
         step.bwd_active = False
         step.ended = True
-        if step.armed is not None:
-            step.armed.then = step.armed = None
+        step.disarm()
         step.shared.clear()
         if not isinstance(step.layers, weakref.WeakValueDictionary):
             # From now on only autograd's handles keep the layer states (and their host buffers)
