@@ -393,10 +393,14 @@ class OffloadSynchronizer:
             handle.root = _no_root
         return handle, step
 
-    def graph_release(self, record: tuple) -> None:
-        """Drop the device bytes of the record's layer (the compute stream waits for their D2H)."""
-        if type(record[0]) is _Packed:
-            record[0].layer.release_forward()
+    def graph_release(self, records: Iterable[tuple]) -> None:
+        """Drop the device bytes of the records' layers, each layer once (the compute stream waits for
+        their D2H)."""
+        released: set = set()
+        for handle, _ in records:
+            if type(handle) is _Packed and handle.layer not in released:
+                released.add(handle.layer)
+                handle.layer.release_forward()
 
     def graph_unpack(self, record: tuple) -> torch.Tensor:
         """The tensor of ``record``, reloaded (or waited for) on the compute stream. A compiled graph
