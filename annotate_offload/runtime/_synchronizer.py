@@ -765,7 +765,9 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
 
     def _on_layer_entry(self, index: int) -> None:
         for j, state in list(self._step.layers.items() if self._step is not None else ()):
-            if j < index and (self.release_point(j) <= index or state.d2h_complete()):
+            if j >= index or state.state == "offload_finished":
+                continue  # not entered before, or released already (release_forward would do nothing)
+            if self.release_point(j) <= index or state.d2h_complete():
                 state.release_forward()
 
     def _prefetch(self, step: _Step, index: int) -> None:
