@@ -64,6 +64,7 @@ from annotate_offload.compile._ops import TAG, register as register_runtime
 from annotate_offload.errors import OffloadError
 from annotate_offload.runtime._context import inside_checkpoint
 from annotate_offload.runtime._marks import mark_ready
+from annotate_offload.runtime._synchronizer import _recording
 
 __all__: list[str] = []
 
@@ -83,10 +84,6 @@ def generation() -> int:
     if not _HOOK:
         _HOOK.append(nn.modules.module.register_module_module_registration_hook(_count_registration))
     return _GENERATION[0]
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _in_reentrant_checkpoint() -> bool:
@@ -234,7 +231,7 @@ class OffloadState:
     def run(self, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if index in self.recompute and torch.is_grad_enabled():
             fn = _checkpointed(fn)
-        if not torch.is_grad_enabled() or _in_backward():
+        if not _recording():
             if index in self.offloaded and not torch.is_grad_enabled() and _in_reentrant_checkpoint():
                 self._refuse_checkpoint(index, "torch.utils.checkpoint(use_reentrant=True), which runs it without "
                                         "autograd")

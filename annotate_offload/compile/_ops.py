@@ -113,9 +113,9 @@ def save(x: torch.Tensor, step: torch.Tensor, index: int) -> torch.Tensor:
 
 @torch.library.custom_op("annotate_offload::release", mutates_args=())
 def release(tokens: list[torch.Tensor], keep: list[torch.Tensor]) -> None:
-    for token in tokens:
-        sync, record = _record(token)
-        sync.graph_release(record)
+    if tokens:
+        sync, _ = _record(tokens[0])  # the pass releases one layer of one runtime per op
+        sync.graph_release(_record(token)[1] for token in tokens)
 
 
 @torch.library.custom_op("annotate_offload::reach", mutates_args=())

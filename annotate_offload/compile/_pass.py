@@ -8,10 +8,10 @@ Note [Compiled offload pass].
 ``torch._functorch._activation_offloading.activation_offloading.enable_activation_offloading`` when
 ``torch._functorch.config.enable_activation_offloading`` is set (torch 2.11 and 2.13 alike).
 :func:`install` wraps that function and sets the flag the first time a graph with this package's
-``layer`` op is traced. Torch's own offloading still runs after the pass and, as before, acts only
-on nodes that its ``should_offload`` policy marked. Every graph passes through here: one without
-``layer`` ops is returned unchanged. Partitioning is done, so what the forward saves is known: the
-forward outputs after the first ``num_fwd_outputs``, each a backward input of the same name.
+``layer`` op is traced. Torch's own offloading runs after the pass and acts only on nodes its
+``should_offload`` policy marked. Every graph passes through here: one without ``layer`` ops is
+returned unchanged. Partitioning is done, so what the forward saves is known: the forward outputs
+after the first ``num_fwd_outputs``, each a backward input of the same name.
 
 *What.* A saved activation belongs to layer ``i`` of runtime ``key`` when its first use in the
 backward carries the tag ``(key, i)`` (Note [Traced layers] in ``annotate/_layers.py``): the op

@@ -40,7 +40,8 @@ from ._synchronizer import (
     OffloadSynchronizer,
     _active_synchronizer,
     _check_int,
-    _in_backward,
+    _identity,
+    _recording,
 )
 
 __all__ = ["get_cpu_offload_context", "is_cpu_offload_enabled", "active_offload_policy"]
@@ -76,10 +77,6 @@ def active_offload_policy() -> Optional[str]:
     return None if sync is None else sync.policy
 
 
-def _identity(tensor: Any) -> Any:
-    return tensor
-
-
 class _CpuOffloadContext(contextlib.ContextDecorator):
     """Reusable per-layer context: entered once per layer, followed by the sync function.
 
@@ -102,7 +99,7 @@ class _CpuOffloadContext(contextlib.ContextDecorator):
                 "use one `with ctx:` per layer, not nested"
             )
         sync = self.offload_synchronizer
-        if self._uncommitted and torch.is_grad_enabled() and not _in_backward():
+        if self._uncommitted and _recording():
             # the previous layer never reached sync_fn: its forward was abandoned (an exception
             # between the layer and sync_fn). Drop that step; this entry starts a new one.
             sync.abort()
@@ -132,7 +129,7 @@ class _CpuOffloadContext(contextlib.ContextDecorator):
             TypeError: if ``tensor`` is not a tensor.
             ValueError: if ``tensor`` does not require grad (its backward could not be tracked).
         """
-        if not torch.is_grad_enabled() or _in_backward():
+        if not _recording():
             return tensor
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(

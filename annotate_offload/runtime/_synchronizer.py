@@ -78,7 +78,7 @@ from ._layer_state import (
 from ._marks import check_policy
 from ._pinned_pool import get_pool
 from ._stats import OffloadStats
-from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _ViewMeta
+from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _view_meta
 
 __all__ = ["OffloadSynchronizer", "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
 
@@ -106,6 +106,11 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _recording() -> bool:
+    """True while a forward records for backward: grad enabled and not inside a backward."""
+    return torch.is_grad_enabled() and not _in_backward()
+
+
 def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}={value!r}: expected an int")
@@ -115,7 +120,8 @@ def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> i
     return value
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
+def _identity(t: Any) -> Any:
+    """Pass-through saved-tensor hooks, and the sync function of a disabled offload context."""
     return t
 
 
@@ -136,6 +142,11 @@ class _Step:
         self.bwd_active = False  # a backward pass is running through this step's boundaries
         self.bwd_seen: set[int] = set()  # layers that backward pass has reached
         self.ended = False  # a backward pass ended: the next layer entry starts a new step
+
+    def disarm(self) -> None:
+        """Drop the reload a pacer deferred, if any (Note [Paced prefetch])."""
+        if self.armed is not None:
+            self.armed.then = self.armed = None
 
 
 class _StreamOverride:
@@ -237,6 +248,12 @@ class OffloadSynchronizer:
             if not state.fwd_gpu_tensor_group.tensor_list:
                 state.backend, state.pool = self.backend, self.pool
 
+    def _maybe_bind(self, t: torch.Tensor, step: Optional[_Step]) -> None:
+        """Bind the step to ``t``'s device if ``t`` is the first CUDA tensor saved in it, and ``step``
+        is the current step (Note [Device binding])."""
+        if self._lazy_device and self._bound_step is not step and step is self._step and t.is_cuda:
+            self._bind_to(t)
+
     # Note [Copying a synchronizer]: ``copy.deepcopy`` of a model that drives a synchronizer (an
     # EMA copy, ``torch.optim.swa_utils.AveragedModel``, a frozen reference model) gives a fresh
     # runtime with the same configuration: the per-step state belongs to the original's autograd
@@ -315,8 +332,8 @@ class OffloadSynchronizer:
             position in its layer's group, as in TransformerEngine) for :meth:`pop_tensor`.
         """
         state = self._cur
-        if state is not None and self._lazy_device and self._bound_step is not self._step and tensor.is_cuda:
-            self._bind_to(tensor)
+        if state is not None:
+            self._maybe_bind(tensor, self._step)
         reason = "layer_not_offloaded" if state is None else self._keep_reason(tensor)
         if reason is not None:
             self.stats._keep(reason, tensor.numel() * tensor.element_size())
@@ -358,17 +375,12 @@ class OffloadSynchronizer:
         """A compiled forward that runs layers ``first..last`` starts; returns its step. A new step
         starts unless the graph continues the forward of the current one (``first`` past the last
         layer entered, as in :meth:`enter_layer`)."""
-        step = self._step
-        if step is None or step.ended or first <= self._last_entered:
-            self._new_step()
-        self._last_entered = last
-        return self._step
+        return self._step_for(first, last)
 
     def graph_pack(self, step: Any, index: int, t: torch.Tensor) -> tuple:
         """Start the D2H of ``t``, saved by layer ``index`` in ``step``; returns the record that
         :meth:`graph_release`, :meth:`graph_unpack` and :meth:`graph_reach` take."""
-        if self._lazy_device and self._bound_step is not step and step is self._step and t.is_cuda:
-            self._bind_to(t)
+        self._maybe_bind(t, step)
         state = step.layers.get(index)
         if state is None:
             # no units shared across layers: once a layer is released, a compiled graph may reuse its
@@ -381,10 +393,14 @@ class OffloadSynchronizer:
             handle.root = _no_root
         return handle, step
 
-    def graph_release(self, record: tuple) -> None:
-        """Drop the device bytes of the record's layer (the compute stream waits for their D2H)."""
-        if type(record[0]) is _Packed:
-            record[0].layer.release_forward()
+    def graph_release(self, records: Iterable[tuple]) -> None:
+        """Drop the device bytes of the records' layers, each layer once (the compute stream waits for
+        their D2H)."""
+        released: set = set()
+        for handle, _ in records:
+            if type(handle) is _Packed and handle.layer not in released:
+                released.add(handle.layer)
+                handle.layer.release_forward()
 
     def graph_unpack(self, record: tuple) -> torch.Tensor:
         """The tensor of ``record``, reloaded (or waited for) on the compute stream. A compiled graph
@@ -396,8 +412,7 @@ class OffloadSynchronizer:
             layer = handle.layer
             if len(layer.users[layer.fwd_gpu_tensor_group.aux["unit_index"][handle]]) > 1:
                 lo, hi = _unit_range(t, False)
-                meta = _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // t.element_size())
-                t = _rebuild(_flat_bytes(t, lo, hi).clone(), meta)
+                t = _rebuild(_flat_bytes(t, lo, hi).clone(), _view_meta(t, lo))
         return t
 
     def graph_reach(self, record: tuple, index: int) -> None:
@@ -414,8 +429,8 @@ class OffloadSynchronizer:
     def _start_offload_now(self, t: torch.Tensor) -> None:
         """``start_offload`` inside an open scope: enqueue the copy before autograd saves ``t``."""
         state = self._cur
-        if state is not None and self._lazy_device and self._bound_step is not self._step and t.is_cuda:
-            self._bind_to(t)
+        if state is not None:
+            self._maybe_bind(t, self._step)
         if state is None or not state.eager_d2h or self._keep_reason(t) is not None:
             return
         rng = _unit_range(t, bool(getattr(t, "offload_base_tensor", False)))
@@ -435,11 +450,7 @@ class OffloadSynchronizer:
     def _begin(self, index: int) -> None:
         try:
             self._end()
-            step = self._step
-            if step is None or step.ended or index <= self._last_entered:
-                self._new_step()
-                step = self._step
-            self._last_entered = index
+            step = self._step_for(index, index)
             self._on_layer_entry(index)
             state = None
             if self._manual or self._layer_offloaded(index):
@@ -476,7 +487,7 @@ class OffloadSynchronizer:
                 "commit_layer) before entering the next one."
             )
         if _in_backward():
-            hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            hooks = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
         else:
             if index is None:
                 index = self.fwd_step()
@@ -531,7 +542,7 @@ class OffloadSynchronizer:
                 "commit the layer that was entered (this step's offload state was dropped)"
             )
         self.exit_layer()
-        if torch.is_grad_enabled() and not _in_backward():
+        if _recording():
             self._mark_boundary(output, index)
         return output
 
@@ -573,6 +584,15 @@ class OffloadSynchronizer:
         if self._lazy_device:
             self._bind(get_backend("cpu"))  # until the step's first CUDA tensor (Note [Device binding])
 
+    def _step_for(self, first: int, last: int) -> _Step:
+        """The step of a forward that enters layers ``first..last`` next: a new one unless it continues
+        the current step's forward (``first`` past the last layer entered)."""
+        step = self._step
+        if step is None or step.ended or first <= self._last_entered:
+            self._new_step()
+        self._last_entered = last
+        return self._step
+
     def _release_step(self, step: _Step) -> None:
         step.shared.clear()  # borrowing happens only within a step's forward
         for state in list(step.layers.values()):
@@ -597,8 +617,7 @@ class OffloadSynchronizer:
             return
         step.bwd_seen.add(index)
         self.current_layer_id = index
-        if step.armed is not None:  # the reload it deferred is due by now (Note [Paced prefetch])
-            step.armed.then = step.armed = None
+        step.disarm()  # the reload it deferred is due by now (Note [Paced prefetch])
         for j in list(step.bwd_seen):
             state = step.layers.get(j)
             if j > index and state is not None:
@@ -614,8 +633,7 @@ class OffloadSynchronizer:
         step.bwd_seen = set()
         step.bwd_active = False
         step.ended = True
-        if step.armed is not None:
-            step.armed.then = step.armed = None
+        step.disarm()
         step.shared.clear()
         if not isinstance(step.layers, weakref.WeakValueDictionary):
             # From now on only autograd's handles keep the layer states (and their host buffers)
@@ -747,7 +765,9 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
 
     def _on_layer_entry(self, index: int) -> None:
         for j, state in list(self._step.layers.items() if self._step is not None else ()):
-            if j < index and (self.release_point(j) <= index or state.d2h_complete()):
+            if j >= index or state.state == "offload_finished":
+                continue  # not entered before, or released already (release_forward would do nothing)
+            if self.release_point(j) <= index or state.d2h_complete():
                 state.release_forward()
 
     def _prefetch(self, step: _Step, index: int) -> None:

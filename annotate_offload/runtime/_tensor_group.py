@@ -39,6 +39,11 @@ class _ViewMeta(NamedTuple):
     offset: int  # in elements of ``dtype``, from the unit's first byte
 
 
+def _view_meta(t: torch.Tensor, lo: int) -> _ViewMeta:
+    """How to rebuild ``t`` from the bytes of a unit that starts at byte ``lo`` of its storage."""
+    return _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // t.element_size())
+
+
 def _unit_range(t: torch.Tensor, whole: bool) -> Optional[tuple[int, int]]:
     """Byte range ``[lo, hi)`` of ``t``'s storage to move, or ``None`` if it cannot be moved."""
     if any(s < 0 for s in t.stride()):
@@ -162,8 +167,6 @@ class TensorGroupProcessor:
     @staticmethod
     def _add_view(units: TensorGroup, t: torch.Tensor, unit: int) -> int:
         """Record how ``t`` is rebuilt from ``unit``; returns its position in ``aux``."""
-        lo = units.aux["units"][unit][1]
-        meta = _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // t.element_size())
-        units.aux["metas"].append(meta)
+        units.aux["metas"].append(_view_meta(t, units.aux["units"][unit][1]))
         units.aux["unit_index"].append(unit)
         return len(units.aux["metas"]) - 1
