@@ -220,12 +220,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         sub_group = {id(t): g for o in self.sub_optimizers for g in o.param_groups for t in g["params"]}
         self._entries: list[Entry] = []
         for i, (gi, pi, p) in enumerate(flat):
-            loc = local_tensor(p)
             if host[gi][pi]:
-                t, _, ci = self.pipeline.where(p)
+                t, loc, ci = self.pipeline.where(p)  # loc: the tensor its H2D writes
                 self._entries.append(Entry(p, i, gi, pi, loc, t, self.cpu_optimizers[ci], sub_group[id(t)], t, True))
             else:
-                t = inner[i]
+                t, loc = inner[i], local_tensor(p)
                 self._entries.append(Entry(p, i, gi, pi, loc, t, self.gpu_optimizer, sub_group[id(t)],  # type: ignore[arg-type]
                                            t if t.dtype != loc.dtype else None, False))
         self._masters = [e for e in self._entries if not e.host and e.inner is not e.param]  # device half
@@ -238,6 +237,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                     and e.inner.dtype == torch.float32 != e.local.dtype}
         self.gpu_params_map_cpu_copy = {e.param: e.inner for e in self._entries if e.host}
         self.cpu_copys_map_gpu_param = {e.inner: e.param for e in self._entries if e.host}
+        # the tensor each parameter's update is written into (Note [Local shards] in distributed/_shards.py)
+        self.param_to_local = {e.param: e.local for e in self._entries}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Used by the constructor for each group; refused afterwards.
