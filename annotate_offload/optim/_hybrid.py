@@ -367,7 +367,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         opt = self.gpu_optimizer
         if opt is None:
             return
-        if amp is not None and amp.scale is not None and not _amp.supports(opt):  # Note [GradScaler]
+        if _amp.takes_scale(opt, amp) is False:  # Note [GradScaler]
             _amp.unscale_([g for e in self._entries if not e.host and (g := local_grad(e.param)) is not None], amp.scale)
         for e in self._masters:
             g = local_grad(e.param)

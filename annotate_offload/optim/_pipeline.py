@@ -495,14 +495,15 @@ class HostPipeline:
                 side.synchronize(c.h2d_ev)  # the last update's H2D reads the masters and staging
             for s in c.slots:
                 s.master.grad = None
+            inv = amp.host_inv if _amp.takes_scale(c.opt, amp) is False else None  # type: ignore[union-attr]
             for s, ev, scales in plan:
                 side.synchronize(ev)
                 s.master.grad = s.bufs[buf]
                 for coef, cev in scales:
                     side.synchronize(cev)
                     scale_(s.master.grad, s.local.dtype, coef)
-                if amp is not None and amp.scale is not None and not _amp.supports(c.opt):
-                    scale_(s.master.grad, s.local.dtype, _amp.inverse(amp.host_scale))  # Note [GradScaler]: unscale_'s multiply
+                if inv is not None:
+                    scale_(s.master.grad, s.local.dtype, inv)  # Note [GradScaler]: unscale_'s multiply
             if plan:
                 with _amp.handed_over(c.opt, amp, host=True), num_threads(1) if c.serial else contextlib.nullcontext():
                     c.opt.step()
