@@ -229,7 +229,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                            t if t.dtype != loc.dtype else None, False))
         self._masters = [e for e in self._entries if not e.host and e.inner is not e.param]  # device half
         self._fresh = list(self._entries)  # entries whose state is not in self.state yet
-        self._ver = {e.flat: e.param._version for e in self._masters}
+        self._ver = {e.flat: e.param._version for e in self._masters if e.master is not None}  # weights seen
         # Megatron-Core's maps (its DistributedOptimizer and tests read them)
         self.param_to_inner_param = {e.param: e.inner for e in self._entries}
         self.inner_param_to_orig_param = {e.inner: e.param for e in self._entries}
@@ -328,9 +328,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._sync_hyper()
         self._place_state()
         self.pipeline.resync()
+        self._reseed()
+
+    def _reseed(self, everything: bool = False) -> None:
+        """Copy the weights written into the model since the last step (``everything``: all of them) into
+        the device half's masters."""
         with torch.no_grad():
             for e in self._masters:
-                if e.master is not None and e.param._version != self._ver[e.flat]:
+                if e.master is not None and (everything or e.param._version != self._ver[e.flat]):
                     e.inner.copy_(e.local)
                     self._ver[e.flat] = e.param._version
 
@@ -471,11 +476,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Re-seed every master (host and GPU) from the model's weights: call after writing weights in a
         way that bypasses the version counter (``p.data.copy_``); ``model.load_state_dict`` is seen by itself."""
         self.pipeline.resync(everything=True)
-        with torch.no_grad():
-            for e in self._masters:
-                if e.master is not None:
-                    e.inner.copy_(e.local)
-                    self._ver[e.flat] = e.param._version
+        self._reseed(everything=True)
 
     update_fp32_param_by_new_param = reload_model_params  # Megatron's name
 
@@ -568,7 +569,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     e.opt.state.pop(e.inner, None)
         self._fresh = [e for e in self._entries if e.param not in self.state]
         self.pipeline.note_written()
-        self._ver = {e.flat: e.param._version for e in self._masters}
+        self._ver = {e.flat: e.param._version for e in self._masters if e.master is not None}
         self._sync_hyper()
         if delayed:
             self.pipeline.push_masters()
