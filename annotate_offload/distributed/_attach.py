@@ -77,8 +77,7 @@ class ShardedAttachment:
                 pl.forget_copy(p)
                 self.recopied += 1
         self._seen.clear()
-        # tiny gradients are copied at step() by design (Note [Tiny gradients at step()])
-        self.copied_at_step += sum(1 for p in pl.params if p.grad is not None and not pl.batched(p) and not pl.grad_copied(p))
+        self.copied_at_step += pl.uncopied(skip_batched=True)
 
     def mark_gradients_changed(self) -> None:
         """Declare that gradients were modified in place after backward in a way versions do not show

@@ -82,8 +82,7 @@ class OffloadCommHook:
         return out
 
     def _before_step(self, *_: Any) -> None:
-        pl = self._pipeline
-        self.copied_at_step += sum(1 for p in pl.params if p.grad is not None and pl.steps_here(p) and not pl.grad_copied(p))
+        self.copied_at_step += self._pipeline.uncopied()
 
     def __repr__(self) -> str:
         return f"OffloadCommHook(overlapped={self.overlapped}, copied_in_hook={self.copied_in_hook}, copied_at_step={self.copied_at_step})"

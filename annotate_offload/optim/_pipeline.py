@@ -323,6 +323,13 @@ class HostPipeline:
         g = local_grad(p)
         return g is not None and self._slot[id(p)].copied(g)
 
+    def uncopied(self, skip_batched: bool = False) -> int:
+        """How many gradients of the host parameters this process steps ``step()`` would copy now (none
+        copied, or changed since); ``skip_batched``: without those copied there by design (Note [Tiny
+        gradients at step()])."""
+        return sum(1 for s in self.slots if s.param.grad is not None and self._steps(s.chunk)
+                   and not (skip_batched and self.batched(s.param)) and not s.copied(local_grad(s.param)))
+
     def forget_copy(self, p: Optional[torch.Tensor] = None) -> None:
         """Make ``step()`` copy ``p``'s gradient (all: ``None``) again: it changed where versions do not
         show (``GradScaler.unscale_``, ``torch._foreach_*`` on DTensors)."""

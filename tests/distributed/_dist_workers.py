@@ -77,7 +77,7 @@ def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach:
         late = [0]
 
         def count_late(*_):  # what OffloadCommHook.copied_at_step counts, for the optimizer's own hooks
-            late[0] += sum(1 for p in opt.pipeline.params if p.grad is not None and not opt.pipeline.grad_copied(p))
+            late[0] += opt.pipeline.uncopied()
 
         opt.register_step_pre_hook(count_late)
     stepped: dict[int, int] = {}  # host chunk -> host optimizer steps run on this rank
