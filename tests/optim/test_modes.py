@@ -392,7 +392,7 @@ def test_thread_budget_ignores_omp_and_splits_per_rank(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["exact", "step_in_backward", "delayed"])
 def test_default_mode_steps_on_the_training_thread(mode, monkeypatch):
-    """Note [Exact mode steps on the training thread]: the default mode has no worker thread, runs
+    """Note [Thread budget] (``optim/_threads.py``): the default mode has no worker thread, runs
     the host chunks where step() was called with the whole budget, queues the GPU half before them,
     and gives the training thread its own thread count back; the overlapped modes keep the worker
     and leave a core to the training thread."""
