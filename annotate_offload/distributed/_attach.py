@@ -77,8 +77,7 @@ class ShardedAttachment:
                 pl.forget_copy(p)
                 self.recopied += 1
         self._seen.clear()
-        # tiny gradients are copied at step() by design (Note [Tiny gradients at step()])
-        self.copied_at_step += sum(1 for p in pl.params if p.grad is not None and not pl.batched(p) and not pl.grad_copied(p))
+        self.copied_at_step += pl.uncopied(skip_batched=True)
 
     def mark_gradients_changed(self) -> None:
         """Declare that gradients were modified in place after backward in a way versions do not show
@@ -114,9 +113,14 @@ def _refuse_local_clip(*_: Any, **__: Any) -> torch.Tensor:
 def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool = True) -> "OffloadCommHook | ShardedAttachment":
     """Wire a ``HybridDeviceOptimizer`` to a model trained with torch.distributed, one process per device.
 
-    * ``DistributedDataParallel``: :func:`register_offload_comm_hook` (reduced gradients, D2H per
-      bucket after its all-reduce; with ``shard_host_step`` each rank steps ``1/W`` of the host
-      chunks and the ranks broadcast the new weights).
+    Call once, after wrapping the model and building the optimizer on its parameters, before the
+    first backward.
+
+    * ``DistributedDataParallel`` (Note [DDP and host-stepped gradients] in ``_ddp.py``): the
+      optimizer's gradient hooks would copy this rank's gradient before DDP reduces it, so they are
+      replaced by a DDP communication hook that all-reduces each bucket (torch's default, same bits)
+      and then starts the D2H of its host-stepped gradients. ``gradient_as_bucket_view=True`` is
+      needed for the D2H to start in backward; without it every D2H happens at ``step()``.
     * FSDP2 (``fully_shard``) or a plain module: the optimizer's own hooks already see reduced
       local shards; a step pre-hook raises ``OffloadError`` if a parameter or its local shard
       storage was replaced behind the optimizer (Note [Local shards]), and, when parameters are
@@ -127,23 +131,41 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
     Args:
         model (nn.Module): the DDP-wrapped or ``fully_shard``-ed model.
         optimizer (HybridDeviceOptimizer): built on ``model``'s parameters.
-        shard_host_step (bool): DDP only (FSDP2 parameters are sharded already): see
-            :func:`register_offload_comm_hook`. Default: ``True``.
+        shard_host_step (bool): DDP only (FSDP2 parameters are sharded already): each rank steps
+            ``1/W`` of the host chunks and the ranks broadcast the new weights (Note [Host-step
+            sharding] in ``_host_shard.py``; same bits, a ``1/W`` share of host compute, D2H and
+            host state per rank); the optimizer's own ``state_dict()`` then refuses, checkpoints go
+            through :func:`save_checkpoint`. Ownership is per host chunk (``chunk_bytes``, 64 MiB by
+            default): a host half smaller than ``W`` chunks leaves some ranks nothing to step (pass
+            a smaller ``chunk_bytes``). ``False``: every rank steps every host chunk (a full
+            replica). Default: ``True``.
 
     Returns:
-        OffloadCommHook | ShardedAttachment: the installed hook (DDP) or attachment (FSDP2/plain).
+        OffloadCommHook | ShardedAttachment: DDP: the installed communication hook, with copy
+        counters; FSDP2/plain: the attachment.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``; ``optimizer`` is not a ``HybridDeviceOptimizer``.
-        ValueError: the optimizer steps parameters ``model`` does not own; see
-            :func:`register_offload_comm_hook` for the DDP-specific ones.
+        TypeError: ``model`` is not an ``nn.Module``; ``optimizer`` is not a ``HybridDeviceOptimizer``;
+            DDP: ``shard_host_step`` is not a bool.
+        ValueError: the optimizer steps parameters ``model`` does not own; DDP: ``shard_host_step``
+            is combined with ``delayed_param_update=True``, or the optimizer was built with
+            ``offload_gradients=True`` (under DDP the gradient bucket stays allocated, so freeing
+            ``p.grad`` saves nothing and breaks the bucket view).
+        OffloadError: DDP: the model already has a communication hook (attached twice).
+
+    Warns:
+        UserWarning: DDP with ``gradient_as_bucket_view=False`` (no D2H overlap with backward).
+
+    Example::
+
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        opt = HybridDeviceOptimizer(ddp.parameters(), offload_fraction=0.5, lr=1e-4)
+        attach_optimizer(ddp, opt)
     """
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach_optimizer: model must be an nn.Module, got {type(model).__name__}.")
-    if isinstance(model, DistributedDataParallel):
-        return register_offload_comm_hook(model, optimizer, shard_host_step=shard_host_step)
     opt = check_optimizer(optimizer, "attach_optimizer")
     owned = {id(p) for p in model.parameters()}
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -151,8 +173,10 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
     if foreign:
         raise ValueError(
             f"attach_optimizer: the optimizer steps {len(foreign)} parameter(s) the model does not own (shapes "
-            f"{foreign[:3]}); build it on model.parameters() after fully_shard(model)."
+            f"{foreign[:3]}); build it on model.parameters() after wrapping the model (DDP, fully_shard)."
         )
+    if isinstance(model, DistributedDataParallel):
+        return register_offload_comm_hook(model, opt, shard_host_step=shard_host_step)
     sharded = any(is_dtensor(p) for p in params)
     att = ShardedAttachment(opt, model, sharded)
     if sharded:

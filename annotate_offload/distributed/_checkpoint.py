@@ -101,27 +101,6 @@ def _groups_json(opt: Any, fqns: list[list[str]]) -> str:
     return json.dumps(groups, sort_keys=True)
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """The optimizer part of a DCP checkpoint (Note [DCP layout] in this module).
-
-    Tensors are the optimizer's own state tensors (no copy; host state stays on the host), wrapped
-    as DTensors for sharded parameters. Finishes host work in flight first (``optimizer.flush()``).
-
-    Args:
-        model (nn.Module): the model the optimizer was built on (DDP wrapper, ``fully_shard``-ed or plain).
-        optimizer (HybridDeviceOptimizer): its optimizer.
-
-    Returns:
-        dict: ``{"state": {fqn: {name: tensor}}, "param_groups": str}``, to store under one key of
-        the state dict passed to ``torch.distributed.checkpoint.save``.
-
-    Raises:
-        TypeError: ``optimizer`` is not a ``HybridDeviceOptimizer``.
-        ValueError: the optimizer holds a parameter that is not the model's.
-    """
-    return _optimizer_state_dict(model, optimizer, "optimizer_state_dict")
-
-
 def _optimizer_state_dict(model: nn.Module, optimizer: Any, who: str) -> dict[str, Any]:
     opt = check_optimizer(optimizer, who)
     fqns = _fqns(model, opt, who)
@@ -176,8 +155,9 @@ def _template(model: nn.Module, opt: Any, fqns: list[list[str]], md: Any, key: s
     return {"state": state, "param_groups": ""}
 
 
-def set_optimizer_state_dict(model: nn.Module, optimizer: Any, state_dict: dict[str, Any]) -> None:
-    """Load the optimizer part of a DCP checkpoint (as filled by ``torch.distributed.checkpoint.load``).
+def _set_optimizer_state_dict(opt: Any, fqns: list[list[str]], state_dict: dict[str, Any]) -> None:
+    """Load the optimizer part of a DCP checkpoint (as filled by ``torch.distributed.checkpoint.load``)
+    into ``opt``, whose parameters have the FQNs ``fqns`` (per group).
 
     Each tensor is this rank's piece in the optimizer's *current* layout (DCP resharded it);
     ``HybridDeviceOptimizer.load_state_dict`` places it on the side that steps it now, so the
@@ -188,12 +168,10 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any, state_dict: dict[
         ValueError: the checkpoint's param groups do not hold the same parameters (by FQN) as the
             optimizer's, group by group.
     """
-    opt = check_optimizer(optimizer, "set_optimizer_state_dict")
-    fqns = _fqns(model, opt, "set_optimizer_state_dict")
     saved_groups = json.loads(state_dict["param_groups"]) if isinstance(state_dict["param_groups"], str) else state_dict["param_groups"]
     if [g["params"] for g in saved_groups] != fqns:
         raise ValueError(
-            "set_optimizer_state_dict: the checkpoint's param groups hold parameters "
+            "load_checkpoint: the checkpoint's param groups hold parameters "
             f"{[g['params'][:3] for g in saved_groups]}... but the optimizer's are {[f[:3] for f in fqns]}...; build the "
             "optimizer with the same groups, in the same order, as the one that was saved."
         )
@@ -250,8 +228,8 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
 
     Raises:
         OffloadError: the checkpoint has no optimizer part (``optimizer`` given).
-        ValueError: the checkpoint's model keys differ from ``model``'s (nothing is loaded), or
-            parameter groups differ (see :func:`set_optimizer_state_dict`).
+        ValueError: the checkpoint's model keys differ from ``model``'s (nothing is loaded), or its
+            param groups do not hold the same parameters (by FQN) as the optimizer's, group by group.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -277,4 +255,4 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
     osd = _template(model, opt, fqns, md, _OPTIM)
     with _quiet_single_process():
         dcp.load({_OPTIM: osd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
-    set_optimizer_state_dict(model, opt, osd)
+    _set_optimizer_state_dict(opt, fqns, osd)

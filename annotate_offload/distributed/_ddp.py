@@ -3,7 +3,7 @@
 Note [DDP and host-stepped gradients]: ``HybridDeviceOptimizer`` starts each offloaded gradient's
 D2H from a post-accumulate-grad hook. Under DDP that hook fires when autograd has accumulated the
 *local* gradient, before DDP's bucket all-reduce: the copy would carry this rank's gradient, not
-the mean. :func:`register_offload_comm_hook` therefore removes those hooks and installs a DDP
+the mean. :func:`attach_optimizer` therefore removes those hooks and installs a DDP
 communication hook that
 
 1. divides the bucket by the world size and all-reduces it (torch's default ``allreduce_hook``,
@@ -32,13 +32,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OffloadError
-from ._shards import check_optimizer
 
 __all__: list[str] = []
 
 
 class OffloadCommHook:
-    """The DDP communication hook of :func:`register_offload_comm_hook` (one per DDP model).
+    """The DDP communication hook that :func:`attach_optimizer` installs (one per DDP model).
 
     Attributes:
         copied_in_hook (int): host-stepped gradients whose D2H started in a bucket callback (cumulative).
@@ -82,60 +81,15 @@ class OffloadCommHook:
         return out
 
     def _before_step(self, *_: Any) -> None:
-        pl = self._pipeline
-        self.copied_at_step += sum(1 for p in pl.params if p.grad is not None and pl.steps_here(p) and not pl.grad_copied(p))
+        self.copied_at_step += self._pipeline.uncopied()
 
     def __repr__(self) -> str:
         return f"OffloadCommHook(overlapped={self.overlapped}, copied_in_hook={self.copied_in_hook}, copied_at_step={self.copied_at_step})"
 
 
-def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_step: bool = True) -> OffloadCommHook:
-    """Make a ``HybridDeviceOptimizer`` step DDP's reduced gradients, with each bucket's D2H after its all-reduce.
-
-    See Note [DDP and host-stepped gradients] in this module. Call once, after wrapping the model
-    in DDP and building the optimizer, before the first backward.
-
-    Args:
-        ddp_model (DistributedDataParallel): the wrapped model. ``gradient_as_bucket_view=True`` is
-            needed for the D2H to start in backward; without it every D2H happens at ``step()``.
-        optimizer (HybridDeviceOptimizer): built on ``ddp_model``'s parameters.
-        shard_host_step (bool): each rank steps ``1/W`` of the host chunks and the ranks broadcast
-            the new weights (Note [Host-step sharding] in ``_host_shard.py``; same bits, a
-            ``1/W`` share of host compute, D2H and host state per rank); the optimizer's own
-            ``state_dict()`` then refuses, checkpoints go through :func:`save_checkpoint`.
-            Ownership is per host chunk (``chunk_bytes``, 64 MiB by default): a host half smaller
-            than ``W`` chunks leaves some ranks nothing to step (pass a smaller ``chunk_bytes``).
-            ``False``: every rank steps every host chunk (a full replica). Default: ``True``.
-
-    Returns:
-        OffloadCommHook: the installed hook, with copy counters.
-
-    Raises:
-        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, ``optimizer`` is not a
-            ``HybridDeviceOptimizer``, ``shard_host_step`` is not a bool.
-        OffloadError: the DDP model already has a communication hook (attached twice).
-        ValueError: the optimizer steps a parameter the DDP model does not own, ``shard_host_step``
-            is combined with ``delayed_param_update=True``, or it was built with
-            ``offload_gradients=True`` (under DDP the gradient bucket stays allocated, so freeing
-            ``p.grad`` saves nothing and breaks the bucket view).
-
-    Warns:
-        UserWarning: ``gradient_as_bucket_view=False`` (no D2H overlap with backward).
-
-    Example::
-
-        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-        opt = HybridDeviceOptimizer(ddp.parameters(), offload_fraction=0.5, lr=1e-4)
-        register_offload_comm_hook(ddp, opt)
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(
-            f"register_offload_comm_hook: ddp_model must be a torch.nn.parallel.DistributedDataParallel, got "
-            f"{type(ddp_model).__name__}; for FSDP2 (fully_shard) models use attach_optimizer(model, optimizer)."
-        )
-    opt = check_optimizer(optimizer, "register_offload_comm_hook")
+def register_offload_comm_hook(ddp_model: Any, opt: Any, *, shard_host_step: bool) -> OffloadCommHook:
+    """The DDP half of :func:`attach_optimizer`, which documents it and has checked the model, the
+    optimizer and that the model owns its parameters."""
     if opt.defaults["offload_gradients"]:
         raise ValueError(
             "register_offload_comm_hook: the optimizer has offload_gradients=True; under DDP the gradient bucket stays "
@@ -148,13 +102,6 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
         raise ValueError(
             "register_offload_comm_hook: shard_host_step=True is not supported with delayed_param_update=True (the delayed "
             "H2D lands in the next step() and in flush(), which would have to be collective); pass shard_host_step=False."
-        )
-    owned = {id(p) for p in ddp_model.parameters()}
-    foreign = [tuple(p.shape) for g in opt.param_groups for p in g["params"] if id(p) not in owned]
-    if foreign:
-        raise ValueError(
-            f"register_offload_comm_hook: the optimizer steps {len(foreign)} parameter(s) the DDP model does not own "
-            f"(shapes {foreign[:3]}); build the optimizer on ddp_model.parameters()."
         )
     overlapped = bool(getattr(ddp_model, "gradient_as_bucket_view", False))
     if not overlapped:
@@ -171,8 +118,8 @@ def register_offload_comm_hook(ddp_model: Any, optimizer: Any, *, shard_host_ste
     except RuntimeError as e:  # nothing of ours is installed yet
         raise OffloadError(
             "register_offload_comm_hook: this DistributedDataParallel model already has a communication hook "
-            f"({e}); attach_optimizer / register_offload_comm_hook must be called once per DDP model, and not on a "
-            "model that has another comm hook."
+            f"({e}); attach_optimizer must be called once per DDP model, and not on a model that has another comm "
+            "hook."
         ) from e
     opt.pipeline.remove_grad_hooks()
     if shard_host_step and dist.get_world_size(ddp_model.process_group) > 1:

@@ -96,28 +96,19 @@ def check_local_shards(opt: HybridDeviceOptimizer, owners: Optional[dict[int, tu
         OffloadError: naming the parameter and what to do (build the optimizer after loading, or
             load weights in place).
     """
-    pl = opt.pipeline
-    for g in opt.param_groups:
-        for p in g["params"]:
-            name = "?"
-            if owners is not None and id(p) in owners:
-                mod, attr, name = owners[id(p)]
-                if getattr(mod, attr, None) is not p:
-                    raise OffloadError(
-                        f"{who}: parameter {name!r} was replaced after the optimizer was built (e.g. load_state_dict(assign=True) "
-                        "or to_empty); the optimizer would keep updating the old tensor. Load weights in place "
-                        "(load_state_dict() without assign, or annotate_offload.distributed.load_checkpoint), or build the "
-                        "optimizer after replacing the parameters.")
-            # what the optimizer writes: the host pipeline's H2D target, or the tensor the device half steps
-            if pl.is_host(p):
-                mine = pl.where(p)[1]
-            elif p not in opt.param_to_fp32_param:
-                mine = opt.param_to_inner_param[p]
-            else:
-                continue
-            if not _same_storage(mine, local_shard(p)):
+    for p, mine in opt.param_to_local.items():
+        name = "?"
+        if owners is not None and id(p) in owners:
+            mod, attr, name = owners[id(p)]
+            if getattr(mod, attr, None) is not p:
                 raise OffloadError(
-                    f"{who}: the local shard of parameter {name!r} (shape {tuple(mine.shape)}) now lives in other storage "
-                    "than when the optimizer was built (FSDP re-padding after an assign-style load, or .data replaced); its "
-                    "updates would be lost. Build the HybridDeviceOptimizer after the model's first forward / after loading, "
-                    "or load weights in place.")
+                    f"{who}: parameter {name!r} was replaced after the optimizer was built (e.g. load_state_dict(assign=True) "
+                    "or to_empty); the optimizer would keep updating the old tensor. Load weights in place "
+                    "(load_state_dict() without assign, or annotate_offload.distributed.load_checkpoint), or build the "
+                    "optimizer after replacing the parameters.")
+        if not _same_storage(mine, local_shard(p)):
+            raise OffloadError(
+                f"{who}: the local shard of parameter {name!r} (shape {tuple(mine.shape)}) now lives in other storage "
+                "than when the optimizer was built (FSDP re-padding after an assign-style load, or .data replaced); its "
+                "updates would be lost. Build the HybridDeviceOptimizer after the model's first forward / after loading, "
+                "or load weights in place.")

@@ -32,6 +32,7 @@ class AmpStep(NamedTuple):
     found: Optional[torch.Tensor] = None
     host_scale: Optional[torch.Tensor] = None  # CPU copies for the host half (the scaler changes its own
     host_found: Optional[torch.Tensor] = None  # in place, maybe before a delayed host step runs)
+    host_inv: Optional[torch.Tensor] = None  # inverse(host_scale), for host classes that take no scale
 
 
 def supports(opt: torch.optim.Optimizer) -> bool:
@@ -42,6 +43,12 @@ def supports(opt: torch.optim.Optimizer) -> bool:
 def inverse(scale: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` as ``GradScaler.unscale_`` computes it (fp64 reciprocal, then fp32)."""
     return scale.double().reciprocal().float()
+
+
+def takes_scale(opt: torch.optim.Optimizer, amp: Optional[AmpStep]) -> Optional[bool]:
+    """Who unscales ``opt``'s gradients in this step: ``None`` nobody (no scale to undo), ``True``
+    ``opt.step()`` itself (:func:`handed_over`), ``False`` the caller first (GradScaler's ``unscale_``)."""
+    return None if amp is None or amp.scale is None else supports(opt)
 
 
 def begin(opt: Any) -> Optional[AmpStep]:
@@ -65,14 +72,14 @@ def begin(opt: Any) -> Optional[AmpStep]:
         opt.pipeline.forget_copy()
         return AmpStep(False)
     host = scale.detach().to("cpu", torch.float32, copy=True)
-    return AmpStep(False, scale, found, host, torch.zeros((), dtype=torch.float32))
+    return AmpStep(False, scale, found, host, torch.zeros((), dtype=torch.float32), inverse(host))
 
 
 @contextlib.contextmanager
 def handed_over(opt: torch.optim.Optimizer, amp: Optional[AmpStep], *, host: bool) -> Iterator[None]:
     """``grad_scale``/``found_inf`` set on ``opt`` for one ``opt.step()``, as GradScaler hands them to
     torch's fused optimizers, when this step unscales and ``opt`` supports it."""
-    if amp is None or amp.scale is None or not supports(opt):
+    if not takes_scale(opt, amp):
         yield
         return
     opt.grad_scale, opt.found_inf = (amp.host_scale, amp.host_found) if host else (amp.scale, amp.found)

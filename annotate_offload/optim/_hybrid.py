@@ -6,9 +6,10 @@ The optimizer is a ``torch.optim.Optimizer`` made of a device sub-optimizer and 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -23,6 +24,7 @@ from ._threads import thread_budget
 __all__ = ["HybridDeviceOptimizer"]
 
 _CLASS_KEYS = ("cpu_optimizer_cls", "gpu_optimizer_cls")
+_SIZES = ("offload_fraction", "cpu_threads", "chunk_bytes")  # the STRUCTURAL_KEYS that are no bool switch
 # accelerator-only implementations: they do not run on host tensors (TE's FusedAdam corrupts them silently)
 _GPU_ONLY = ("apex", "transformer_engine", "deepspeed.ops.adam.fused_adam", "deepspeed.ops.lamb")
 
@@ -150,10 +152,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not number or not 0 <= offload_fraction <= 1:
             raise (ValueError if number else TypeError)(f"HybridDeviceOptimizer: offload_fraction={offload_fraction!r}: "
                                                         "pass a number in [0, 1] (the host's share of the numel).")
-        flags = dict(param_update_in_fp32=param_update_in_fp32, pin_cpu_grads=pin_cpu_grads, pin_cpu_params=pin_cpu_params,
-                     overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d, offload_gradients=offload_gradients,
-                     step_in_backward=step_in_backward, delayed_param_update=delayed_param_update,
-                     use_torch_optimizer_for_cpu_offload=use_torch_optimizer_for_cpu_offload)
+        # the bool switches: this optimizer's own options (STRUCTURAL_KEYS) but _SIZES, in signature order
+        flags = {k: v for k, v in locals().items() if k in STRUCTURAL_KEYS and k not in _SIZES}
         for k, v in flags.items():
             if not isinstance(v, bool):
                 raise TypeError(f"HybridDeviceOptimizer: {k}={v!r}: pass True or False.")
@@ -185,13 +185,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"HybridDeviceOptimizer: {k}={v!r}: remove it or use a keyword of {_name(cpu_cls)} "
                                 f"({', '.join(sigs[0][0])}) ({probe(cpu_cls, {k: v}, [(torch.float32, 'cpu', 1)])[1]}).")
         self._impl = {k: kwargs.pop(k) for k in IMPL_KEYS if k in kwargs}
-        self._fp32 = param_update_in_fp32
         defaults = {k: p.default for k, p in sigs[0][0].items() if k not in IMPL_KEYS and p.default is not p.empty}
         defaults.update(kwargs, **flags, offload_fraction=float(offload_fraction), cpu_threads=cpu_threads,
                         chunk_bytes=chunk_bytes, cpu_optimizer_cls=cpu_optimizer_cls, gpu_optimizer_cls=gpu_optimizer_cls)
-        self._built = False
         super().__init__(params, defaults)  # add_param_group checks each group
-        self._closed, self._built = False, True
+        self._built = True
 
         # ---- split, host pipeline, device optimizer
         flat = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
@@ -220,17 +218,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         sub_group = {id(t): g for o in self.sub_optimizers for g in o.param_groups for t in g["params"]}
         self._entries: list[Entry] = []
         for i, (gi, pi, p) in enumerate(flat):
-            loc = local_tensor(p)
             if host[gi][pi]:
-                t, _, ci = self.pipeline.where(p)
+                t, loc, ci = self.pipeline.where(p)  # loc: the tensor its H2D writes
                 self._entries.append(Entry(p, i, gi, pi, loc, t, self.cpu_optimizers[ci], sub_group[id(t)], t, True))
             else:
-                t = inner[i]
+                t, loc = inner[i], local_tensor(p)
                 self._entries.append(Entry(p, i, gi, pi, loc, t, self.gpu_optimizer, sub_group[id(t)],  # type: ignore[arg-type]
                                            t if t.dtype != loc.dtype else None, False))
         self._masters = [e for e in self._entries if not e.host and e.inner is not e.param]  # device half
         self._fresh = list(self._entries)  # entries whose state is not in self.state yet
-        self._ver = {e.flat: e.param._version for e in self._masters}
+        self._ver = {e.flat: e.param._version for e in self._masters if e.master is not None}  # weights seen
         # Megatron-Core's maps (its DistributedOptimizer and tests read them)
         self.param_to_inner_param = {e.param: e.inner for e in self._entries}
         self.inner_param_to_orig_param = {e.inner: e.param for e in self._entries}
@@ -238,6 +235,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                     and e.inner.dtype == torch.float32 != e.local.dtype}
         self.gpu_params_map_cpu_copy = {e.param: e.inner for e in self._entries if e.host}
         self.cpu_copys_map_gpu_param = {e.inner: e.param for e in self._entries if e.host}
+        # the tensor each parameter's update is written into (Note [Local shards] in distributed/_shards.py)
+        self.param_to_local = {e.param: e.local for e in self._entries}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Used by the constructor for each group; refused afterwards.
@@ -271,7 +270,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """What :func:`_check_hyper` probes: each class with the user's switches on tensors like those it
         would step for ``params`` (the host class: host masters; the device class: parameters or masters)."""
         like = {(t.dtype, t.device, t.dim()) for t in map(local_tensor, params)} or {(torch.float32, "cpu", 1)}
-        like = {(torch.float32 if self._fp32 and d.is_floating_point else d, v, n) for d, v, n in like}
+        fp32 = self.defaults["param_update_in_fp32"]
+        like = {(torch.float32 if fp32 and d.is_floating_point else d, v, n) for d, v, n in like}
         host_impl = impl_for(self._classes[0], self._impl, host=True)[0]
         if "fused" not in self._impl:
             host_impl.pop("fused", None)  # ours, not the user's: Note [Complex parameters]
@@ -327,9 +327,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._sync_hyper()
         self._place_state()
         self.pipeline.resync()
+        self._reseed()
+
+    def _reseed(self, everything: bool = False) -> None:
+        """Copy the weights written into the model since the last step (``everything``: all of them) into
+        the device half's masters."""
         with torch.no_grad():
             for e in self._masters:
-                if e.master is not None and e.param._version != self._ver[e.flat]:
+                if e.master is not None and (everything or e.param._version != self._ver[e.flat]):
                     e.inner.copy_(e.local)
                     self._ver[e.flat] = e.param._version
 
@@ -366,7 +371,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         opt = self.gpu_optimizer
         if opt is None:
             return
-        if amp is not None and amp.scale is not None and not _amp.supports(opt):  # Note [GradScaler]
+        if _amp.takes_scale(opt, amp) is False:  # Note [GradScaler]
             _amp.unscale_([g for e in self._entries if not e.host and (g := local_grad(e.param)) is not None], amp.scale)
         for e in self._masters:
             g = local_grad(e.param)
@@ -380,12 +385,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     e.local.copy_(e.inner)
                     self._ver[e.flat] = e.param._version
 
-    def _failed(self, exc: BaseException, host: list[int]) -> None:
-        dev = [] if self.pipeline.device_done else [e.flat for e in self._entries if not e.host]
-        exc.untouched_params = idx = sorted({*dev, *host})  # type: ignore[attr-defined]
-        exc.add_note(f"HybridDeviceOptimizer: {len(idx)} of {len(self._entries)} parameters were not updated "
-                     "(untouched_params: their indices in param_groups order), the others were. Call step() again to "
-                     "step exactly those, once, or zero_grad() to drop them.")
+    @contextlib.contextmanager
+    def _outcome(self) -> Iterator[None]:
+        """Around a pipeline call: ``state[p]`` gets the state created, and an exception the parameters it
+        left untouched (Note [Failed steps] in ``_pipeline.py``)."""
+        try:
+            yield
+        except BaseException as exc:
+            dev = [] if self.pipeline.device_done else [e.flat for e in self._entries if not e.host]
+            exc.untouched_params = idx = sorted({*dev, *self.pipeline.untouched()})  # type: ignore[attr-defined]
+            exc.add_note(f"HybridDeviceOptimizer: {len(idx)} of {len(self._entries)} parameters were not updated "
+                         "(untouched_params: their indices in param_groups order), the others were. Call step() again "
+                         "to step exactly those, once, or zero_grad() to drop them.")
+            raise
+        finally:
+            self._publish_state()
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -400,32 +414,22 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 chunk was stepped in backward; GradScaler with ``offload_gradients`` or ``step_in_backward``.
                 Any exception carries ``untouched_params`` (see the class docs).
         """
-        if self._closed:
+        if self.pipeline.closed:
             raise OffloadError("HybridDeviceOptimizer.step: this optimizer was closed (close() stopped its worker and "
                                "removed its hooks); build a new HybridDeviceOptimizer to keep training.")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        try:
+        with self._outcome():
             self.pipeline.step(self._device_step, lambda: _amp.begin(self))
-        except BaseException as e:
-            self._failed(e, self.pipeline.untouched())
-            raise
-        finally:
-            self._publish_state()
         return loss
 
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also write the pending update into the model, so
         that the weights equal the host masters (cast to the model dtype)."""
-        try:
+        with self._outcome():
             self.pipeline.flush()
-        except BaseException as e:
-            self._failed(e, self.pipeline.untouched())
-            raise
-        finally:
-            self._publish_state()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every parameter, the host-held ones of ``offload_gradients`` included.
@@ -470,11 +474,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Re-seed every master (host and GPU) from the model's weights: call after writing weights in a
         way that bypasses the version counter (``p.data.copy_``); ``model.load_state_dict`` is seen by itself."""
         self.pipeline.resync(everything=True)
-        with torch.no_grad():
-            for e in self._masters:
-                if e.master is not None:
-                    e.inner.copy_(e.local)
-                    self._ver[e.flat] = e.param._version
+        self._reseed(everything=True)
 
     update_fp32_param_by_new_param = reload_model_params  # Megatron's name
 
@@ -567,7 +567,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     e.opt.state.pop(e.inner, None)
         self._fresh = [e for e in self._entries if e.param not in self.state]
         self.pipeline.note_written()
-        self._ver = {e.flat: e.param._version for e in self._masters}
+        self._ver = {e.flat: e.param._version for e in self._masters if e.master is not None}
         self._sync_hyper()
         if delayed:
             self.pipeline.push_masters()
@@ -577,8 +577,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Finish pending work, then remove the backward hooks and stop the worker thread (idempotent); the
         clean-up always runs, and an error of the pending work is raised after it. ``step()`` then raises."""
-        if not self._closed:
-            self._closed = True
+        if not self.pipeline.closed:
             try:
                 self.flush()
             finally:

@@ -323,6 +323,13 @@ class HostPipeline:
         g = local_grad(p)
         return g is not None and self._slot[id(p)].copied(g)
 
+    def uncopied(self, skip_batched: bool = False) -> int:
+        """How many gradients of the host parameters this process steps ``step()`` would copy now (none
+        copied, or changed since); ``skip_batched``: without those copied there by design (Note [Tiny
+        gradients at step()])."""
+        return sum(1 for s in self.slots if s.param.grad is not None and self._steps(s.chunk)
+                   and not (skip_batched and self.batched(s.param)) and not s.copied(local_grad(s.param)))
+
     def forget_copy(self, p: Optional[torch.Tensor] = None) -> None:
         """Make ``step()`` copy ``p``'s gradient (all: ``None``) again: it changed where versions do not
         show (``GradScaler.unscale_``, ``torch._foreach_*`` on DTensors)."""
@@ -495,14 +502,15 @@ class HostPipeline:
                 side.synchronize(c.h2d_ev)  # the last update's H2D reads the masters and staging
             for s in c.slots:
                 s.master.grad = None
+            inv = amp.host_inv if _amp.takes_scale(c.opt, amp) is False else None  # type: ignore[union-attr]
             for s, ev, scales in plan:
                 side.synchronize(ev)
                 s.master.grad = s.bufs[buf]
                 for coef, cev in scales:
                     side.synchronize(cev)
                     scale_(s.master.grad, s.local.dtype, coef)
-                if amp is not None and amp.scale is not None and not _amp.supports(c.opt):
-                    scale_(s.master.grad, s.local.dtype, _amp.inverse(amp.host_scale))  # Note [GradScaler]: unscale_'s multiply
+                if inv is not None:
+                    scale_(s.master.grad, s.local.dtype, inv)  # Note [GradScaler]: unscale_'s multiply
             if plan:
                 with _amp.handed_over(c.opt, amp, host=True), num_threads(1) if c.serial else contextlib.nullcontext():
                     c.opt.step()

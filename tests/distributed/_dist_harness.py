@@ -66,13 +66,13 @@ def loss_fn(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def reference(steps: int, world: int) -> dict[str, torch.Tensor]:
-    """Single process: each rank's micro-batch grads computed separately, averaged as DDP/FSDP do
-    (``sum / world``), stepped by ``torch.optim.AdamW(fused=True)`` (:func:`train_single`).
-    Returns the final weights."""
-    model = make_model()
+def reference(steps: int, world: int, device: "torch.device | str" = "cpu") -> dict[str, torch.Tensor]:
+    """Single process on ``device``: each rank's micro-batch grads computed separately, averaged as
+    DDP/FSDP do (``sum / world``), stepped by ``torch.optim.AdamW(fused=True)`` (:func:`train_single`).
+    Returns the final weights, on the CPU."""
+    model = make_model().to(device)
     train_single(model, torch.optim.AdamW(model.parameters(), lr=LR, fused=True), 0, steps, world)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def free_port() -> int:
@@ -128,13 +128,15 @@ def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
 
 
 def train_single(model: nn.Module, opt: Any, first: int, steps: int, world: int = 2) -> None:
-    """One process doing what ``world`` DDP/FSDP ranks do: per-rank micro-batch grads, averaged, one step."""
+    """One process doing what ``world`` DDP/FSDP ranks do: per-rank micro-batch grads, averaged, one step
+    (inputs on the model's device, in its dtype)."""
     data = batches(steps, world)
+    p0 = next(model.parameters())
     for s in range(first, steps):
         grads = []
         for x in data[s]:
             model.zero_grad(set_to_none=True)
-            loss_fn(model(x.to(next(model.parameters()).dtype))).backward()
+            loss_fn(model(x.to(p0.device, p0.dtype))).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, *gs in zip(model.parameters(), *grads):
             acc = gs[0].clone()

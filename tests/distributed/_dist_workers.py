@@ -77,7 +77,7 @@ def ddp_train(rank: int, world: int, *, out_dir: str, bucket_view: bool, attach:
         late = [0]
 
         def count_late(*_):  # what OffloadCommHook.copied_at_step counts, for the optimizer's own hooks
-            late[0] += sum(1 for p in opt.pipeline.params if p.grad is not None and not opt.pipeline.grad_copied(p))
+            late[0] += opt.pipeline.uncopied()
 
         opt.register_step_pre_hook(count_late)
     stepped: dict[int, int] = {}  # host chunk -> host optimizer steps run on this rank
@@ -202,12 +202,16 @@ def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction:
     }
 
 
-def fsdp_replaced_param(rank: int, world: int, *, out_dir: str) -> str:
-    model = _shard(make_model())
-    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=LR)
+def fsdp_replaced_param(rank: int, world: int, *, out_dir: str, fp32_masters: bool = False) -> str:
+    """``fp32_masters``: a bf16 model stepped on the device half through fp32 masters, no backward
+    (the check runs before anything is stepped); else a host-stepped parameter of an fp32 model."""
+    model = _shard(make_model(torch.bfloat16 if fp32_masters else torch.float32))
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.0 if fp32_masters else 0.5, lr=LR,
+                                param_update_in_fp32=fp32_masters)
     attach_optimizer(model, opt)
-    loss_fn(model(batches(1, world)[0][rank])).backward()
-    # replace a host-stepped parameter's local storage behind the optimizer's back
+    if not fp32_masters:
+        loss_fn(model(batches(1, world)[0][rank])).backward()
+    # replace the parameter's local storage behind the optimizer's back
     p = model.inp.weight
     p._local_tensor = p._local_tensor.clone()
     try:
@@ -256,6 +260,7 @@ def fsdp_suite(rank: int, world: int, *, out_dir: str, steps: int) -> dict[str, 
         # the hook path (test tensors are all tiny): its D2H in backward, then the re-copy after clipping
         "clipped": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=0.5, clip=0.05, batched_numel=0),
         "replaced": fsdp_replaced_param(rank, world, out_dir=out_dir),
+        "replaced_fp32_master": fsdp_replaced_param(rank, world, out_dir=out_dir, fp32_masters=True),
         "step_in_backward": fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=1.0, chunk_bytes=1024,
                                        step_in_backward=True),
         # FSDP2 mixed precision (bf16 all-gathered weights) and autocast (bf16 casts of the weights),

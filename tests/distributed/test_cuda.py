@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _dist_harness import LR, batches, loss_fn, make_model, run_ranks
+from _dist_harness import reference, run_ranks
 from _dist_workers import cuda_suite
 
 pytestmark = [
@@ -29,19 +29,7 @@ def runs(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ref() -> dict[str, torch.Tensor]:
-    dev = torch.device("cuda", 0)
-    model = make_model().to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    for xs in batches(STEPS, 2):
-        grads = []
-        for x in xs:
-            model.zero_grad(set_to_none=True)
-            loss_fn(model(x.to(dev))).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, g0, g1 in zip(model.parameters(), *grads):
-            p.grad = (g0 + g1) / 2
-        opt.step()
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return reference(STEPS, 2, device=torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])

@@ -119,6 +119,9 @@ def test_fsdp_refuses_the_optimizers_shard_local_clip(runs):
     assert "only this rank's shard" in msg and "annotate_offload.distributed.clip_grad_norm_" in msg
 
 
-def test_fsdp_replaced_local_shard_is_an_error(runs):
-    msg = runs[0]["replaced"]
+@pytest.mark.parametrize("case", ["replaced", "replaced_fp32_master"])
+def test_fsdp_replaced_local_shard_is_an_error(runs, case):
+    # replaced: a host-stepped parameter; replaced_fp32_master: one the device half steps through an
+    # fp32 master (param_update_in_fp32=True) and copies back into the local shard
+    msg = runs[0][case]
     assert "'inp.weight'" in msg and "other storage" in msg

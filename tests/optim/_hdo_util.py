@@ -1,4 +1,4 @@
-"""Shared helpers (not a conftest, to keep fixtures local) for the HybridDeviceOptimizer tests: a tiny two-group model and its torch AdamW twin."""
+"""Shared helpers (not a conftest, to keep fixtures local) for the HybridDeviceOptimizer tests: a tiny two-group model and its torch AdamW twin, seeded inputs, a host class that fails once."""
 
 from __future__ import annotations
 
@@ -25,6 +25,22 @@ class Tiny(nn.Module):
         w = [p for n, p in self.named_parameters() if n.endswith("weight") and p.dim() == 2]
         rest = [p for n, p in self.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
         return [{"params": w, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": lr * 0.5}]
+
+
+def inputs(n, seed):
+    """``n`` seeded ``5 x 8`` inputs of the Tiny model."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 8, generator=g) for _ in range(n)]
+
+
+class FailOnce(torch.optim.AdamW):
+    """AdamW whose instance marked ``fail_next`` raises at its next step (a host chunk that fails once)."""
+
+    def step(self, closure=None):
+        if getattr(self, "fail_next", False):
+            self.fail_next = False
+            raise RuntimeError("host chunk failed")
+        return super().step(closure)
 
 
 def loss_of(model, x):

@@ -8,13 +8,8 @@ import io
 import pytest
 import torch
 
-from _hdo_util import Tiny, assert_same, loss_of, pair, train
+from _hdo_util import Tiny, assert_same, inputs, loss_of, pair, train
 from annotate_offload.optim import HybridDeviceOptimizer
-
-
-def _xs(n, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(5, 8, generator=g) for _ in range(n)]
 
 
 @pytest.mark.parametrize("f", [0.5, 1.0])
@@ -24,7 +19,7 @@ def test_o03_weights_loaded_after_construction(f):
     ckpt = Tiny()  # other weights, e.g. a pretrained checkpoint without optimizer state
     m.load_state_dict(ckpt.state_dict())
     ref = torch.optim.AdamW(ckpt.parameters(), lr=1e-2, fused=True)
-    xs = _xs(3)
+    xs = inputs(3, 2)
     train(m, opt, xs)
     train(ckpt, ref, xs)
     assert_same(m, ckpt)
@@ -38,8 +33,8 @@ def test_o03_reload_model_params_after_data_copy():
         p.data.copy_(q.data)  # bypasses the version counter: needs the explicit call
     opt.reload_model_params()
     ref = torch.optim.AdamW(ckpt.parameters(), lr=1e-2, fused=True)
-    train(m, opt, _xs(2))
-    train(ckpt, ref, _xs(2))
+    train(m, opt, inputs(2, 2))
+    train(ckpt, ref, inputs(2, 2))
     assert_same(m, ckpt)
 
 
@@ -50,7 +45,7 @@ def test_o04_bf16_model_with_fp32_norm(f):
     masters = [p.detach().float().requires_grad_() for p in m.parameters()]
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, param_update_in_fp32=True, lr=1e-2)
     ref = torch.optim.AdamW(masters, lr=1e-2, fused=True)
-    for x in _xs(5):
+    for x in inputs(5, 2):
         h = torch.relu(m.l2(torch.relu(m.l1(x.bfloat16()))))
         out = m.l3(m.norm(h.float()).bfloat16())
         out.float().square().mean().backward()
@@ -71,7 +66,7 @@ def test_o05_checkpoint_round_trip_weights_only(f_save, f_load):
     kw = dict(param_update_in_fp32=True, lr=1e-2)
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f_save, **kw)
     ref = HybridDeviceOptimizer(r.groups(), offload_fraction=f_save, **kw)
-    xs = _xs(8)
+    xs = inputs(8, 2)
     train(m, opt, xs[:3])
     train(r, ref, xs[:3])
     buf = io.BytesIO()
@@ -97,7 +92,7 @@ def test_loading_an_optimizer_state_alone_leaves_the_weights(f):
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, lr=1e-2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
-    xs = _xs(8)
+    xs = inputs(8, 2)
     train(m, opt, xs[:3])
     train(r, ref, xs[:3])
     sd, sd_ref = copy.deepcopy(opt.state_dict()), copy.deepcopy(ref.state_dict())
@@ -126,7 +121,7 @@ def test_o06_moving_state_and_back(f):
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, lr=1e-2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
-    xs = _xs(6)
+    xs = inputs(6, 2)
     train(m, opt, xs[:3])
     train(r, ref, xs[:3])
     # what RL frameworks do between rollouts: replace every state tensor (and dict) by a moved copy
@@ -146,7 +141,7 @@ def test_o06_step_counter_placement():
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, lr=1e-2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
-    xs = _xs(4)
+    xs = inputs(4, 2)
     train(m, opt, xs[:2])
     train(r, ref, xs[:2])
     for st in opt.state.values():
@@ -174,7 +169,7 @@ def test_o07_lr_schedulers(kind, overlap):
         return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[2e-2, 1e-2], total_steps=20)
 
     s1, s2 = sched(opt), sched(ref)
-    for x in _xs(6):
+    for x in inputs(6, 2):
         loss_of(m, x).backward()
         loss_of(r, x).backward()
         opt.step()
@@ -203,7 +198,7 @@ def test_o08_frozen_and_gradless_params(f, offload_gradients):
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
     assert all(pl.side == "gpu" for pl in opt.placements if pl.index == 1)  # frozen: never offloaded
     frozen_before = m.l1.bias.detach().clone()
-    for i, x in enumerate(_xs(6)):
+    for i, x in enumerate(inputs(6, 2)):
         for model, o in ((m, opt), (r, ref)):
             h = torch.relu(model.l1(x))
             if i % 2 == 0:  # odd steps skip l2: its params get no gradient at all
@@ -223,7 +218,7 @@ def test_state_dict_records_the_implementation_used(kw, fused, foreach):
     steps ran another kernel. The state dict now records what the sub-optimizers use."""
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, lr=1e-2, **kw)
-    xs = _xs(6)
+    xs = inputs(6, 2)
     train(m, opt, xs[:3])
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)  # through a file: a loaded state dict must not share tensors with opt
@@ -258,7 +253,7 @@ def test_gradient_changed_after_clip_grad_norm_is_clipped_once(monkeypatch):
     m, r = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2)
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
-    for x in _xs(3):
+    for x in inputs(3, 2):
         for model in (m, r):
             loss_of(model, x).backward()
         opt.clip_grad_norm_(0.01)

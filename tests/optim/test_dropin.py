@@ -10,13 +10,8 @@ import sys
 import pytest
 import torch
 
-from _hdo_util import Tiny, assert_same, loss_of, pair, train
+from _hdo_util import Tiny, assert_same, inputs, loss_of, pair, train
 from annotate_offload.optim import HybridDeviceOptimizer
-
-
-def _xs(n, seed=11):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(5, 8, generator=g) for _ in range(n)]
 
 
 # ---------------------------------------------------------------- Megatron-Core names
@@ -25,7 +20,7 @@ def test_state_is_empty_before_the_first_step():
     m = Tiny()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, lr=1e-2)
     assert opt.state_dict()["state"] == {} and len(opt.state) == 0
-    train(m, opt, _xs(1))
+    train(m, opt, inputs(1, 11))
     assert set(opt.state) == set(m.parameters())
     opt.close()
 
@@ -80,8 +75,8 @@ def test_dummy_step_creates_state_without_changing_anything_a_step_would(f):
     for st in opt.state.values():
         assert float(st["step"]) == 0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, weight_decay=0.1, fused=True)
-    train(m, opt, _xs(3))
-    train(r, ref, _xs(3))
+    train(m, opt, inputs(3, 11))
+    train(r, ref, inputs(3, 11))
     assert_same(m, r)
     opt.close()
 
@@ -93,7 +88,7 @@ def test_state_written_into_hdo_state_reaches_the_sub_optimizers(f):
     m, r = pair(dtype=torch.bfloat16)
     kw = dict(offload_fraction=f, param_update_in_fp32=True, lr=1e-2)
     src = HybridDeviceOptimizer(r.parameters(), **kw)
-    train(r, src, _xs(2))
+    train(r, src, inputs(2, 11))
     opt = HybridDeviceOptimizer(m.parameters(), **kw)
     opt.dummy_step()
     m.load_state_dict(r.state_dict())
@@ -104,8 +99,8 @@ def test_state_written_into_hdo_state_reaches_the_sub_optimizers(f):
     opt._sync_hdo_state_to_sub_optimizers()
     for p, q in pairs:  # the fp32 masters hold the loaded values, not the bf16 weights
         assert torch.equal(opt.param_to_fp32_param[p].cpu(), src.state[q]["master_param"].cpu())
-    train(m, opt, _xs(2, seed=3))
-    train(r, src, _xs(2, seed=3))
+    train(m, opt, inputs(2, 3))
+    train(r, src, inputs(2, 3))
     assert_same(m, r)
     opt.close()
     src.close()
@@ -127,7 +122,7 @@ def test_rebuild_from_defaults_keeps_the_classes():
 def _trained(f, dtype=torch.float32):
     m = Tiny(dtype=dtype)
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, lr=1e-2, param_update_in_fp32=dtype != torch.float32)
-    train(m, opt, _xs(2))
+    train(m, opt, inputs(2, 11))
     return m, opt
 
 
@@ -196,7 +191,7 @@ def test_a_load_torch_could_not_use_is_refused_and_changes_nothing(f, case):
     if case in ("non-tensor", "int-moment", "transposed", "missing-key", "step-str"):
         assert "parameter" in msg and "expected" in msg and "found" in msg and "nothing was loaded" in msg
     _same_snapshot(before, _snapshot(m, opt))
-    train(m, opt, _xs(1))  # and the optimizer still steps
+    train(m, opt, inputs(1, 11))  # and the optimizer still steps
     opt.close()
 
 
@@ -226,8 +221,8 @@ def test_loads_cast_and_move_as_torch_does(f):
     opt.load_state_dict(sd)
     for st in opt.state.values():
         assert st["exp_avg"].dtype == torch.float32 and st["step"].dtype == torch.float32
-    train(m, opt, _xs(2, seed=5))
-    train(r, ref, _xs(2, seed=5))
+    train(m, opt, inputs(2, 5))
+    train(r, ref, inputs(2, 5))
     assert_same(m, r)
     opt.close()
 

@@ -13,34 +13,19 @@ import threading
 import pytest
 import torch
 
-from _hdo_util import assert_same, loss_of, pair
+from _hdo_util import FailOnce, assert_same, inputs, loss_of, pair
 from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer
-
-
-class _FailOnce(torch.optim.AdamW):
-    """AdamW whose instance marked ``fail_next`` raises at its next step (a host chunk that fails once)."""
-
-    def step(self, closure=None):
-        if getattr(self, "fail_next", False):
-            self.fail_next = False
-            raise RuntimeError("host chunk failed")
-        return super().step(closure)
 
 
 MODES = {"exact": {}, "offload_gradients": {"offload_gradients": True}, "serial": {"overlap_cpu_optimizer_d2h_h2d": False},
          "step_in_backward": {"step_in_backward": True}}
 
 
-def _xs(n, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(5, 8, generator=g) for _ in range(n)]
-
-
 def _build(mode, f=0.75):
     m, r = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, chunk_bytes=128, lr=1e-2, fused=True,
-                                cpu_optimizer_cls=_FailOnce, **MODES.get(mode, {}))
+                                cpu_optimizer_cls=FailOnce, **MODES.get(mode, {}))
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
     assert len(opt.cpu_optimizers) >= 3 and opt.gpu_optimizer is not None
     return m, r, opt, ref
@@ -49,7 +34,7 @@ def _build(mode, f=0.75):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_failed_step_is_all_or_nothing_per_parameter_and_a_retry_steps_the_rest_once(mode):
     m, r, opt, ref = _build(mode)
-    x = _xs(1)[0]
+    x = inputs(1, 7)[0]
     opt.cpu_optimizers[len(opt.cpu_optimizers) // 2].fail_next = True  # before backward: step_in_backward runs it there
     before = [p.detach().clone() for p in m.parameters()]
     loss_of(m, x).backward()
@@ -68,7 +53,7 @@ def test_a_failed_step_is_all_or_nothing_per_parameter_and_a_retry_steps_the_res
         assert torch.equal(opt.state[p]["step"], ref.state[q]["step"])
     for model, o in ((m, opt), (r, ref)):  # and training goes on in step
         o.zero_grad()
-        loss_of(model, _xs(1, seed=8)[0]).backward()
+        loss_of(model, inputs(1, 8)[0]).backward()
         o.step()
     assert_same(m, r)
     opt.close()
@@ -80,10 +65,10 @@ def test_a_failed_host_chunk_in_delayed_mode_runs_again_before_the_next_step():
     and runs once more when step() is called again."""
     m, r = pair()
     kw = dict(offload_fraction=0.75, chunk_bytes=128, lr=1e-2, fused=True, delayed_param_update=True)
-    opt = HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=_FailOnce, **kw)
+    opt = HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=FailOnce, **kw)
     twin = HybridDeviceOptimizer(r.parameters(), **kw)
     opt.cpu_optimizers[1].fail_next = True  # fails in the worker after step 0, during the next backward
-    xs = _xs(3)
+    xs = inputs(3, 7)
     for i, x in enumerate(xs):
         for model, o in ((m, opt), (r, twin)):
             loss_of(model, x).backward()
@@ -112,7 +97,7 @@ def test_close_cleans_up_then_reports_the_pending_failure():
     workers = lambda: sum(t.name.startswith("hdo-cpu-step") for t in threading.enumerate())  # noqa: E731
     n = workers()
     opt.cpu_optimizers[0].fail_next = True
-    loss_of(m, _xs(1)[0]).backward()  # the chunk fails in the worker; nothing reported yet
+    loss_of(m, inputs(1, 7)[0]).backward()  # the chunk fails in the worker; nothing reported yet
     with pytest.raises(RuntimeError, match="host chunk failed"):
         opt.close()
     assert workers() == n - 1  # the worker was stopped anyway

@@ -9,16 +9,11 @@ import torch
 
 from annotate_offload.optim import _pipeline
 
-from _hdo_util import Tiny, assert_same, loss_of, pair, train
+from _hdo_util import Tiny, assert_same, inputs, loss_of, pair, train
 from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer
 from annotate_offload.optim._device import carve
 from annotate_offload.optim._threads import CpuWorker, thread_budget
-
-
-def _xs(n, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(5, 8, generator=g) for _ in range(n)]
 
 
 # ---------------------------------------------------------------- step_in_backward
@@ -28,7 +23,7 @@ def test_step_in_backward_is_exact_without_clipping(f):
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, step_in_backward=True, chunk_bytes=512, lr=1e-2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
     assert len(opt.cpu_optimizers) > 1
-    xs = _xs(6)
+    xs = inputs(6, 3)
     train(m, opt, xs)
     train(r, ref, xs)
     assert_same(m, r)
@@ -38,7 +33,7 @@ def test_step_in_backward_steps_during_backward():
     m, _ = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, step_in_backward=True, lr=1e-2)
     before = m.l3.weight.detach().clone()
-    loss_of(m, _xs(1)[0]).backward()
+    loss_of(m, inputs(1, 3)[0]).backward()
     opt.flush()  # the worker has run the chunks stepped in backward
     assert not torch.equal(m.l3.weight, before)  # already updated before step()
     opt.step()
@@ -50,7 +45,7 @@ def test_step_in_backward_refuses_to_skip_a_step_it_has_applied():
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, step_in_backward=True, lr=1e-2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
-    xs = _xs(3)
+    xs = inputs(3, 3)
     loss_of(m, xs[0]).backward()
     with pytest.raises(OffloadError, match=r"cannot be skipped.*Call step\(\)"):
         opt.zero_grad()
@@ -84,7 +79,7 @@ def test_step_in_backward_skips_a_step_whose_chunks_had_not_all_landed():
 def test_step_in_backward_refuses_accumulation_and_clipping():
     m, _ = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, step_in_backward=True, lr=1e-2)
-    x = _xs(1)[0]
+    x = inputs(1, 3)[0]
     loss_of(m, x).backward()
     opt.flush()  # the chunks of the first backward have written the weights
     with pytest.raises(OffloadError, match="second gradient"):
@@ -164,7 +159,7 @@ def test_delayed_mode_resumes_from_a_model_file_saved_before_the_optimizer(f):
     m, _ = pair()
     kw = dict(offload_fraction=f, lr=1e-2, delayed_param_update=True)
     opt = HybridDeviceOptimizer(m.groups(), **kw)
-    xs = _xs(6)
+    xs = inputs(6, 3)
     train(m, opt, xs[:3])
     model_file, opt_file = io.BytesIO(), io.BytesIO()
     torch.save(m.state_dict(), model_file)
@@ -186,7 +181,7 @@ def test_delayed_mode_keeps_weights_loaded_between_steps():
     """O03 in delayed mode: weights loaded while an update is pending are not overwritten by it."""
     m, _ = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, delayed_param_update=True, lr=1e-2, chunk_bytes=512)
-    xs = _xs(3)
+    xs = inputs(3, 3)
     for x in xs[:2]:
         loss_of(m, x).backward()
         opt.step()
@@ -288,7 +283,7 @@ def test_host_chunks_are_stepped_in_gradient_landing_order(monkeypatch):
     order = []
     for ci, sub in enumerate(opt.cpu_optimizers):
         sub.register_step_pre_hook(lambda *_, ci=ci: order.append(ci))
-    x = _xs(1)[0]
+    x = inputs(1, 3)[0]
     for model, o in ((m, opt), (r, ref)):
         loss_of(model, x).backward()
     assert len(opt.cpu_optimizers) == 3
@@ -348,7 +343,7 @@ def test_serial_chunks_step_with_one_thread(monkeypatch):
     seen = {}
     for ci, sub in enumerate(opt.cpu_optimizers):
         sub.register_step_pre_hook(lambda *_, ci=ci: seen.__setitem__(ci, torch.get_num_threads()))
-    xs = _xs(3)
+    xs = inputs(3, 3)
     train(m, opt, xs)
     train(r, ref, xs)
     assert_same(m, r)  # thread count never changes an elementwise kernel's result
@@ -367,8 +362,8 @@ def test_sgd_both_halves():
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, cpu_optimizer_cls=torch.optim.SGD, lr=1e-2, momentum=0.9)
     ref = torch.optim.SGD(r.groups(), lr=1e-2, momentum=0.9)
-    train(m, opt, _xs(4))
-    train(r, ref, _xs(4))
+    train(m, opt, inputs(4, 3))
+    train(r, ref, inputs(4, 3))
     assert_same(m, r)
 
 
@@ -392,7 +387,7 @@ def test_thread_budget_ignores_omp_and_splits_per_rank(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["exact", "step_in_backward", "delayed"])
 def test_default_mode_steps_on_the_training_thread(mode, monkeypatch):
-    """Note [Exact mode steps on the training thread]: the default mode has no worker thread, runs
+    """Note [Thread budget] (``optim/_threads.py``): the default mode has no worker thread, runs
     the host chunks where step() was called with the whole budget, queues the GPU half before them,
     and gives the training thread its own thread count back; the overlapped modes keep the worker
     and leave a core to the training thread."""
@@ -412,7 +407,7 @@ def test_default_mode_steps_on_the_training_thread(mode, monkeypatch):
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        loss_of(m, _xs(1)[0]).backward()
+        loss_of(m, inputs(1, 3)[0]).backward()
         opt.step()
         opt.flush()
         assert torch.get_num_threads() == 2
@@ -488,14 +483,14 @@ def test_offloaded_gradients_are_unreferenced_right_after_their_hook(monkeypatch
     for p in m.parameters():
         p.register_post_accumulate_grad_hook(lambda q: refs.append(weakref.ref(q.grad)))
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, offload_gradients=True, chunk_bytes=100, lr=1e-2)
-    loss_of(m, _xs(1)[0]).backward()
+    loss_of(m, inputs(1, 3)[0]).backward()
     assert len(refs) == len(list(m.parameters()))
     assert all(r() is None for r in refs)
     assert all(p.grad is None for p in m.parameters())
     opt.step()
     opt.zero_grad()
     refs.clear()
-    loss_of(m, _xs(1)[0]).backward()  # second step too
+    loss_of(m, inputs(1, 3)[0]).backward()  # second step too
     assert all(r() is None for r in refs)
     opt.close()
 
@@ -503,9 +498,9 @@ def test_offloaded_gradients_are_unreferenced_right_after_their_hook(monkeypatch
 def test_step_phases_are_profiler_ranges():
     m, _ = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, chunk_bytes=512, lr=1e-2)
-    train(m, opt, _xs(1))
+    train(m, opt, inputs(1, 3))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        train(m, opt, _xs(1))
+        train(m, opt, inputs(1, 3))
     names = [e.key for e in prof.key_averages()]
     counts = {e.key: e.count for e in prof.key_averages()}
     for name in ("HybridDeviceOptimizer.d2h", "HybridDeviceOptimizer.device_step", "HybridDeviceOptimizer.host_chunk"):
@@ -518,8 +513,8 @@ def test_empty_group_is_tolerated():
     m, r = pair()
     opt = HybridDeviceOptimizer([{"params": []}, {"params": list(m.parameters())}], offload_fraction=0.5, lr=1e-2)
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
-    train(m, opt, _xs(2))
-    train(r, ref, _xs(2))
+    train(m, opt, inputs(2, 3))
+    train(r, ref, inputs(2, 3))
     assert_same(m, r)
     opt.load_state_dict(opt.state_dict())
 
@@ -535,7 +530,7 @@ def test_tiny_gradients_are_copied_together_at_step(monkeypatch, offload_gradien
     pl = opt.pipeline
     hooked = {id(p) for p in pl.params if not pl.batched(p)}
     assert hooked == {id(m.l1.weight), id(m.l2.weight)}
-    xs = _xs(3)
+    xs = inputs(3, 3)
     loss_of(m, xs[0]).backward()
     for p in m.parameters():  # the hooks ran in backward; the tiny ones wait for step()
         if offload_gradients:
@@ -593,7 +588,7 @@ def test_a_replaced_optimizer_that_is_still_alive_stands_aside(monkeypatch, old_
     with pytest.warns(UserWarning, match=r"belong to another HybridDeviceOptimizer that is still alive.*old\.close\(\)"):
         opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, lr=1e-2)
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
-    xs = _xs(4)
+    xs = inputs(4, 3)
     train(m, opt, xs)
     train(r, ref, xs)
     assert_same(m, r)
@@ -635,7 +630,7 @@ def test_step_retried_after_a_device_half_error_steps_the_host_half_once(offload
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, chunk_bytes=512, lr=1e-2, fused=True,
                                 gpu_optimizer_cls=Flaky, offload_gradients=offload_gradients)
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
-    x = _xs(1)[0]
+    x = inputs(1, 3)[0]
     for model in (m, r):
         loss_of(model, x).backward()
     fail["on"] = True
@@ -646,7 +641,7 @@ def test_step_retried_after_a_device_half_error_steps_the_host_half_once(offload
     assert_same(m, r)
     opt.zero_grad()
     ref.zero_grad()
-    train(m, opt, _xs(2))  # and training goes on in step
-    train(r, ref, _xs(2))
+    train(m, opt, inputs(2, 3))  # and training goes on in step
+    train(r, ref, inputs(2, 3))
     assert_same(m, r)
     opt.close()

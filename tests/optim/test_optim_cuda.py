@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from _hdo_util import Tiny, loss_of
+from _hdo_util import FailOnce, Tiny, loss_of
 from annotate_offload.optim import HybridDeviceOptimizer
 
 pytestmark = pytest.mark.cuda
@@ -334,13 +334,6 @@ def test_failed_step_on_gpu_keeps_the_h2d_of_stepped_chunks_ordered():
     """Note [Failed steps] on real streams: after a host chunk raised, the compute stream still waits
     on the H2D of the chunks that stepped, and a retry steps the rest once (bit-exact against the
     same split on the same kernels)."""
-
-    class FailOnce(torch.optim.AdamW):
-        def step(self, closure=None):
-            if getattr(self, "fail_next", False):
-                self.fail_next = False
-                raise RuntimeError("host chunk failed")
-            return super().step(closure)
 
     m = Wide().cuda()
     r = copy.deepcopy(m)

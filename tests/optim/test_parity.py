@@ -248,7 +248,7 @@ def test_complex_parameters_step_like_plain_adamw(f, overlap):
 @pytest.mark.parametrize("hooks", [True, False], ids=["hook-per-gradient", "batched-tiny"])
 @pytest.mark.parametrize("f", [0.5, 1.0])
 def test_offloaded_gradients_are_consumed_by_step_so_model_zero_grad_suffices(f, hooks, monkeypatch):
-    # Note [Offloaded gradients are consumed by step()]: HF Trainer zeroes with model.zero_grad(),
+    # Note [Consumed gradients] (optim/_pipeline.py): HF Trainer zeroes with model.zero_grad(),
     # which cannot reach the host copy (p.grad is None); the next step added onto the last one's
     if hooks:
         monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)
