@@ -24,7 +24,6 @@ from ._threads import thread_budget
 __all__ = ["HybridDeviceOptimizer"]
 
 _CLASS_KEYS = ("cpu_optimizer_cls", "gpu_optimizer_cls")
-_SIZES = ("offload_fraction", "cpu_threads", "chunk_bytes")  # the STRUCTURAL_KEYS that are no bool switch
 # accelerator-only implementations: they do not run on host tensors (TE's FusedAdam corrupts them silently)
 _GPU_ONLY = ("apex", "transformer_engine", "deepspeed.ops.adam.fused_adam", "deepspeed.ops.lamb")
 
@@ -152,8 +151,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not number or not 0 <= offload_fraction <= 1:
             raise (ValueError if number else TypeError)(f"HybridDeviceOptimizer: offload_fraction={offload_fraction!r}: "
                                                         "pass a number in [0, 1] (the host's share of the numel).")
-        # the bool switches: this optimizer's own options (STRUCTURAL_KEYS) but _SIZES, in signature order
-        flags = {k: v for k, v in locals().items() if k in STRUCTURAL_KEYS and k not in _SIZES}
+        flags = dict(param_update_in_fp32=param_update_in_fp32, pin_cpu_grads=pin_cpu_grads, pin_cpu_params=pin_cpu_params,
+                     overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d, offload_gradients=offload_gradients,
+                     step_in_backward=step_in_backward, delayed_param_update=delayed_param_update,
+                     use_torch_optimizer_for_cpu_offload=use_torch_optimizer_for_cpu_offload)
         for k, v in flags.items():
             if not isinstance(v, bool):
                 raise TypeError(f"HybridDeviceOptimizer: {k}={v!r}: pass True or False.")
