@@ -26,7 +26,6 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", ["hf", "lightning"])
 def test_ddp_equals_adamw_and_resumes(framework, tmp_path):
-    pytest.importorskip("transformers")
     pytest.importorskip({"hf": "accelerate", "lightning": "lightning"}[framework])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
