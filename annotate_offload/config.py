@@ -275,11 +275,14 @@ class ModelConfig:
             except ValueError as exc:
                 raise _fail("memory_budget must be a positive size", "model.memory_budget", self.memory_budget,
                             str(exc).split("; ", 1)[-1].rstrip(".") + ", or None.") from None
-            for name in ("cpu_offloading_num_layers", "recompute"):
-                if getattr(self, name) not in (None, False):
-                    raise _fail("memory_budget lets the planner choose the layers", f"model.{name}",
-                                getattr(self, name), f"set model.{name}={None if name[0] == 'c' else False} with "
-                                "a memory budget, or model.memory_budget=None for a fixed plan.")
+            if self.cpu_offloading_num_layers is not None:  # 0 too
+                raise _fail("memory_budget lets the planner choose the layers", "model.cpu_offloading_num_layers",
+                            self.cpu_offloading_num_layers, "set model.cpu_offloading_num_layers=None with a memory "
+                            "budget, or model.memory_budget=None for a fixed plan.")
+            if self.recompute:
+                raise _fail("memory_budget lets the planner choose the layers", "model.recompute", self.recompute,
+                            "set model.recompute=False with a memory budget, or model.memory_budget=None for a "
+                            "fixed plan.")
         if self.cpu_offloading_num_layers is not None and self.cpu_offloading_num_layers < 0:
             # Megatron checks this only with cpu_offloading on; a negative count is never meaningful.
             check_offload_num_layers(self.cpu_offloading_num_layers, self.num_layers)
