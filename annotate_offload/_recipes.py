@@ -442,12 +442,9 @@ def strategies(planned, cfg: Config) -> dict[str, tuple | str]:
 
 
 def _fmt_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    from .planner._plan import format_bytes
+
+    return "-" if n is None else format_bytes(n)
 
 
 @dataclass
