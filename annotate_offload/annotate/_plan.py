@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import time
-import weakref
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Literal
 
 import torch
+
+from ._layers import _copied_ref
 
 __all__ = ["LayerPlan", "OffloadPlan"]
 
@@ -192,8 +193,7 @@ class OffloadPlan:
         memo[id(self)] = new
         for f in fields(self):
             setattr(new, f.name, copy.deepcopy(getattr(self, f.name), memo) if f.name != "model" else None)
-        model = self.model() if self.model is not None else None
-        new.model = None if model is None else weakref.ref(copy.deepcopy(model, memo))
+        new.model = None if self.model is None else _copied_ref(self.model, memo)
         return new
 
     def __repr__(self) -> str:
