@@ -212,8 +212,9 @@ class _Tracer:
 
     def __init__(self, model: nn.Module, read: Callable[[], int]) -> None:
         self.read, self.samples, self.handles = read, [("start", read())], []
-        layers = next((list(m) for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1), [])
-        for i, layer in enumerate(layers):
+        from .annotate._discover import find_layers
+
+        for i, layer in enumerate(ref.module for ref in find_layers(model)[0]):
             self.handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self.mark(f"fwd {i}")))
             self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._post(i, out)))
 
@@ -329,7 +330,7 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
                 res.planned = model.offload_plan.planner
                 if res.planned is not None:
                     res.predicted = res.planned.prediction
-                    res.fraction = res.planned.offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0
+                    res.fraction = res.planned.offload_fraction  # 0.0 when the config keeps the optimizer on device
             opt = _optimizer(model, cfg, res.fraction)
         res.notes = list(dict.fromkeys(str(w.message) for w in caught))
         saved = None if cuda else _SavedBytes(model)
@@ -441,12 +442,9 @@ def strategies(planned, cfg: Config) -> dict[str, tuple | str]:
 
 
 def _fmt_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    from .planner._plan import format_bytes
+
+    return "-" if n is None else format_bytes(n)
 
 
 @dataclass
@@ -465,7 +463,7 @@ class Report:
     device: torch.device
     offload: RunResult
     baseline: Optional[RunResult]
-    rounds: dict = field(default_factory=dict)
+    rounds: dict
 
     @property
     def exact(self) -> bool:
@@ -511,19 +509,14 @@ class Report:
             return f"PASS: max |Δloss| = {delta:.3g} < 0.001"
         return f"FAIL: max |Δloss| = {delta} >= 0.001 (Megatron Bridge's criterion)"
 
-    @property
-    def runs(self) -> dict:
-        """:attr:`rounds`, or the offloaded run and the baseline as one round each."""
-        return self.rounds or {r.label: [r] for r in (self.offload, self.baseline) if r is not None}
-
     def step_ms(self, label: str) -> float:
         """The method's step time: the median over rounds of each run's median step, ms."""
-        return statistics.median(r.median_ms for r in self.runs[label]) if self.runs.get(label) else math.nan
+        return statistics.median(r.median_ms for r in self.rounds[label]) if self.rounds.get(label) else math.nan
 
     def table(self) -> str:
         """The report printed by ``annotate-offload train`` (markdown tables)."""
-        c, rounds = self.cfg, self.runs
-        m, o = c.model, c.optimizer
+        c, rounds = self.cfg, self.rounds
+        m = c.model
         if not m.cpu_offloading:
             acts = "activations: off"
         elif m.memory_budget is not None:
@@ -666,15 +659,13 @@ def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
         from .annotate import offload_transform
 
         x = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.int64, device=device)
-        measured = cfg.model.memory_budget is not None  # the planner measures in the step's autocast
-        with warnings.catch_warnings(record=True) as caught, (
-                _forward_ctx(cfg, device, "default") if measured else contextlib.nullcontext()):
+        with warnings.catch_warnings(record=True) as caught:  # a budget is measured in config.model.bf16's autocast
             warnings.simplefilter("always")
             offload_transform(model, config=cfg, example_inputs=(x,))
         notes = list(dict.fromkeys(str(w.message) for w in caught))
         lines.append(repr(model.offload_plan))
         if model.offload_plan.planner is not None:
-            host = model.offload_plan.planner.offload_fraction if cfg.optimizer.optimizer_cpu_offload else 0.0
+            host = model.offload_plan.planner.offload_fraction  # 0.0 when the config keeps the optimizer on device
     else:
         lines.append("activation offload is off (model.cpu_offloading=False)")
     params = list({id(p): p for p in model.parameters()}.values())

@@ -199,9 +199,12 @@ class ModelConfig:
         offload_policy (OffloadPolicy | str): ``"opt_out"`` or ``"opt_in"``. Default: ``"opt_out"``.
         min_offload_numel (int): tensors with fewer logical elements stay on the device.
             Default: ``262144`` (TE's 256K).
-        release_lag (int | None): runtime release schedule, ``None`` = TE's bound. Default: ``None``.
-        prefetch_layers (int | None): reload look-ahead in layers (``>= 1``), ``None`` = TE's
-            distance. Default: ``None``.
+        release_lag (int | None): runtime release schedule in layers (``>= 0``). ``None``:
+            ``offload_transform`` starts at 1 and tunes it from the link at the first CUDA training step
+            (Note [Default schedule from the link] in ``annotate/_transform.py``); with ``memory_budget``
+            the planner chooses it. Default: ``None``.
+        prefetch_layers (int | None): reload look-ahead in layers (``>= 1``); ``None`` as for
+            ``release_lag``. Default: ``None``.
         memory_budget (int | str | None): the training step's peak device memory
             (``torch.cuda.max_memory_allocated``: weights, gradients, optimizer state on the device and
             activations), bytes or a string such as ``"20GiB"`` (:func:`parse_memory_budget`). The planner
@@ -262,10 +265,11 @@ class ModelConfig:
                         "use 0 to offload every eligible tensor, or the default 262144 (TE's threshold).")
         if self.release_lag is not None and self.release_lag < 0:
             raise _fail("release_lag must be None or >= 0", "model.release_lag", self.release_lag,
-                        "use None (TE's release bound) or a lag k >= 0 in layers.")
+                        "use None (start at 1, tuned from the link at the first CUDA step) or a lag k >= 0 in layers.")
         if self.prefetch_layers is not None and self.prefetch_layers < 1:
             raise _fail("prefetch_layers must be None or >= 1", "model.prefetch_layers", self.prefetch_layers,
-                        "use None (TE's prefetch distance) or k >= 1 layers of look-ahead.")
+                        "use None (start at 1, tuned from the link at the first CUDA step) or k >= 1 layers of "
+                        "look-ahead.")
         if self.seq_length < 1:
             raise _fail("seq_length must be positive", "model.seq_length", self.seq_length,
                         "use e.g. model.seq_length=128.")
@@ -275,11 +279,14 @@ class ModelConfig:
             except ValueError as exc:
                 raise _fail("memory_budget must be a positive size", "model.memory_budget", self.memory_budget,
                             str(exc).split("; ", 1)[-1].rstrip(".") + ", or None.") from None
-            for name in ("cpu_offloading_num_layers", "recompute"):
-                if getattr(self, name) not in (None, False):
-                    raise _fail("memory_budget lets the planner choose the layers", f"model.{name}",
-                                getattr(self, name), f"set model.{name}={None if name[0] == 'c' else False} with "
-                                "a memory budget, or model.memory_budget=None for a fixed plan.")
+            if self.cpu_offloading_num_layers is not None:  # 0 too
+                raise _fail("memory_budget lets the planner choose the layers", "model.cpu_offloading_num_layers",
+                            self.cpu_offloading_num_layers, "set model.cpu_offloading_num_layers=None with a memory "
+                            "budget, or model.memory_budget=None for a fixed plan.")
+            if self.recompute:
+                raise _fail("memory_budget lets the planner choose the layers", "model.recompute", self.recompute,
+                            "set model.recompute=False with a memory budget, or model.memory_budget=None for a "
+                            "fixed plan.")
         if self.cpu_offloading_num_layers is not None and self.cpu_offloading_num_layers < 0:
             # Megatron checks this only with cpu_offloading on; a negative count is never meaningful.
             check_offload_num_layers(self.cpu_offloading_num_layers, self.num_layers)

@@ -38,14 +38,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from _timing import free_memory
+from _timing import GiB, free_memory, sync
 
 from annotate_offload import HybridDeviceOptimizer, offload_transform
 from annotate_offload.config import ModelConfig
 from annotate_offload.distributed import attach_optimizer, bind_to_budget, local_thread_budget
 from annotate_offload.models import GPTConfig, GPTStack
 
-GiB = 1 << 30
 _NAMES = {"ddp": "DDP", "fsdp": "FSDP2"}
 _FULL = dict(layers=24, hidden=2048, heads=16, batch=4, seq=1024, steps=10, warmup=3, parity_steps=5)
 _TINY = dict(layers=2, hidden=64, heads=4, batch=2, seq=16, steps=2, warmup=1, parity_steps=2)
@@ -66,10 +65,6 @@ class Env:
             kw = {"device_id": self.device} if self.device.type == "cuda" else {}
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(minutes=10), **kw)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def _model(a, env: Env) -> torch.nn.Module:
@@ -125,17 +120,17 @@ def _timed(a, env: Env, model, opt, rank: int, micro: int = 1, collective: bool 
     total = max(a.warmup + a.steps, a.parity_steps)
     xs = [[_batch(a, env, s, rank if micro == 1 else m) for m in range(micro)] for s in range(total)]
     kept, t0 = [], 0.0
-    env.sync()
+    sync(env.device)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     for s in range(total):
         if s == a.warmup:
-            env.sync()
+            sync(env.device)
             t0 = time.perf_counter()
         loss = _step(model, opt, xs[s])
         if s < a.parity_steps:
             kept.append(loss)
-    env.sync()
+    sync(env.device)
     step_s = (time.perf_counter() - t0) / max(1, total - a.warmup)
     losses = torch.stack(kept)
     if collective:
@@ -148,7 +143,7 @@ def _timed(a, env: Env, model, opt, rank: int, micro: int = 1, collective: bool 
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])) as prof:
             for s in range(2):
                 _step(model, opt, xs[s])
-            env.sync()
+            sync(env.device)
         prof.export_chrome_trace(trace)
     return {"step_s": step_s, "peak_gib": peak, "losses": losses.tolist()}
 

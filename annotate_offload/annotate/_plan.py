@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import time
-import weakref
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Literal
 
 import torch
+
+from ._layers import _copied_ref
 
 __all__ = ["LayerPlan", "OffloadPlan"]
 
@@ -192,14 +193,13 @@ class OffloadPlan:
         memo[id(self)] = new
         for f in fields(self):
             setattr(new, f.name, copy.deepcopy(getattr(self, f.name), memo) if f.name != "model" else None)
-        model = self.model() if self.model is not None else None
-        new.model = None if model is None else weakref.ref(copy.deepcopy(model, memo))
+        new.model = None if self.model is None else _copied_ref(self.model, memo)
         return new
 
     def __repr__(self) -> str:
         head = f"OffloadPlan(layers={self.num_layers}, offloaded={len(self.offloaded_layers)}"
         total = self.bytes_per_step
-        head += f", bytes/step={_fmt_bytes(total)} [{self.bytes_source}])" if total is not None else ", bytes/step=pending)"
+        head += f", bytes/step={_opt_bytes(total)} [{self.bytes_source}])" if total is not None else ", bytes/step=pending)"
         lines = [head]
         if self.layer_source:
             lines.append(f"  layers: {self.layer_source}")
@@ -223,7 +223,7 @@ class OffloadPlan:
             rows.append(row)
         if pred is not None or meas is not None:
             row = ["", "step", "", "", ""] + ([""] if show_estimate else [])
-            row += [f"{pred.step_ms:.2f}", _fmt_bytes(pred.peak_bytes)] if pred is not None else []
+            row += [f"{pred.step_ms:.2f}", _opt_bytes(pred.peak_bytes)] if pred is not None else []
             row += [f"{meas['step_ms']:.2f}", _opt_bytes(meas["peak_bytes"])] if meas is not None else []
             rows.append(row)
         widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
@@ -234,11 +234,6 @@ class OffloadPlan:
 
 
 def _opt_bytes(n: int | None) -> str:
-    return "-" if n is None else _fmt_bytes(n)
+    from annotate_offload.planner._plan import format_bytes  # the planner loads when first used, as elsewhere
 
-
-def _fmt_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    return "-" if n is None else format_bytes(n)

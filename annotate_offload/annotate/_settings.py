@@ -126,6 +126,11 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
             f"{s.num_layers!r} was given; drop num_layers= (or cpu_offloading_num_layers in the config) to plan "
             "for the budget, or drop memory_budget= to offload the first N layers."
         )
+    if s.memory_budget is not None and s.recompute is True:  # a non-bool is refused below
+        raise ValueError(
+            "offload_transform: config.recompute=True with memory_budget=; the planner chooses recompute per "
+            "layer. Set recompute=False in the config, or pass num_layers=N to recompute every layer."
+        )
     n = s.num_layers
     if n != "auto" and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
         raise TypeError(

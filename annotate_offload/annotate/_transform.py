@@ -159,11 +159,6 @@ def offload_transform(
                 "step's inputs, on the device it trains on) so the planner can measure the layers; pass e.g. "
                 "example_inputs=(x,)."
             )
-        if settings.recompute:
-            raise ValueError(
-                "offload_transform: config.recompute=True with memory_budget=; the planner chooses recompute per "
-                "layer. Set recompute=False in the config, or pass num_layers=N to recompute every layer."
-            )
     else:
         check_count(settings.num_layers, eligible, len(refs))  # type: ignore[arg-type]
 

@@ -10,9 +10,7 @@
 Activation offload needs nothing extra: ``offload_transform`` works per rank, and FSDP2's
 unsharded parameters (and their bf16 all-gathers or autocast casts) are parameters, so the runtime
 never offloads them, and resharding frees nothing a saved tensor still needs. Apply
-``offload_transform`` *before* ``fully_shard`` (like activation checkpointing in torchtitan), or pass
-``path="hooks"`` afterwards: torch.fx tracing calls the FSDP modules' pre-forward hooks and leaves
-FSDP's lazy-init state broken when tracing falls back.
+``offload_transform`` *before* ``fully_shard`` (like activation checkpointing in torchtitan).
 
 Usage (one process per GPU, under torchrun)::
 

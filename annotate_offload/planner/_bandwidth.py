@@ -6,7 +6,6 @@ there is no host link; a host memcpy stands in and is labelled as such.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Any
@@ -135,17 +134,13 @@ def measure_adamw(device: Any = None, *, numel: int | None = None) -> tuple[floa
     Raises:
         ValueError: an unsupported device.
     """
+    from ..optim._threads import num_threads, thread_budget
+
     dev = _device_key(device)
     if str(dev) not in _ADAMW_CACHE:
         numel = numel or (1 << 25 if dev.type == "cuda" else 1 << 22)
-        before = torch.get_num_threads()
-        try:
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
-            torch.set_num_threads(max(1, cpus // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1)))
+        with num_threads(thread_budget(beside_training=False)):  # the default mode's host step
             host = _adamw_ms(torch.device("cpu"), numel) * 1e9 / numel
-        finally:
-            torch.set_num_threads(before)
         on_device = host if dev.type == "cpu" else _adamw_ms(dev, numel) * 1e9 / numel
         _ADAMW_CACHE[str(dev)] = (on_device, host)
     return _ADAMW_CACHE[str(dev)]

@@ -117,6 +117,16 @@ def test_budget_arguments_are_checked_before_anything_is_measured(monkeypatch, k
         offload_transform(Stack(4), **kwargs)
 
 
+@pytest.mark.parametrize("name, value", [("cpu_offloading_num_layers", 0), ("cpu_offloading_num_layers", 2),
+                                         ("recompute", True)])
+def test_a_config_with_a_budget_refuses_a_layer_count_or_recompute(name, value):
+    # 0 layers too: the planner chooses the layers, a count of any value contradicts the budget
+    with pytest.raises(ValueError, match=rf"^memory_budget lets the planner choose the layers \(model\.{name}={value!r}\)"
+                                         rf"\. Fix: set model\.{name}=(None|False) with a memory budget"):
+        cfg(memory_budget="1GiB", **{name: value})
+    assert getattr(cfg(**{name: value}), name) == value  # without a budget: a fixed plan
+
+
 def test_a_budget_of_the_wrong_type_is_refused_before_measuring(monkeypatch):
     from annotate_offload.planner import _plan
 

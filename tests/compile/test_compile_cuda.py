@@ -9,7 +9,7 @@ Two bf16 ``GPTStack`` workloads shaped like the benchmarks' W1 and W2, smaller (
 
 For each: the peak over a step of the compiled model with offload is below the compiled model's
 without it by at least 90% of the bytes the runtime offloads per step, and the gradients are
-bit-identical to the compiled baseline's when two runs of that baseline are (SDPA pinned to the
+bit-identical to the compiled baseline's, whose two runs are bit-identical too (SDPA pinned to the
 efficient backend with deterministic algorithms: ``annotate_offload.testing.bit_reproducible``).
 The compiled step is no slower than the eager transformed model's with the same plan (default SDPA,
 median of 5 steps). Gradient buffers exist before the runs, so peaks measure activations.
@@ -33,9 +33,11 @@ from annotate_offload.testing import bit_reproducible
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skip(reason="layers called with CUDA tensors run eagerly under torch.compile until the pass's "
-                            "stream ordering has run on a GPU: remove that branch of LayerForward.__call__ "
-                            "(Note [Traced layers]) and run this file on the GPU machine"),
+    # strict: once the eager branch is lifted these pass, and XPASS fails the run until this mark goes
+    pytest.mark.xfail(strict=True,
+                      reason="layers called with CUDA tensors run eagerly under torch.compile until the pass's "
+                             "stream ordering has run on a GPU: remove that branch of LayerForward.__call__ "
+                             "(Note [Traced layers]) and run this file on the GPU machine"),
 ]
 
 L = 8
@@ -106,9 +108,9 @@ def test_compiled_offload_lowers_the_peak_by_the_offloaded_bytes_exactly(name):
     assert stats.bytes_offloaded == report.offloaded_bytes > 0
     assert set(stats.bytes_offloaded_per_layer) == set(range(w["n"]))
     assert base_peak - peak >= 0.9 * stats.bytes_offloaded
-    if reproducible:
-        for g, r in zip(grads, ref_grads):
-            assert torch.equal(g, r)
+    assert reproducible  # bit_reproducible() pins SDPA and deterministic algorithms
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

@@ -1,4 +1,4 @@
-"""One rank of ``test_ddp.py``, started by torchrun (2 CPU processes, gloo): ``_ddp_worker.py hf|lightning OUT``.
+"""One rank of ``test_frameworks_ddp.py``, started by torchrun (2 CPU processes, gloo): ``_ddp_worker.py hf|lightning OUT``.
 
 Trains the tiny Llama through the framework's DDP three times: AdamW(fused=True) without offload, with
 OffloadCallback and HybridDeviceOptimizer (saving a checkpoint halfway), and resumed from that checkpoint.
@@ -12,12 +12,7 @@ import sys
 
 import torch
 
-from _tiny import OFFLOAD, Tokens, llama, tokens
-
-from annotate_offload import HybridDeviceOptimizer
-
-ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "fused": True})
-HYBRID = (HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 0.5})
+from _tiny import ADAMW, HYBRID, OFFLOAD, Tokens, llama, tokens
 
 
 def hf(out: str) -> dict:

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+from annotate_offload import HybridDeviceOptimizer
+
+transformers = pytest.importorskip("transformers")  # the importing test module is skipped without it
 
 LAYERS = 4
 # min_offload_numel=0: the runtime offloads this model's small activations too
 OFFLOAD = dict(num_layers=2, min_offload_numel=0)
+# (optimizer class, kwargs): the baseline, and the optimizer the offloaded runs use
+ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "fused": True})
+HYBRID = (HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 0.5})
 
 
-def llama() -> LlamaForCausalLM:
+def llama() -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=64))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
 
 
 def tokens(n: int = 16, seq: int = 16) -> torch.Tensor:

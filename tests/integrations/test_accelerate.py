@@ -12,6 +12,14 @@ from annotate_offload import HybridDeviceOptimizer, offload_transform  # noqa: E
 from ._tiny import OFFLOAD, Tokens, llama, same  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_accelerator_left():
+    yield
+    # singletons: a test elsewhere that builds an Accelerator(mixed_precision="bf16") must not find ours
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerate.state.GradientState._reset_state()
+
+
 def train(hybrid: bool, transform: str | None, *, steps=range(4), ckpt=None, save=None, mixed_precision="no"):
     """Losses and gradient norms of ``steps`` (indices into the loader) through accelerate; ``save_state`` to
     ``ckpt`` after step ``save``, or ``load_state`` from it first when ``save`` is ``None``."""

@@ -4,9 +4,7 @@ it, the checkpoint the framework saves halfway resumes to the uninterrupted run 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,22 +15,14 @@ from ._tiny import same
 HERE = Path(__file__).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", ["hf", "lightning"])
-def test_ddp_equals_adamw_and_resumes(framework, tmp_path):
-    pytest.importorskip("transformers")
+def test_ddp_equals_adamw_and_resumes(framework, tmp_path, torchrun):
     pytest.importorskip({"hf": "accelerate", "lightning": "lightning"}[framework])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(HERE / "_ddp_worker.py"), framework, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(torchrun(HERE / "_ddp_worker.py", framework, tmp_path), env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     r = torch.load(tmp_path / "results.pt")
     base, ours, resumed = r["base"], r["ours"], r["resumed"]

@@ -15,15 +15,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from annotate_offload import HybridDeviceOptimizer  # noqa: E402
 from annotate_offload.integrations.lightning import OffloadCallback  # noqa: E402
 
-from ._tiny import OFFLOAD, llama, same, tokens  # noqa: E402
+from ._tiny import ADAMW, HYBRID, OFFLOAD, llama, same, tokens  # noqa: E402
 
-ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "fused": True})
-HYBRID = (HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 0.5})
-
-
-@pytest.fixture(autouse=True)
-def _in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # Lightning's default_root_dir
+pytestmark = pytest.mark.usefixtures("in_tmp")  # Lightning's default_root_dir
 
 
 class Lit(pl.LightningModule):

@@ -13,15 +13,9 @@ transformers = pytest.importorskip("transformers")
 from annotate_offload import HybridDeviceOptimizer  # noqa: E402
 from annotate_offload.integrations.transformers import OffloadCallback, optimizer_cls_and_kwargs  # noqa: E402
 
-from ._tiny import OFFLOAD, Tokens, llama, same  # noqa: E402
+from ._tiny import ADAMW, HYBRID, OFFLOAD, Tokens, llama, same  # noqa: E402
 
-ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "fused": True})
-HYBRID = (HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 0.5})
-
-
-@pytest.fixture(autouse=True)
-def _in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # Trainer's output_dir
+pytestmark = pytest.mark.usefixtures("in_tmp")  # Trainer's output_dir
 
 
 def trainer(optimizer, callbacks=(), *, data=None, out="out", **kwargs) -> "transformers.Trainer":
