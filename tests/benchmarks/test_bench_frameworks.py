@@ -17,7 +17,7 @@ def test_tiny_run_trains_every_framework_and_offloads(capsys):
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][2:]
     assert {r[0].strip() for r in rows} == {"Trainer", "accelerate", "Lightning", "SFTTrainer"}
     ours = [r for r in rows if "offload" in r[1].lower() and "TRL" not in r[1]]
-    assert len(ours) == 5 and all(r[6].strip().endswith("MiB") for r in ours), rows  # each moved bytes
+    assert len(ours) == 7 and all(r[6].strip().endswith("MiB") for r in ours), rows  # each moved bytes
 
 
 @pytest.mark.parametrize("argv", [["--tiny", "--steps", "0"], ["--tiny", "--num-layers", "4"]])
