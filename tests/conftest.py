@@ -4,13 +4,19 @@
   on the GPU machine with ``pytest -m cuda``.
 * Every test starts from the same RNG seed.
 * ``torchrun`` builds the command that starts a script in several processes (``torch.distributed.run``).
+* ``run_group`` runs a child process (a script, the CLI, ``torchrun``) in a session of its own and
+  kills its whole process group when the test ends, times out or fails: no orphan outlives the test
+  or keeps the runner's pipes open.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import sys
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import pytest
 import torch
@@ -54,3 +60,63 @@ def torchrun() -> Callable[..., list[str]]:
                 f"--master-port={free_port()}", str(script), *map(str, args)]
 
     return command
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; False when no process is left in it."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _end_group(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to the child's group (``torchrun``'s agent then stops its workers, which run in sessions of
+    their own), SIGKILL to what is left after ``grace`` seconds."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc.pid, signal.SIGKILL)
+
+
+def run_group(cmd: Sequence[Any], *, timeout: float = 240.0, check: bool = False, grace: float = 10.0,
+              **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, timeout=timeout, check=check, **kwargs)`` with the child in a new session.
+
+    On a timeout, a failure or an interrupt its whole process group is stopped (:func:`_end_group`)
+    before the exception propagates; after a normal exit whatever the child left in its group is
+    killed. The default ``timeout`` (240 s) stays under the per-test ``timeout`` of pytest-timeout
+    (300 s, pyproject.toml), so this cleanup runs before pytest-timeout ends the process.
+    """
+    if kwargs.pop("capture_output", False):
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    with subprocess.Popen(cmd, start_new_session=True, **kwargs) as proc:
+        try:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired as exc:
+                _end_group(proc, grace)
+                try:  # what it printed, for the failure message; a grandchild may still hold the pipes
+                    exc.stdout, exc.stderr = proc.communicate(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
+                raise
+            except BaseException:
+                _end_group(proc, grace)
+                raise
+        finally:
+            _signal_group(proc.pid, signal.SIGKILL)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        result.check_returncode()
+    return result
+
+
+@pytest.fixture(name="run_group", scope="session")
+def _run_group_fixture() -> Callable[..., subprocess.CompletedProcess]:
+    """:func:`run_group`: run a child process that cannot outlive the test (a fixture, as ``conftest``
+    is not importable by name from every test folder)."""
+    return run_group

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import subprocess
 import sys
 import warnings
 import weakref
@@ -93,10 +92,10 @@ def test_dtype_move_after_transform():
     assert sync_of(scaled).stats.bytes_offloaded > 0
 
 
-def test_import_does_not_initialise_cuda():
+def test_import_does_not_initialise_cuda(run_group):
     code = ("import torch, annotate_offload.annotate as a; from annotate_offload.annotate import _transform, "
             "_layers, _estimate; print(torch.cuda.is_initialized())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_group([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 

@@ -2,7 +2,6 @@
 
 import os
 import re
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -15,11 +14,11 @@ G = 1 << 30
 
 
 @pytest.mark.slow
-def test_tiny_run_from_another_folder_measures_every_row(tmp_path):
+def test_tiny_run_from_another_folder_measures_every_row(tmp_path, run_group):
     script = os.path.join(os.path.dirname(bench.__file__), "activations.py")
-    proc = subprocess.run([sys.executable, script, "--tiny", "--workloads", "W1", "--steps", "1", "--warmup", "0",
-                           "--release-lag", "1", "--prefetch-layers", "1",
-                           "--profile", str(tmp_path / "prof")], capture_output=True, text=True, cwd=tmp_path)
+    proc = run_group([sys.executable, script, "--tiny", "--workloads", "W1", "--steps", "1", "--warmup", "0",
+                      "--release-lag", "1", "--prefetch-layers", "1",
+                      "--profile", str(tmp_path / "prof")], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     rows = {line.split(" | ")[0][2:]: line for line in out.splitlines() if line.startswith("| ") and line.count("|") == 13}
@@ -34,10 +33,10 @@ def test_tiny_run_from_another_folder_measures_every_row(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_budget_run_prints_plans_with_their_predictions(tmp_path):
+def test_tiny_budget_run_prints_plans_with_their_predictions(tmp_path, run_group):
     script = os.path.join(os.path.dirname(bench.__file__), "activations.py")
-    proc = subprocess.run([sys.executable, script, "--tiny", "--workloads", "W1", "--steps", "1", "--warmup", "0",
-                           "--budget", "ref,ref+1", "--rounds", "2"], capture_output=True, text=True, cwd=tmp_path)
+    proc = run_group([sys.executable, script, "--tiny", "--workloads", "W1", "--steps", "1", "--warmup", "0",
+                      "--budget", "ref,ref+1", "--rounds", "2"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "| method | step ms (median of 2 rounds) | peak allocated | predicted step ms |" in out

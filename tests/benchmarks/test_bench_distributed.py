@@ -4,7 +4,6 @@ loss equals the accumulated 1-process loss (CPU/gloo is exact). The numbers carr
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
@@ -13,8 +12,8 @@ import distributed as bench
 SCRIPT = os.path.join(os.path.dirname(bench.__file__), "distributed.py")
 
 
-def _two_processes(torchrun, *argv: str, cwd) -> str:
-    proc = subprocess.run(torchrun(SCRIPT, "--tiny", *argv), cwd=cwd, capture_output=True, text=True, timeout=300)
+def _two_processes(torchrun, run_group, *argv: str, cwd) -> str:
+    proc = run_group(torchrun(SCRIPT, "--tiny", *argv), cwd=cwd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -27,9 +26,9 @@ def test_tiny_single_process(capsys):
 
 
 @pytest.mark.slow
-def test_two_processes_fsdp_units_of_two_blocks_with_traces(tmp_path, torchrun):
-    out = _two_processes(torchrun, "--parallel", "fsdp", "--fsdp-unit-layers", "2", "--profile", str(tmp_path / "traces"),
-                         cwd=tmp_path)
+def test_two_processes_fsdp_units_of_two_blocks_with_traces(tmp_path, torchrun, run_group):
+    out = _two_processes(torchrun, run_group, "--parallel", "fsdp", "--fsdp-unit-layers", "2",
+                         "--profile", str(tmp_path / "traces"), cwd=tmp_path)
     assert "| 2 GPUs FSDP2 | 2 |" in out and "| 1 GPU, FSDP2 at world size 1 | 1 |" in out
     assert "fully_shard units of 2 blocks" in out and "Weak-scaling efficiency" in out
     assert "max relative difference 0.00e+00 (passes" in out
@@ -37,8 +36,8 @@ def test_two_processes_fsdp_units_of_two_blocks_with_traces(tmp_path, torchrun):
 
 
 @pytest.mark.slow
-def test_two_processes_ddp_host_step_sharded(tmp_path, torchrun):
-    out = _two_processes(torchrun, "--parallel", "ddp", cwd=tmp_path)
+def test_two_processes_ddp_host_step_sharded(tmp_path, torchrun, run_group):
+    out = _two_processes(torchrun, run_group, "--parallel", "ddp", cwd=tmp_path)
     assert "| 2 GPUs DDP (host step sharded) | 2 |" in out and "| 1 GPU, DDP at world size 1 | 1 |" in out
     assert "max relative difference 0.00e+00 (passes" in out
 

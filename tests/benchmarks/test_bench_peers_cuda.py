@@ -15,7 +15,6 @@ import copy
 import gc
 import glob
 import os
-import subprocess
 import sys
 
 import pytest
@@ -30,7 +29,7 @@ LR, STEPS, ATOL = 1e-3, 3, 1e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _peer_wheels(tmp_path_factory):
+def _peer_wheels(tmp_path_factory, run_group):
     """Install .whl/megatron_core-*.whl and .whl/torchao-*.whl when they do not import yet."""
     need = [
         pattern
@@ -45,7 +44,7 @@ def _peer_wheels(tmp_path_factory):
         yield
         return
     site = str(tmp_path_factory.mktemp("site"))
-    subprocess.run(
+    run_group(
         [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", site,
          *wheels],
         check=False, capture_output=True,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -230,11 +229,11 @@ def test_llama_1b_needs_a_gpu(capsys):
 
 
 @pytest.mark.slow
-def test_python_dash_m_entry_point(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "annotate_offload", "train", "--recipe", "nope"],
-                          capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
-                              os.path.abspath(__file__))))})
+def test_python_dash_m_entry_point(tmp_path, run_group):
+    proc = run_group([sys.executable, "-m", "annotate_offload", "train", "--recipe", "nope"],
+                     capture_output=True, text=True, cwd=tmp_path,
+                     env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
+                         os.path.abspath(__file__))))})
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "annotate-offload: error: unknown recipe 'nope'; valid: llama-tiny, llama-1b, hf-llama."
 

@@ -1,11 +1,17 @@
 """GPU: torch.compile (default backend, inductor) of a transformed model saves what it offloads, exactly.
 
-Two bf16 ``GPTStack`` workloads shaped like the benchmarks' W1 and W2, smaller (8 layers each):
+Two bf16 ``GPTStack`` workloads shaped like the benchmarks' W1 and W2, smaller. The memory and
+exactness test uses 4 layers: a cold inductor compile of the whole stack costs seconds per layer,
+and the pass does per layer what 4 layers already show, so more layers only cost time:
 
-* W1-like, PCIe-bound: hidden 2048, 16 heads, 1 x 4096 tokens, 6 layers offloaded with
+* W1-like: hidden 1024, 8 heads, 1 x 4096 tokens, 2 layers offloaded with
   ``prefetch_layers=1, release_lag=1``;
-* W2-like, compute-bound: hidden 4096, 32 heads, 1 x 2048 tokens, 2 layers offloaded with
-  TransformerEngine's schedule.
+* W2-like: hidden 2048, 16 heads, 1 x 1024 tokens, 1 layer offloaded with the default schedule
+  (chosen from the link, at most TransformerEngine's gap L - N - 1 = 2).
+
+The step-time test keeps the 8-layer shapes (W1: hidden 2048, 16 heads, 4096 tokens, 6 offloaded;
+W2: hidden 4096, 32 heads, 2048 tokens, 2 offloaded), where a step time means something; it is
+``slow``.
 
 For each: the peak over a step of the compiled model with offload is below the compiled model's
 without it by at least 90% of the bytes the runtime offloads per step, and the gradients are
@@ -40,16 +46,20 @@ pytestmark = [
                              "(Note [Traced layers]) and run this file on the GPU machine"),
 ]
 
-L = 8
-WORKLOADS = {
-    "W1": dict(hidden=2048, heads=16, tokens=4096, n=6, schedule=dict(prefetch_layers=1, release_lag=1)),
-    "W2": dict(hidden=4096, heads=32, tokens=2048, n=2, schedule={}),
+WORKLOADS = {  # the memory and exactness test
+    "W1": dict(layers=4, hidden=1024, heads=8, tokens=4096, n=2, schedule=dict(prefetch_layers=1, release_lag=1)),
+    "W2": dict(layers=4, hidden=2048, heads=16, tokens=1024, n=1, schedule={}),
+}
+TIMED = {  # the step-time test (slow)
+    "W1": dict(layers=8, hidden=2048, heads=16, tokens=4096, n=6, schedule=dict(prefetch_layers=1, release_lag=1)),
+    "W2": dict(layers=8, hidden=4096, heads=32, tokens=2048, n=2, schedule={}),
 }
 
 
 def _model_and_input(w: dict):
     torch.manual_seed(0)
-    model = GPTStack(GPTConfig(hidden=w["hidden"], heads=w["heads"], layers=L), device="cuda", dtype=torch.bfloat16)
+    model = GPTStack(GPTConfig(hidden=w["hidden"], heads=w["heads"], layers=w["layers"]), device="cuda",
+                     dtype=torch.bfloat16)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     return model, torch.randn(1, w["tokens"], w["hidden"], device="cuda", dtype=torch.bfloat16)
@@ -113,13 +123,17 @@ def test_compiled_offload_lowers_the_peak_by_the_offloaded_bytes_exactly(name):
         assert torch.equal(g, r)
 
 
-@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.slow  # a throughput check at the benchmark's scale (8 layers, cold compiles)
+@pytest.mark.parametrize("name", list(TIMED))
 def test_compiled_offload_step_is_no_slower_than_eager_offload(name):
-    w = WORKLOADS[name]
+    w = TIMED[name]
     model, x = _model_and_input(w)
     offload_transform(model, w["n"], **w["schedule"])
     eager_ms = _step_ms(model, x)
     compiled_ms = _step_ms(torch.compile(model), x)
     print(f"{name}: step {eager_ms:.1f} ms eager offload, {compiled_ms:.1f} ms compiled offload; "
           f"{model.offload_plan.runtime.stats}")
+    # while the layers run eagerly both steps are the eager one and the comparison below is a coin
+    # toss (a strict xfail would XPASS half the time): fail here, deterministically, until they compile
+    assert any(r.offloaded_bytes for r in compiled_offloads(model)), "no offload was compiled: both steps are eager"
     assert compiled_ms <= eager_ms

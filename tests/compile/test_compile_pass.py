@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -180,7 +179,7 @@ def test_graphs_without_layers_are_unchanged():
     assert_same(out_a, out_b)
 
 
-def test_eager_training_imports_no_compiler():
+def test_eager_training_imports_no_compiler(run_group):
     code = (
         "import sys, torch\n"
         "from annotate_offload.annotate import offload_transform\n"
@@ -191,6 +190,6 @@ def test_eager_training_imports_no_compiler():
         "assert m.offload_plan.runtime.stats.bytes_offloaded > 0\n"
         "print(sorted(k for k in ('torch._dynamo', 'torch._inductor') if k in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    out = run_group([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

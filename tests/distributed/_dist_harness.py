@@ -109,7 +109,15 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, out_dir: "str | None" = No
     tmp = tempfile.TemporaryDirectory() if own else None
     d = tmp.name if tmp is not None else out_dir
     try:
-        mp.start_processes(_entry, args=(fn, world, free_port(), d, kwargs, backend), nprocs=world, join=True, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), d, kwargs, backend), nprocs=world, join=False,
+                                 start_method="spawn")
+        try:
+            while not ctx.join():  # a failed rank raises here, after the others were terminated
+                pass
+        finally:  # interrupted (a timeout, Ctrl-C): no rank outlives the test
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     finally:
         if tmp is not None:

@@ -4,7 +4,6 @@ it, the checkpoint the framework saves halfway resumes to the uninterrupted run 
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,12 +15,13 @@ HERE = Path(__file__).parent
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # past the 300 s default: the torchrun child below may take its 600 s
 @pytest.mark.parametrize("framework", ["hf", "lightning"])
-def test_ddp_equals_adamw_and_resumes(framework, tmp_path, torchrun):
+def test_ddp_equals_adamw_and_resumes(framework, tmp_path, torchrun, run_group):
     pytest.importorskip({"hf": "accelerate", "lightning": "lightning"}[framework])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(torchrun(HERE / "_ddp_worker.py", framework, tmp_path), env=env, capture_output=True,
+    proc = run_group(torchrun(HERE / "_ddp_worker.py", framework, tmp_path), env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     r = torch.load(tmp_path / "results.pt")

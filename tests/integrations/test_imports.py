@@ -1,13 +1,12 @@
 """Importing the package or its integrations package imports no framework and does not initialise CUDA."""
 
-import subprocess
 import sys
 
 
-def test_integrations_import_no_framework():
+def test_integrations_import_no_framework(run_group):
     code = ("import sys, torch, annotate_offload, annotate_offload.integrations; "
             "assert not torch.cuda.is_initialized(); "
             "loaded = {'transformers', 'lightning', 'accelerate', 'trl', 'peft'} & set(sys.modules); "
             "assert not loaded, loaded; "
             "assert annotate_offload.integrations.__all__ == []")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_group([sys.executable, "-c", code], check=True)

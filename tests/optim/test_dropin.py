@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 
 import pytest
@@ -255,13 +254,12 @@ print("done")
 """
 
 
-def test_fuzzed_loads_never_crash_the_process():
+def test_fuzzed_loads_never_crash_the_process(run_group):
     """Moments cut to one row (or longer, 0-dim, empty) used to reach the fused kernel: NaN weights,
     then ``free(): invalid size`` (exit 134). Run in a fresh process so that a crash is a test failure."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", _FUZZ.format(here=here)], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = run_group([sys.executable, "-c", _FUZZ.format(here=here)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["done"], out.stdout

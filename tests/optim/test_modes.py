@@ -459,12 +459,11 @@ def test_carve_packs_into_power_of_two_slabs_without_overlap():
             assert a[0] != b[0] or a[2] <= b[1] or b[2] <= a[1]
 
 
-def test_import_does_not_initialise_cuda():
-    import subprocess
+def test_import_does_not_initialise_cuda(run_group):
     import sys
 
     code = "import torch, annotate_offload.optim, annotate_offload.distributed; print(torch.cuda.is_initialized())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_group([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
@@ -547,12 +546,11 @@ def test_tiny_gradients_are_copied_together_at_step(monkeypatch, offload_gradien
     opt.close()
 
 
-def test_worker_budget_does_not_leak_into_the_training_thread():
+def test_worker_budget_does_not_leak_into_the_training_thread(run_group):
     """Note [Thread budget]: torch.set_num_threads on the worker also set the process-wide value
     that a thread adopts on its first parallel op, so a training thread under OMP_NUM_THREADS=1
     read back the worker's budget (fresh-user trial, session 5). The worker keeps its budget."""
     import os
-    import subprocess
     import sys
 
     code = (
@@ -570,7 +568,7 @@ def test_worker_budget_does_not_leak_into_the_training_thread():
         "print(torch.get_num_threads(), seen['worker'], seen['fresh'])\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = run_group([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["1", "2", "1"]  # training thread, worker, a thread started later
 

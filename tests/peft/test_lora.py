@@ -286,14 +286,13 @@ def test_apply_offload_marks_warns_without_head():
         apply_offload_marks(object())
 
 
-def test_lean_import():
-    import subprocess
+def test_lean_import(run_group):
     import sys
 
     code = ("import sys, torch, annotate_offload.peft, annotate_offload.annotate; "
             "assert not torch.cuda.is_initialized(); "
             "assert 'peft' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_group([sys.executable, "-c", code], check=True)
 
 
 def test_deepcopy_of_a_transformed_lora_model_carries_its_own_marks():

@@ -1,6 +1,5 @@
 """Measurement: saved/checkpoint bytes, the model left as found, layer discovery, bandwidth cache."""
 
-import subprocess
 import sys
 
 import pytest
@@ -206,9 +205,9 @@ def test_bandwidth_is_measured_once_per_device(monkeypatch):
         measure_bandwidth("nonsense")
 
 
-def test_importing_the_planner_does_not_initialise_cuda():
+def test_importing_the_planner_does_not_initialise_cuda(run_group):
     code = "import torch, annotate_offload.planner; print(torch.cuda.is_initialized())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_group([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 

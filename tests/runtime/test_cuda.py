@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
 import sys
 import weakref
 
@@ -399,7 +398,7 @@ def _forward_on_a_user_stream() -> None:
     assert_bit_identical(grads(blocks), grads(ref_blocks))
 
 
-def test_forward_on_a_user_stream_keeps_that_stream_current_and_is_exact():
+def test_forward_on_a_user_stream_keeps_that_stream_current_and_is_exact(run_group):
     """A model run on the user's own stream: each D2H waits for that stream (not the default one,
     which a 50M-cycle sleep on the user stream would otherwise let it overtake), the user's stream
     is current after every layer, and gradients are bit-identical.
@@ -410,9 +409,9 @@ def test_forward_on_a_user_stream_keeps_that_stream_current_and_is_exact():
     fault outside this package that must not take the rest of the suite down with it.
     """
     code = "from tests.runtime.test_cuda import _forward_on_a_user_stream as f; f()"
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True, timeout=300
-    )
+    # the child imports torch, starts CUDA and runs three small layers: seconds; a hang there must not
+    # hold the suite (its process group is killed at the timeout)
+    out = run_group([sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
 
 

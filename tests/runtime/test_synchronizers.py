@@ -225,8 +225,7 @@ def test_opt_in_policy_offloads_only_marked_tensors():
     assert s.stats.kept["not_selected"] == 1
 
 
-def test_nvte_cpu_offload_v1_env_selects_opt_in(tmp_path):
-    import subprocess
+def test_nvte_cpu_offload_v1_env_selects_opt_in(tmp_path, run_group):
     import sys
 
     code = (
@@ -237,7 +236,7 @@ def test_nvte_cpu_offload_v1_env_selects_opt_in(tmp_path):
     import os
 
     env = {**os.environ, "NVTE_CPU_OFFLOAD_V1": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = run_group([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "opt_in", out.stderr
 
 
