@@ -266,9 +266,11 @@ def _units(moved: list) -> list:
     return units
 
 
-def _fake_token(like: fx.Node) -> torch.Tensor:
-    with _val(like).fake_mode:
-        return torch.empty(0, dtype=torch.uint8, device="cpu")
+def _fake_token(like: fx.Node, device: Any = None) -> torch.Tensor:
+    """The value of a token (Note [Compiled offload ops]): on ``device``, by default on ``like``'s."""
+    val = _val(like)
+    with val.fake_mode:
+        return torch.empty(0, dtype=torch.uint8, device=val.device if device is None else device)
 
 
 def _forward(fg: fx.Graph, moved: list, entries: dict, runtimes: dict, saved: list, num_fwd_outputs: int) -> None:
@@ -277,7 +279,7 @@ def _forward(fg: fx.Graph, moved: list, entries: dict, runtimes: dict, saved: li
     for key in {tag[0] for _, tag in moved}:
         layers = [index for (k, index) in entries if k == key]
         steps[key] = _insert(fg, fg.inserting_before(first_compute), _OPS.begin.default,
-                             (key, min(layers), max(layers)), _fake_token(moved[0][0]), "offload_begin")
+                             (key, min(layers), max(layers)), _fake_token(moved[0][0], "cpu"), "offload_begin")
     tokens: dict = {}
     for node, (key, index) in moved:
         tokens[node] = _insert(fg, fg.inserting_after(node), _OPS.save.default, (node, steps[key], index),
@@ -323,7 +325,7 @@ def _backward(bg: fx.Graph, moved: list, runtimes: dict, backward_inputs: dict) 
     for tag, (start, after) in starts.items():
         if tag[0] in token:
             reached[tag] = _insert(bg, bg.inserting_before(start), _OPS.reach.default, (token[tag[0]], tag[1], after),
-                                   _fake_token(moved[0][0]), f"reach_layer_{tag[1]}")
+                                   _fake_token(token[tag[0]]), f"reach_layer_{tag[1]}")
     order = {n: i for i, n in enumerate(bg.nodes)}
     for node, tag in moved:
         placeholder, val = placeholders[node], _val(node)

@@ -435,9 +435,12 @@ class _LayerState:
 
     def __del__(self) -> None:
         try:
-            if any(s is not None for s in self.fwd_gpu_tensor_group.tensor_list) and self.d2h_done is not None:
+            if any(s is not None for s in self.fwd_gpu_tensor_group.tensor_list):
                 # device bytes dropped without the schedule: never before their D2H is done
-                self.backend.current_stream().wait_event(self.d2h_done)
+                if self.d2h_done is None:
+                    self.finish_forward()
+                if self.d2h_done is not None:
+                    self.backend.current_stream().wait_event(self.d2h_done)
             for unit, host in enumerate(self.cpu_tensor_group.tensor_list):
                 if host is not None:
                     self.pool.release(host, self.bwd_gpu_tensor_group.events[unit] or self.d2h_done)

@@ -383,9 +383,15 @@ class OffloadSynchronizer:
         self._maybe_bind(t, step)
         state = step.layers.get(index)
         if state is None:
+            # the layers before it are done saving (in save order, not necessarily in graph order):
+            # mark the end of their D2H so that their release waits for those copies, not this layer's
+            for other in step.layers.values():
+                if other.index < index and other.d2h_done is None and other.state == "offload_started":
+                    other.finish_forward()
             # no units shared across layers: once a layer is released, a compiled graph may reuse its
             # buffers (same storage, same version) for new values of a later layer
             state = step.layers[index] = _LayerState(index, self, None)
+        state.d2h_done = None  # a copy enqueued after the end was marked moves the end (release marks it again)
         handle = state.pack(t)
         if type(handle) is _Packed:
             # a graph never changes a saved tensor in place, but it reuses a dead tensor object for a
@@ -404,15 +410,18 @@ class OffloadSynchronizer:
 
     def graph_unpack(self, record: tuple) -> torch.Tensor:
         """The tensor of ``record``, reloaded (or waited for) on the compute stream. A compiled graph
-        may write into what an op returns, so a unit that several saved tensors share is handed out
-        as a copy of its bytes."""
+        may write into what an op returns, and its kernels may take it for 16-byte aligned: a unit
+        that several saved tensors share, or a tensor that does not start on a 16-byte boundary of
+        its unit, is handed out as a copy of its own bytes."""
         handle = record[0]
         t = self.pop_tensor(handle)
         if type(handle) is _Packed:
             layer = handle.layer
-            if len(layer.users[layer.fwd_gpu_tensor_group.aux["unit_index"][handle]]) > 1:
-                lo, hi = _unit_range(t, False)
-                t = _rebuild(_flat_bytes(t, lo, hi).clone(), _view_meta(t, lo))
+            shared = len(layer.users[layer.fwd_gpu_tensor_group.aux["unit_index"][handle]]) > 1
+            if shared or t.data_ptr() % 16:
+                span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+                lo = t.storage_offset() * t.element_size()
+                t = _rebuild(_flat_bytes(t, lo, lo + span * t.element_size()).clone(), _view_meta(t, lo))
         return t
 
     def graph_reach(self, record: tuple, index: int) -> None:
