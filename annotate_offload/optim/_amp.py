@@ -1,15 +1,12 @@
 """``torch.amp.GradScaler`` support of :class:`HybridDeviceOptimizer` (private).
 
 Note [GradScaler]: ``GradScaler.unscale_`` rescales ``p.grad`` in place without bumping its version,
-so a host copy made in backward would look current while still scaled. The optimizer therefore
-declares ``_step_supports_amp_scaling``, the contract of torch's fused optimizers: ``GradScaler.step``
-does not unscale but sets ``grad_scale`` and ``found_inf`` on it for ``step()``. A step with
-``found_inf`` set steps nothing (read on the host, which must know). Otherwise each sub-optimizer gets
-the scale as torch's fused optimizers do, and a class without that support gets GradScaler's own
-unscale (its gradients times the fp32 ``1 / scale``) first: bit-identical to the same class under
-GradScaler without offload. ``grad_scale`` is ``None`` after ``scaler.unscale_(opt)``: every host copy
-is stale and is made again. ``offload_gradients`` (the inf check reads ``p.grad``, which the hooks
-freed) and ``step_in_backward`` (chunks stepped before the check) are refused.
+so a host copy would look current while still scaled. The optimizer therefore declares
+``_step_supports_amp_scaling`` (torch's fused optimizers' contract): ``GradScaler.step`` sets
+``grad_scale`` and ``found_inf`` instead. A step with ``found_inf`` steps nothing; otherwise each
+sub-optimizer gets the scale as torch's fused optimizers do, or GradScaler's own unscale first when its
+class lacks the support: bit-identical to the same class under GradScaler. After ``scaler.unscale_``
+every host copy is made again. ``offload_gradients`` and ``step_in_backward`` miss the inf check: refused.
 """
 
 from __future__ import annotations
@@ -35,11 +32,6 @@ class AmpStep(NamedTuple):
     host_inv: Optional[torch.Tensor] = None  # inverse(host_scale), for host classes that take no scale
 
 
-def supports(opt: torch.optim.Optimizer) -> bool:
-    """True when ``opt`` unscales through ``grad_scale``/``found_inf`` (torch's fused optimizers)."""
-    return bool(getattr(opt, "_step_supports_amp_scaling", False))
-
-
 def inverse(scale: torch.Tensor) -> torch.Tensor:
     """``1 / scale`` as ``GradScaler.unscale_`` computes it (fp64 reciprocal, then fp32)."""
     return scale.double().reciprocal().float()
@@ -48,15 +40,11 @@ def inverse(scale: torch.Tensor) -> torch.Tensor:
 def takes_scale(opt: torch.optim.Optimizer, amp: Optional[AmpStep]) -> Optional[bool]:
     """Who unscales ``opt``'s gradients in this step: ``None`` nobody (no scale to undo), ``True``
     ``opt.step()`` itself (:func:`handed_over`), ``False`` the caller first (GradScaler's ``unscale_``)."""
-    return None if amp is None or amp.scale is None else supports(opt)
+    return None if amp is None or amp.scale is None else bool(getattr(opt, "_step_supports_amp_scaling", False))
 
 
 def begin(opt: Any) -> Optional[AmpStep]:
-    """What a GradScaler set on ``opt`` (a ``HybridDeviceOptimizer``) for this ``step()``, or ``None``.
-
-    Raises:
-        OffloadError: GradScaler with ``offload_gradients=True`` or ``step_in_backward=True``.
-    """
+    """What a GradScaler set on ``opt`` (a ``HybridDeviceOptimizer``) for this ``step()``, or ``None``."""
     found = getattr(opt, "found_inf", None)
     if found is None:
         return None

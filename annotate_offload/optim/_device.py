@@ -4,11 +4,9 @@
 CPU tensors and every stream and event is ``None``: waits are no-ops, copies are synchronous, and
 splitting, hooks, chunks, state and all numerics run as on a GPU. Nothing touches CUDA at import.
 
-Note [Host slabs]: torch's caching host allocator rounds every pinned allocation up to a power of
-two, so pinning each master and gradient buffer separately can waste up to half the pinned memory.
-:func:`carve` allocates power-of-two slabs (at least ``MIN_SLAB_BYTES`` and the largest tensor),
-packs the views into them in order at 64-byte alignment and sizes only the last slab to what it
-holds. Slabs live as long as the optimizer; loads copy into them.
+Note [Host slabs]: torch's caching host allocator rounds each pinned allocation up to a power of
+two, so :func:`carve` packs the views (64-byte aligned) into power-of-two slabs of at least
+``MIN_SLAB_BYTES`` and sizes only the last slab to what it holds.
 """
 
 from __future__ import annotations
@@ -25,11 +23,7 @@ MIN_SLAB_BYTES = 64 << 20
 
 
 class Side:
-    """Streams and events of the parameters' device; every stream and event is ``None`` without CUDA.
-
-    Raises (constructor):
-        ValueError: parameters on several CUDA devices or on another accelerator.
-    """
+    """Streams and events of the parameters' (one) device; every stream and event is ``None`` without CUDA."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         devices = {p.device for p in params if p.device.type == "cuda"}
@@ -74,10 +68,8 @@ class Side:
 
 
 def carve(numels: list[int], dtypes: list[torch.dtype], *, pin: bool, what: str) -> list[torch.Tensor]:
-    """1-D host views of ``numels[i]`` elements of ``dtypes[i]`` from power-of-two slabs (Note [Host slabs]).
-
-    A pinning failure falls back to pageable memory with one ``ResourceWarning``; it never raises.
-    """
+    """1-D host views of ``numels[i]`` elements of ``dtypes[i]`` (Note [Host slabs]); a pinning failure
+    falls back to pageable memory with one ``ResourceWarning``."""
     out: list[Any] = [None] * len(numels)
     unpinned = False
     pow2 = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731

@@ -41,16 +41,9 @@ def _signature(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
 
 
 def _check_hyper(checks: list[tuple[str, type, list, dict]], hyper: dict[str, Any], where: str) -> None:
-    """Let each torch class judge the hyper-parameters it takes.
-
-    ``checks`` holds ``(name, class, like, switches)``: the class is built with its keywords and the
-    switches, then stepped once on tensors ``like`` those it will step (:func:`~._state.probe`), so
-    what its constructor or first step would refuse is refused now.
-
-    Raises:
-        TypeError, ValueError: ``HybridDeviceOptimizer: <name>=<value><where>: <the fix> (<the class's
-            message>)``; also a flag that is not a bool and a non-finite ``lr``, which torch takes.
-    """
+    """Let each torch class judge the hyper-parameters it takes: ``checks`` holds ``(name, class, like,
+    switches)``, and the class is built and stepped once on tensors ``like`` those it will step
+    (:func:`~._state.probe`). Also refuses what torch takes: a non-bool flag, a non-finite ``lr``."""
     lr = hyper.get("lr")
     if (type(lr) in (int, float) or torch.is_tensor(lr) and lr.numel() == 1) and not math.isfinite(float(lr)):
         raise ValueError(f"HybridDeviceOptimizer: lr={lr!r}{where}: pass a finite learning rate.")
@@ -82,55 +75,44 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     Megatron-Core's ``HybridDeviceOptimizer``, same signature and meaning: the first
     ``offload_fraction`` of the trainable parameters (numel, whole tensors, param-group order:
-    ``placements``) get host masters, gradient buffers and state and are stepped by ``cpu_optimizer_cls``
-    (one instance per chunk of about ``chunk_bytes``: ``cpu_optimizers``), the rest by
-    ``gpu_optimizer_cls`` on the GPU (``gpu_optimizer``). With overlap, host gradients go D2H from
-    post-accumulate-grad hooks in backward; ``step()`` queues the GPU half, steps the host chunks in the
-    order their gradients landed and sends each chunk's weights back H2D (model dtype) while the next is
-    stepped, and returns once the compute stream waits on the last H2D. Results are the sub-optimizer
-    classes' on the same inputs: bit-identical to ``torch.optim.AdamW(params, fused=True)`` on a
-    CPU-only machine; on a GPU the CPU and CUDA kernels differ in the last bits.
+    ``placements``) are stepped by ``cpu_optimizer_cls`` on host masters (one instance per chunk of
+    about ``chunk_bytes``: ``cpu_optimizers``), the rest by ``gpu_optimizer_cls`` (``gpu_optimizer``).
+    Results are the sub-optimizer classes' on the same inputs: bit-identical to
+    ``torch.optim.AdamW(params, fused=True)`` on a CPU-only machine.
 
     Args:
-        params (iterable): parameters or param groups; CUDA parameters of one device are split, CPU ones
-            stepped on the host (without CUDA the "GPU side" is CPU tensors), DTensors (FSDP2) through
-            their local shards.
+        params (iterable): parameters or param groups; CUDA parameters of one device, CPU ones (stepped
+            on the host), DTensors (FSDP2) through their local shards.
         offload_fraction (float): host share of the trainable device numel, in ``[0, 1]``. Default: ``0.5``.
         cpu_optimizer_cls (type | None): host class. Default: ``torch.optim.AdamW``.
         gpu_optimizer_cls (type | None): device class. Default: the host class.
         param_update_in_fp32 (bool): fp32 masters for non-fp32 parameters. Default: ``False``.
         pin_cpu_grads (bool): page-lock host gradient buffers. Default: ``True``.
         pin_cpu_params (bool): page-lock host masters and the bf16 staging. Default: ``True``.
-        overlap_cpu_optimizer_d2h_h2d (bool): the pipelined path; ``False`` copies all gradients at
-            ``step()`` on the compute stream, syncs, steps the host, copies all weights back. Default: ``True``.
-        offload_gradients (bool): free each host-stepped gradient on the device once its D2H is enqueued
-            (``p.grad`` is ``None``); it lives on the host until ``step()`` consumes it, micro-batches
-            add there, and ``clip_grad_norm_`` of this optimizer (not torch's) sees it. Default: ``False``.
+        overlap_cpu_optimizer_d2h_h2d (bool): D2H in backward hooks, H2D of each chunk while the next is
+            stepped; ``False`` copies everything at ``step()`` and syncs. Default: ``True``.
+        offload_gradients (bool): free each host-stepped gradient on the device once its D2H is enqueued;
+            ``clip_grad_norm_`` of this optimizer (not torch's) sees it. Default: ``False``.
         step_in_backward (bool): step each host chunk in a worker thread once its gradients landed in
-            backward; one backward per step, no clipping across parameters. Default: ``False``.
-        delayed_param_update (bool): ZeRO-Offload's one-step-delayed host update: step ``t``'s host work
-            runs in a worker during step ``t + 1``'s forward and backward and lands at step ``t + 1``
-            (changes numerics; :meth:`flush` lands it now). Default: ``False``.
+            backward; one backward per step, no clipping. Default: ``False``.
+        delayed_param_update (bool): ZeRO-Offload's one-step-delayed host update, run in a worker during
+            the next forward and backward (changes numerics; :meth:`flush` lands it). Default: ``False``.
         use_torch_optimizer_for_cpu_offload (bool): the host class for the GPU part too. Default: ``False``.
-        cpu_threads (int | None): host step threads, at most the usable CPUs. Default: usable CPUs /
-            ``LOCAL_WORLD_SIZE``, one fewer beside a worker (Note [Thread budget]); not ``OMP_NUM_THREADS``.
+        cpu_threads (int | None): host step threads, at most the usable CPUs. Default: Note [Thread budget].
         chunk_bytes (int | None): host master bytes per chunk. Default: 64 MiB (256 MiB delayed).
         **kwargs: hyper-parameters and switches (``fused``, ``foreach``, ...) of both classes; Adam(W)
             gets ``fused=True`` unless ``foreach`` or ``differentiable`` is given.
 
     Raises:
-        TypeError: an option of the wrong type, a keyword neither class takes, a class that is no torch
-            optimizer or cannot step its part (GPU-only on the host, sparse- or closure-only).
-        ValueError: a fraction outside ``[0, 1]``; the last three modes without overlap or together
-            (``offload_gradients`` combines); ``chunk_bytes < 1``; ``cpu_threads`` outside ``[1, usable
-            CPUs]``; several devices; a value the class refuses (its message follows) or a non-finite
-            ``lr``; a parameter listed twice; a group setting one of this optimizer's own options.
+        TypeError: an option of the wrong type, a keyword neither class takes, a class that cannot step
+            its part (GPU-only on the host, sparse- or closure-only).
+        ValueError: an option out of range or modes that do not combine, a value the class refuses (its
+            message follows), a non-finite ``lr``, a parameter listed twice, several devices.
 
-    ``state[p]`` *is* the sub-optimizer's state of ``p`` (``exp_avg``, ``exp_avg_sq``, ``step``,
-    ``master_param`` where a separate master exists), empty before the first step; ``state_dict()``
-    loads with ``weights_only=True``. After an exception in ``step()`` each parameter is stepped or
-    untouched: ``exc.untouched_params`` lists the untouched (``param_groups`` order), and ``step()``
-    again steps exactly those, once.
+    ``state[p]`` *is* the sub-optimizer's state of ``p`` (``master_param`` where a separate master
+    exists), empty before the first step. After an exception in ``step()`` each parameter is stepped
+    or untouched: ``exc.untouched_params`` lists the untouched (``param_groups`` order), and
+    ``step()`` again steps exactly those, once.
 
     Example::
 
@@ -240,12 +222,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.param_to_local = {e.param: e.local for e in self._entries}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Used by the constructor for each group; refused afterwards.
-
-        Raises:
-            OffloadError: called after construction (the split is fixed then).
-            TypeError, ValueError: see the class docs.
-        """
+        """Used by the constructor for each group; refused afterwards (``OffloadError``: the split is fixed)."""
         if getattr(self, "_built", False):
             raise OffloadError("HybridDeviceOptimizer: add_param_group after construction is not supported (the host/GPU "
                                "split and host buffers are fixed then); build a new HybridDeviceOptimizer with all groups.")
@@ -360,13 +337,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _publish_state(self) -> None:
         """``state[p]`` becomes the state the sub-optimizer created for ``p`` in its first step."""
-        if self._fresh:
-            for e in self._fresh:
-                if st := e.opt.state.get(e.inner):
-                    self.state[e.param] = st
-                    if e.master is not None:
-                        st.setdefault("master_param", e.master)
-            self._fresh = [e for e in self._fresh if e.param not in self.state]
+        for e in self._fresh:
+            if st := e.opt.state.get(e.inner):
+                self.state[e.param] = st
+                if e.master is not None:
+                    st.setdefault("master_param", e.master)
+        self._fresh = [e for e in self._fresh if e.param not in self.state]
 
     def _device_step(self, amp: Optional[_amp.AmpStep]) -> None:
         opt = self.gpu_optimizer
@@ -405,15 +381,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One step of both halves; returns the closure's loss (called once) or ``None``.
-
-        Under ``torch.amp.GradScaler`` the scale and the inf/NaN check come from the scaler (Note
-        [GradScaler]), and results are bit-identical to the same classes under GradScaler.
+        """One step of both halves (Note [GradScaler] under a scaler); returns the closure's loss or ``None``.
 
         Raises:
-            OffloadError: the optimizer was closed; with ``step_in_backward``, a gradient changed after its
-                chunk was stepped in backward; GradScaler with ``offload_gradients`` or ``step_in_backward``.
-                Any exception carries ``untouched_params`` (see the class docs).
+            OffloadError: closed; a gradient changed after ``step_in_backward`` stepped it; GradScaler with
+                ``offload_gradients`` or ``step_in_backward``. Any exception carries ``untouched_params``.
         """
         if self.pipeline.closed:
             raise OffloadError("HybridDeviceOptimizer.step: this optimizer was closed (close() stopped its worker and "
@@ -433,26 +405,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.pipeline.flush()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of every parameter, the host-held ones of ``offload_gradients`` included.
-
-        Raises:
-            OffloadError: with ``step_in_backward``, after a backward that stepped host chunks and no
-                ``step()`` since (a step cannot be skipped in that mode).
-        """
+        """Clear every gradient, host-held ones included; with ``step_in_backward`` a step whose chunks
+        were stepped in backward cannot be skipped (``OffloadError``)."""
         self.pipeline.zero_grad(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: Optional[bool] = None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters (``param_groups`` order),
-        wherever their gradients live (host-held ones get the same fp32 multiply on the host).
-
-        Returns:
-            torch.Tensor: the total norm (0-dim, on the first parameter's device).
-
-        Raises:
-            OffloadError: with ``step_in_backward`` (chunks are stepped before the norm exists).
-        """
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters wherever their gradients
+        live; returns the total norm on the first parameter's device. Not with ``step_in_backward``."""
         if self.defaults["step_in_backward"]:
             raise OffloadError("HybridDeviceOptimizer.clip_grad_norm_: not supported with step_in_backward=True, whose "
                                "host chunks are stepped before the global norm exists; use the default mode to clip.")
@@ -498,15 +459,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             v.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict, masters included; ``weights_only``-loadable.
-
-        Each group also records the switches (``fused``, ``foreach``, ...) its sub-optimizers use where
-        they agree, so a plain torch optimizer that loads it steps the same way. Flushes first.
-
-        Raises:
-            OffloadError: the host step is sharded across DDP ranks (each holds its own chunks' state:
-                save with ``annotate_offload.distributed.save_checkpoint``).
-        """
+        """torch's optimizer state dict, masters included, ``weights_only``-loadable; each group also
+        records the switches (``fused``, ...) its sub-optimizers agree on. Flushes first."""
         if self.pipeline.sharded:
             raise OffloadError("HybridDeviceOptimizer.state_dict: the host step is sharded across DDP ranks "
                                "(attach_optimizer(..., shard_host_step=True)), so each rank holds the host state of its "
@@ -528,21 +482,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the state dict of a ``HybridDeviceOptimizer`` (any fraction) or torch optimizer of the same class.
 
-        Everything is checked before anything is applied (Note [Validated loads] in ``_state.py``): a
-        refused load changes nothing. Tensors are cast and moved as torch does, to where each parameter is
-        stepped now, in the inner dtype (fp32 moments are never down-cast). Note [Loading masters]: a
-        ``master_param`` wider than its parameter (fp32 of a bf16 model) is loaded into the master and
-        reaches the model at the next step (load the model and the optimizer from one checkpoint); a
-        master of the model's dtype is re-seeded from the model, so loading an optimizer state alone
-        never changes weights (delayed mode loads every host master, as they run one update ahead, and
-        writes them into the model: load the model first). Hyper-parameters come from the state dict;
-        this optimizer's own options and switches stay.
-
-        Raises:
-            ValueError: it does not fit this optimizer (numbers of groups or parameters, a state tensor's
-                shape, a non-floating moment, a non-tensor where a tensor belongs, a hyper-parameter the
-                class refuses, a non-finite ``lr``), naming the parameter, the key, expected and found.
-            TypeError: a hyper-parameter of the wrong type.
+        Everything is checked first (Note [Validated loads] in ``_state.py``): a refused load
+        (``ValueError``/``TypeError`` naming parameter, key, expected and found) changes nothing.
+        Note [Loading masters]: a ``master_param`` wider than its parameter is loaded and reaches the
+        model at the next step; one of the model's dtype is re-seeded from the model, so loading an
+        optimizer state alone never changes weights (delayed mode loads every host master, one update
+        ahead, and writes them into the model: load the model first). This optimizer's own options stay.
         """
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict

@@ -40,17 +40,14 @@ from ._threads import CpuWorker, num_threads
 
 __all__: list[str] = []
 
-# Implementation switches of torch optimizers: constructor arguments, never kept in param_groups.
 IMPL_KEYS = ("foreach", "capturable", "differentiable", "fused")
 # HybridDeviceOptimizer's own options: kept in ``defaults`` (Megatron's DistributedOptimizer rebuilds
 # it as ``cls(groups, **opt.defaults)``), never pushed into sub-optimizers nor taken from a load.
 STRUCTURAL_KEYS = ("offload_fraction", "param_update_in_fp32", "pin_cpu_grads", "pin_cpu_params",
                    "overlap_cpu_optimizer_d2h_h2d", "offload_gradients", "step_in_backward", "delayed_param_update",
                    "use_torch_optimizer_for_cpu_offload", "cpu_threads", "chunk_bytes")
-# Note [Tiny gradients at step()]: a gradient hook costs the backward thread two events, a stream
-# switch and a copy launch. Host parameters under BATCHED_NUMEL elements (norm weights, biases: many
-# tensors, few bytes; torchao's ``minimal_size``) get no hook: ``step()`` copies their gradients in one
-# batch, one stream switch and one event. Not with step_in_backward (its chunks start in backward).
+# Note [Tiny gradients at step()]: host parameters under BATCHED_NUMEL elements (torchao's
+# ``minimal_size``) get no gradient hook; ``step()`` copies them in one batch under one event.
 BATCHED_NUMEL = 4096
 
 
@@ -116,10 +113,8 @@ def scale_(buf: torch.Tensor, grad_dtype: torch.dtype, coef: torch.Tensor) -> No
 def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, Any], bool]:
     """A sub-optimizer's constructor switches, and whether complex parameters need their own group.
 
-    Note [Complex parameters]: Adam(W) gets ``fused=True`` on both halves (the fast CPU kernel) unless
-    ``foreach`` or ``differentiable`` is given. torch's fused kernels refuse complex tensors, which
-    plain ``torch.optim.AdamW()`` steps on its default path, so when the fused default is ours the
-    complex tensors of a group get a sub-group with ``fused=None``.
+    Note [Complex parameters]: Adam(W) gets ``fused=True`` unless ``foreach`` or ``differentiable`` is
+    given; fused kernels refuse complex tensors, so when that default is ours they get ``fused=None``.
     """
     impl = dict(impl)
     if cls not in (torch.optim.Adam, torch.optim.AdamW) or "foreach" in impl or impl.get("differentiable"):
@@ -148,10 +143,8 @@ def sub_optimizer(cls: type, parts: list[tuple[dict[str, Any], list[torch.Tensor
                  for sub, g in zip(opt.param_groups, owners)]
 
 
-# Note [One optimizer per parameter]: an optimizer replaced while still referenced (an LR finder's)
-# would keep its hooks, and with offload_gradients free p.grad under the new one. The newest pipeline
-# over a parameter owns its hook; older ones copy the gradient at their own step(). Building over
-# parameters that a live, unclosed optimizer owns warns, naming close().
+# Note [One optimizer per parameter]: the newest pipeline over a parameter owns its hook (an older,
+# still referenced one copies at its own step()); building over a live, unclosed one's warns.
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, owning pipeline)
 
 
@@ -174,11 +167,8 @@ def _sparse(s: HostSlot, g: torch.Tensor) -> TypeError:
 
 
 class HostPipeline:
-    """The host half of a :class:`HybridDeviceOptimizer` (Note [Host step lifecycle]).
-
-    Its public attributes and methods are the protocol that the optimizer, GradScaler support,
-    clipping, loading and ``annotate_offload.distributed`` use; nothing else reads its fields.
-    """
+    """The host half of a :class:`HybridDeviceOptimizer` (Note [Host step lifecycle]); its public
+    attributes and methods are the protocol the rest of the package uses."""
 
     def __init__(self, entries: list[tuple[torch.Tensor, int, int, int, torch.Tensor]], groups: list[dict[str, Any]],
                  cls: type, impl: dict[str, Any], *, side: Any, fp32: bool, pin_params: bool, pin_grads: bool,
@@ -324,9 +314,8 @@ class HostPipeline:
         return g is not None and self._slot[id(p)].copied(g)
 
     def uncopied(self, skip_batched: bool = False) -> int:
-        """How many gradients of the host parameters this process steps ``step()`` would copy now (none
-        copied, or changed since); ``skip_batched``: without those copied there by design (Note [Tiny
-        gradients at step()])."""
+        """How many host gradients this process steps ``step()`` would copy now; ``skip_batched``: not
+        counting those copied there by design."""
         return sum(1 for s in self.slots if s.param.grad is not None and self._steps(s.chunk)
                    and not (skip_batched and self.batched(s.param)) and not s.copied(local_grad(s.param)))
 
@@ -360,9 +349,8 @@ class HostPipeline:
             s.d2h_ev, s.seq, self._seq = ev, self._seq, self._seq + 1
             s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
             s.grad_ver, s.grad_ptr = g._version, g.data_ptr()
-            # Note [Gradient residency]: the copy may still be in flight when the last reference to g goes
-            # (with offload_gradients, or at zero_grad); record_stream keeps the allocator from reusing
-            # the block before the D2H stream is past it, and nothing blocks the backward thread.
+            # Note [Gradient residency]: the copy may be in flight when g is freed; record_stream keeps
+            # the allocator from reusing its block, and nothing blocks the backward thread.
             if stream is not None:
                 g.record_stream(stream)
             if self.offload_grads:
@@ -451,10 +439,8 @@ class HostPipeline:
                 if s.state is S.SUBMITTED:
                     s.state = S.COPIED  # its chunk did not step: the gradient stays for a retry
 
-    # Note [Consumed gradients]: with offload_gradients, p.grad is None after backward, so
-    # model.zero_grad() cannot reach the host copy; step() consumes it, as if zero_grad() followed, and
-    # the next backward starts from zero (a loop that never zeroes gradients, each backward adding onto
-    # the last step's, is the one that differs from torch).
+    # Note [Consumed gradients]: with offload_gradients model.zero_grad() cannot reach the host copy,
+    # so step() consumes it and the next backward starts from zero.
     def _end(self, cur: Any, *, failed: bool) -> None:
         if self.overlap:
             self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
@@ -472,9 +458,8 @@ class HostPipeline:
         self._begun, self.amp = False, None
 
     def _landing_order(self) -> list[int]:
-        """Chunks with gradients to step, in the order their last D2H was issued. Note [Host chunk
-        order]: backward lands the last layer's gradients first, and chunks are independent
-        (elementwise updates), so landing order starts with gradients already on the host, same bits."""
+        """Chunks with gradients to step, in the order their last D2H was issued (Note [Host chunk order]:
+        chunks are independent, so any order gives the same bits)."""
         seq: dict[int, int] = {}
         for s in self.slots:
             if s.state is S.COPIED and self._steps(s.chunk):
@@ -531,10 +516,8 @@ class HostPipeline:
                     c.pending = stepped
 
     def _h2d(self, c: Chunk, slots: list[HostSlot], in_backward: bool = False) -> None:
-        # Note [H2D ordering]: an H2D overwrites a parameter, so it must follow the parameter's last
-        # use on the compute stream. Everything issued from step() on is ordered by the wait step()
-        # puts on the H2D stream at its entry; a chunk stepped in backward (step_in_backward) is
-        # issued before that, so its H2D waits on each parameter's gradient-ready event instead.
+        # Note [H2D ordering]: an H2D must follow the parameter's last use: step() makes the H2D stream
+        # wait at its entry; a chunk stepped in backward waits on each gradient-ready event instead.
         side = self.side
         stream = self.h2d if self.overlap else side.current_stream()
         with torch.no_grad(), side.use(stream):
@@ -548,11 +531,8 @@ class HostPipeline:
             c.h2d_ev = side.record(stream)
 
     def _apply_previous(self, skip_written: bool = True) -> None:
-        """Delayed mode: put the previous step's host update into the model (backward is over).
-
-        Finished chunks go H2D now; the worker issues the H2D of each remaining chunk as soon as it is
-        stepped. Weights written into the model since the last step win over the pending update.
-        """
+        """Delayed mode: put the previous step's host update into the model (finished chunks now, the
+        others as the worker steps them); weights written since the last step win."""
         assert self._worker is not None
         if skip_written:
             self._skip = frozenset(s for s in self.slots if s.param._version != s.p_ver)
@@ -596,9 +576,8 @@ class HostPipeline:
             side.wait_event(cur, side.record(self.h2d))
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """The host part of ``zero_grad``: drop the host copies (with ``offload_gradients`` and
-        ``set_to_none=False`` a held or consumed gradient becomes a zero gradient, as torch keeps a zero
-        ``p.grad``)."""
+        """Drop the host copies (with ``offload_gradients`` and ``set_to_none=False`` a held gradient
+        becomes zero, as torch keeps a zero ``p.grad``)."""
         if self.in_backward and any(s.state is S.SUBMITTED or s.state is S.STEPPED for s in self.slots):
             raise OffloadError("HybridDeviceOptimizer.zero_grad: step_in_backward=True stepped host chunks in the last "
                                "backward, so this step cannot be skipped. Call step() to finish it, or use "
@@ -647,9 +626,8 @@ class HostPipeline:
 
     # ------------------------------------------------------------------ masters
     def resync(self, *, everything: bool = False) -> None:
-        """Note [Weights loaded after construction]: weights written into the model since the last step
-        (``load_state_dict`` copies in place and bumps the version) re-seed their masters (``everything``:
-        all of them, after :meth:`flush`)."""
+        """Weights written into the model since the last step (version bumped) re-seed their masters
+        (``everything``: all of them, after :meth:`flush`)."""
         if everything:
             self.flush()
         with torch.no_grad():

@@ -1,15 +1,12 @@
 """State placement and the validated ``load_state_dict`` of :class:`HybridDeviceOptimizer` (private).
 
-``opt.state[p]`` is the very dict the sub-optimizer keeps for ``p``'s inner tensor: one structure,
-not two aliased ones, so moving it moves both. :func:`place` repairs what user code moved (RL
-frameworks move optimizer state to the host and back between rollouts).
+``opt.state[p]`` is the very dict the sub-optimizer keeps for ``p``'s inner tensor; :func:`place`
+repairs what user code moved (RL frameworks move optimizer state to the host and back).
 
-Note [Validated loads]: torch's ``Optimizer.load_state_dict`` checks only group and parameter
-counts and casts the rest; a moment of the wrong shape then reaches the fused kernel, which reads
-or writes out of bounds. :func:`check_load` therefore checks everything against what the optimizer
-class itself creates (:func:`probe`: the class stepped once over a tiny tensor) before anything is
-applied, and builds the converted state (cast and moved as torch does) aside, so a refused load
-changes nothing.
+Note [Validated loads]: torch's ``Optimizer.load_state_dict`` checks only counts, and a moment of the
+wrong shape reaches the fused kernel, which reads or writes out of bounds. :func:`check_load` checks
+everything against what the class itself creates (:func:`probe`) and builds the converted state
+aside, so a refused load changes nothing.
 """
 
 from __future__ import annotations
@@ -114,15 +111,7 @@ def _convert(e: Entry, k: str, v: Any, t: Any, bad: Callable[[str], ValueError])
 def check_load(sd: Any, entries: list[Entry], groups: list[dict[str, Any]],
                check_hyper: Callable[[int, dict[str, Any]], None]) -> tuple[list[dict[str, Any]], dict[int, dict]]:
     """Validate ``sd`` against the optimizer and convert it (Note [Validated loads]); applies nothing.
-
-    Returns ``(hyper-parameters per group, state per flat index)``.
-
-    Raises:
-        ValueError: a malformed state dict, other numbers of groups or parameters, a hyper-parameter the
-            class refuses or a non-finite ``lr``, or a state entry that does not fit its parameter
-            (missing key, wrong shape, non-floating moment, non-tensor where a tensor belongs).
-        TypeError: a hyper-parameter of the wrong type.
-    """
+    Returns ``(hyper-parameters per group, state per flat index)``."""
     def bad(what: str) -> ValueError:
         return ValueError(f"HybridDeviceOptimizer.load_state_dict: {what}; nothing was loaded. Load a state dict "
                           "saved by an optimizer over this model, with the same param groups.")

@@ -1,19 +1,10 @@
 """CPU thread budget and the worker thread that runs host optimizer steps (private).
 
-Note [Thread budget]: torch's fused CPU AdamW parallelises over elements with the intra-op thread
-pool, and ``torchrun`` sets ``OMP_NUM_THREADS=1`` whenever it starts more than one process per
-node, which would make every rank's host step single-threaded. The budget therefore ignores
-``OMP_NUM_THREADS``:
-
-    budget = cpu_threads if given, else
-             max(1, usable_cpus // local_ranks - (1 if that is >= 4 and beside_training else 0))
-
-``usable_cpus`` is ``len(os.sched_getaffinity(0))`` and ``local_ranks`` ``LOCAL_WORLD_SIZE`` or 1.
-Beside a worker thread (``step_in_backward``, ``delayed_param_update``) one core is left to the
-training thread, which launches GPU work meanwhile; the default mode steps on the training thread and
-takes every core. OpenMP thread counts are per thread: the worker sets its own, the default mode sets
-it around the host step (:func:`num_threads`), and the worker puts the caller's back afterwards
-(``torch.set_num_threads`` also sets the count a new thread adopts).
+Note [Thread budget]: the host step parallelises over the intra-op pool, and ``torchrun`` sets
+``OMP_NUM_THREADS=1`` with several processes per node, so the budget ignores it:
+``cpu_threads`` if given, else ``usable CPUs // LOCAL_WORLD_SIZE``, less one core (from four up) for
+the training thread beside a worker (``step_in_backward``, ``delayed_param_update``). Thread counts
+are per thread: the worker sets its own, the default mode sets it around the host step.
 """
 
 from __future__ import annotations
@@ -34,11 +25,8 @@ def usable_cpus() -> int:
 
 
 def thread_budget(cpu_threads: Optional[int] = None, *, beside_training: bool = True) -> int:
-    """Threads for the host optimizer step (Note [Thread budget]).
-
-    Raises:
-        TypeError, ValueError: ``cpu_threads`` is not ``None`` or an int in ``[1, usable CPUs]``.
-    """
+    """Threads for the host optimizer step (Note [Thread budget]); ``cpu_threads`` must be ``None`` or
+    an int in ``[1, usable CPUs]`` (``TypeError``/``ValueError``)."""
     limit = usable_cpus()
     if cpu_threads is not None:
         if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or not 1 <= cpu_threads <= limit:
@@ -65,11 +53,8 @@ def num_threads(n: int) -> Iterator[None]:
 
 
 class CpuWorker:
-    """One thread (``hdo-cpu-step``) running submitted callables in order with its own thread budget.
-
-    ``submit`` never blocks; ``drain`` waits for everything submitted so far and re-raises the first
-    exception a task raised (the tasks after it, until the drain, are skipped).
-    """
+    """One thread (``hdo-cpu-step``) running submitted callables in order with its own thread budget;
+    ``drain`` re-raises the first exception a task raised (the tasks after it are skipped)."""
 
     def __init__(self, threads: int, bind: Callable[[], None]) -> None:
         caller = torch.get_num_threads()  # initialises this thread's own count first
