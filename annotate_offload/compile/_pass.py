@@ -273,8 +273,20 @@ def _fake_token(like: fx.Node, device: Any = None) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=val.device if device is None else device)
 
 
+def _hoist(node: fx.Node) -> None:
+    """Move the views (and detaches) that ``node`` is made of to right after the tensor they view:
+    the min-cut partitioner puts the detach of an op's saved output at the end of the forward, and the
+    save, with its layer's release, would follow it there."""
+    chain = _chain(node)
+    for base, view in zip(chain[:0:-1], chain[-2::-1]):
+        if view.all_input_nodes == [base]:
+            base.append(view)
+
+
 def _forward(fg: fx.Graph, moved: list, entries: dict, runtimes: dict, saved: list, num_fwd_outputs: int) -> None:
     first_compute = next(n for n in fg.nodes if n.op != "placeholder")
+    for node, _ in moved:
+        _hoist(node)
     steps = {}
     for key in {tag[0] for _, tag in moved}:
         layers = [index for (k, index) in entries if k == key]

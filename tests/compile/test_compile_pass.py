@@ -21,6 +21,8 @@ import torch
 
 from annotate_offload.annotate import offload_transform
 from annotate_offload.compile import compiled_offloads
+from annotate_offload.compile._pass import _tag
+from annotate_offload.models import GPTConfig, GPTStack
 
 from _compile_models import H, Stack, assert_same, gpt, hf_lora, llama, step  # noqa: E402
 
@@ -194,3 +196,38 @@ def test_eager_training_imports_no_compiler():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _partitioned(model, x) -> list:
+    """The forward and backward graphs of ``model``'s compile as the pass leaves them (min-cut
+    partitioner, as inductor and ``aot_eager``)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs: list = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm.graph)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+    step(model, torch.compile(model, backend=backend), (x,))
+    return graphs
+
+
+def _gpt4():
+    model = GPTStack(GPTConfig(hidden=32, heads=2, layers=4))
+    offload_transform(model, 3, min_offload_numel=16, release_lag=0, prefetch_layers=1)
+    return model, torch.randn(2, 16, 32)
+
+
+def test_each_layer_is_released_before_the_layer_after_its_release_point():
+    """The min-cut partitioner hands an op's saved output (SDPA's) to the backward through detach nodes
+    at the end of the forward; its save, hence its layer's release, must not move there with them.
+    With release_lag=0 layer i is released once layer i + 1 saves: before any node of layer i + 2."""
+    fw, _ = _partitioned(*_gpt4())
+    nodes = list(fw.nodes)
+    for i in (0, 1):
+        (release,) = [k for k, n in enumerate(nodes) if n.name == f"offload_release_{i}"]
+        assert not [n.name for n in nodes[:release] if _tag(n) is not None and _tag(n)[1] > i + 1]
