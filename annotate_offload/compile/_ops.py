@@ -9,8 +9,8 @@ side streams, events, pinned pool, prefetch schedule, statistics)::
 
     forward                                          backward
     step = begin(key, first, last)   step of this call   r = reach(token, m, after)   backward reached layer m
-    token = save(x, step, i)         D2H of x, at save   x = load(token, [r], ...)     reload, or wait for it
-    release(tokens, keep)            drop device copies
+    token = save(x, step, i)         D2H of x, at save   u = load(tokens, [r], ...)    reload a unit, or wait
+    release(tokens, keep)            drop device copies  x = as_strided(u, ...)        a tensor of the unit
 
 The forward returns the token (an empty tensor on ``x``'s device carrying the runtime's record as a
 Python attribute) in place of ``x``: the graph drops ``x`` after ``release``, and the runtime holds the
@@ -23,12 +23,15 @@ On CUDA the ops run where the compiled code calls them, on its stream: ``save`` 
 on the compute stream after the kernel that wrote ``x`` was launched and enqueues the D2H on the side
 stream behind it; ``release`` makes the compute stream wait for the layer's D2H before the graph may
 free ``x`` (no ``record_stream``: the allocator reuses ``x``'s block in compute-stream order, after the
-wait); ``load`` allocates the reload on the compute stream and makes it wait for the H2D. What
-``load`` returns is 16-byte aligned and owned by the graph alone (inductor may write its outputs into
-it). Tokens live on the device: inductor takes a CPU input of a CUDA graph for unaligned memory, and
-the outputs of an op with an unaligned input for unaligned too, so the kernels that read the reloads
-would lose their vectorised loads. Each op but the markers does host work per call, so none may be
-captured in a CUDA graph (``cudagraph_unsafe``).
+wait); ``load`` allocates the reload on the compute stream and makes it wait for the H2D. ``load``
+returns one storage unit (Note [Storage units]) whole, and the graph takes its tensors as views: a
+load per tensor would have to copy each tensor of a shared unit out of the reload, since what an op
+returns is 16-byte aligned and owned by the graph alone (inductor may write its outputs into it),
+and the copy of q in a fused qkv buffer spans nearly the whole buffer. Tokens live on the device:
+inductor takes a CPU input of a CUDA graph for unaligned memory, and the outputs of an op with an
+unaligned input for unaligned too, so the kernels that read the reloads would lose their vectorised
+loads. Each op but the markers does host work per call, so none may be captured in a CUDA graph
+(``cudagraph_unsafe``).
 
 ``key`` names the runtime of one transformed model: a process-wide counter, so the same script gets
 the same keys and a graph that a compile cache stored refers to the same model in a later run. It
@@ -136,16 +139,16 @@ def reach(token: torch.Tensor, index: int, after: list[torch.Tensor]) -> torch.T
 
 
 @torch.library.custom_op("annotate_offload::load", mutates_args=(), tags=_UNSAFE)
-def load(token: torch.Tensor, after: list[torch.Tensor], size: list[int], stride: list[int], dtype: torch.dtype,
+def load(tokens: list[torch.Tensor], after: list[torch.Tensor], offsets: list[int], numel: int, dtype: torch.dtype,
          device: torch.device) -> torch.Tensor:
-    sync, record = _record(token)
-    return sync.graph_unpack(record)
+    sync, _ = _record(tokens[0])
+    return sync.graph_unpack([_record(token)[1] for token in tokens], offsets, numel, dtype)
 
 
 @load.register_fake
-def _load_fake(token: torch.Tensor, after: list[torch.Tensor], size: list[int], stride: list[int],
+def _load_fake(tokens: list[torch.Tensor], after: list[torch.Tensor], offsets: list[int], numel: int,
                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 @torch.library.custom_op("annotate_offload::mark", mutates_args=())

@@ -433,6 +433,12 @@ class _LayerState:
                 self.pacer.use(flat.numel())
         return _rebuild(flat, meta)
 
+    def served(self, handle: _Packed) -> bool:
+        """Whether this layer no longer holds any device bytes of ``handle``'s unit (a reload of it
+        handed out every tensor it held)."""
+        unit = self.fwd_gpu_tensor_group.aux["unit_index"][handle]
+        return all(group.tensor_list[unit] is None for group in (self.fwd_gpu_tensor_group, self.bwd_gpu_tensor_group))
+
     def __del__(self) -> None:
         try:
             if any(s is not None for s in self.fwd_gpu_tensor_group.tensor_list):

@@ -78,7 +78,7 @@ from ._layer_state import (
 from ._marks import check_policy
 from ._pinned_pool import get_pool
 from ._stats import OffloadStats
-from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _view_meta
+from ._tensor_group import _unit_range
 
 __all__ = ["OffloadSynchronizer", "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
 
@@ -408,21 +408,24 @@ class OffloadSynchronizer:
                 released.add(handle.layer)
                 handle.layer.release_forward()
 
-    def graph_unpack(self, record: tuple) -> torch.Tensor:
-        """The tensor of ``record``, reloaded (or waited for) on the compute stream. A compiled graph
-        may write into what an op returns, and its kernels may take it for 16-byte aligned: a unit
-        that several saved tensors share, or a tensor that does not start on a 16-byte boundary of
-        its unit, is handed out as a copy of its own bytes."""
-        handle = record[0]
-        t = self.pop_tensor(handle)
-        if type(handle) is _Packed:
-            layer = handle.layer
-            shared = len(layer.users[layer.fwd_gpu_tensor_group.aux["unit_index"][handle]]) > 1
-            if shared or t.data_ptr() % 16:
-                span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-                lo = t.storage_offset() * t.element_size()
-                t = _rebuild(_flat_bytes(t, lo, lo + span * t.element_size()).clone(), _view_meta(t, lo))
-        return t
+    def graph_unpack(self, records: list, offsets: list, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """One storage unit of a compiled backward, reloaded (or waited for) on the compute stream:
+        ``numel`` elements of ``dtype`` that hold the records' tensors at ``offsets`` (elements), which
+        the graph takes as views. A compiled graph may write into what an op returns, and takes it for
+        16-byte aligned: it gets the reload itself when that is exactly this unit and the runtime has
+        handed out every tensor it holds, else a new tensor with the tensors' bytes."""
+        views = [self.pop_tensor(handle) for handle, _ in records]
+        first = views[0]
+        storage = first.untyped_storage()
+        own = all(type(h) is _Packed and h.layer.served(h) for h, _ in records) and storage.data_ptr() % 16 == 0
+        if own and storage.nbytes() == numel * first.element_size() and all(
+            v.untyped_storage()._cdata == storage._cdata and v.storage_offset() == o for v, o in zip(views, offsets)
+        ):
+            return first.as_strided((numel,), (1,), 0)
+        unit = torch.empty(numel, dtype=dtype, device=first.device)
+        for view, offset in zip(views, offsets):
+            unit.as_strided(view.shape, view.stride(), offset).copy_(view)
+        return unit
 
     def graph_reach(self, record: tuple, index: int) -> None:
         """A compiled backward reached layer ``index`` of the step ``record`` belongs to."""

@@ -231,3 +231,34 @@ def test_each_layer_is_released_before_the_layer_after_its_release_point():
     for i in (0, 1):
         (release,) = [k for k, n in enumerate(nodes) if n.name == f"offload_release_{i}"]
         assert not [n.name for n in nodes[:release] if _tag(n) is not None and _tag(n)[1] > i + 1]
+
+
+def test_the_backward_loads_each_storage_unit_once_and_takes_views_of_the_reload(monkeypatch):
+    """q, k and v are views of one fused qkv buffer, one storage unit (Note [Storage units]). The backward
+    loads every unit once, as the reload itself (no copy), and takes the saved tensors as views of it:
+    a load per tensor had the runtime copy the unit from each tensor's offset on, about three units."""
+    from annotate_offload.runtime._layer_state import _LayerState
+    from annotate_offload.runtime._synchronizer import OffloadSynchronizer
+
+    reloads, handed = [], []  # held, so that no address is reused within the step
+    reload, unpack = _LayerState._reload, OffloadSynchronizer.graph_unpack
+
+    def spy_reload(self, todo):
+        reload(self, todo)
+        reloads.extend(s.bwd_gpu_tensor_group.tensor_list[u] for s, u in todo)
+
+    def spy_unpack(self, *args):
+        handed.append(unpack(self, *args))
+        return handed[-1]
+
+    monkeypatch.setattr(_LayerState, "_reload", spy_reload)
+    monkeypatch.setattr(OffloadSynchronizer, "graph_unpack", spy_unpack)
+    model, x = _gpt4()
+    _, bw = _partitioned(model, x)
+    loads = list(bw.find_nodes(op="call_function", target=torch.ops.annotate_offload.load.default))
+    tokens = [t for load in loads for t in load.args[0]]
+    assert len(tokens) == len(set(tokens)) == len(_offloaded(compiled_offloads(model)[0]))
+    assert sorted(len(load.args[0]) for load in loads).count(3) == 3  # q, k, v of each offloaded layer
+    for load in loads:
+        assert {u.target for u in load.users} == {torch.ops.aten.as_strided.default}
+    assert len(handed) == len(loads) and {t.data_ptr() for t in handed} == {t.data_ptr() for t in reloads}
