@@ -25,9 +25,9 @@ entry of layer ``i`` (and after the last layer) with the key and a checksum of t
 backward node of the layer, and the fx pass in ``compile/_pass.py`` offloads the saved activations
 of the partitioned graph through the same runtime. No scope opens in traced code, so the adapter
 marks' hooks stand aside there. Dynamo guards on ``key``, the plan, the layer index and the grad
-mode, so a model transformed, removed or copied later gets its own graph. A layer called with CUDA
-tensors runs eagerly instead (a graph break at the call, the eager runtime inside), until the
-compiled ops' stream ordering has been run on a GPU; the pass then finds no markers and does nothing.
+mode, so a model transformed, removed or copied later gets its own graph. The same holds on every
+device: on CUDA the pass's ops drive the side streams, events and pinned pool of the eager runtime
+(Note [Compiled offload ops] in ``compile/_ops.py``).
 
 The wrappers hold weak references to their layer and to the transform's state, which the model
 owns: a transformed model has no reference cycle and is freed when its last reference goes, like
@@ -99,16 +99,6 @@ def _in_reentrant_checkpoint() -> bool:
     return False
 
 
-_EAGER_RUN: list[Callable[..., Any]] = []
-
-
-def _eager_run(state: Any, index: int, layer: "LayerForward", args: tuple, kwargs: dict) -> Any:
-    """The eager layer call, run outside the compiled graph (Dynamo breaks the graph here)."""
-    if not _EAGER_RUN:
-        _EAGER_RUN.append(torch._dynamo.disable(lambda s, i, l, a, k: s.run(i, l.target(), a, k)))
-    return _EAGER_RUN[0](state, index, layer, args, kwargs)
-
-
 def _refuse_pickle(self: Any, protocol: Any = None) -> Any:
     raise OffloadError(
         "offload_transform: a model with offloading applied cannot be pickled (torch.save(model)): its "
@@ -145,8 +135,6 @@ class LayerForward:
         if state is None:  # the model is gone and the layer lives on: a plain module
             return self.target()(*args, **kwargs)
         if torch.compiler.is_compiling():  # Dynamo on torch 2.11 does not trace function.__get__
-            if any(t.is_cuda for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
-                return _eager_run(state, self.index, self, args, kwargs)  # Note [Traced layers]
             module = self.module()
             fn = self.prev if self.prev is not None else functools.partial(type(module).forward, module)
             return state.traced(self.index, fn, args, kwargs)

@@ -9,15 +9,29 @@ side streams, events, pinned pool, prefetch schedule, statistics)::
 
     forward                                          backward
     step = begin(key, first, last)   step of this call   r = reach(token, m, after)   backward reached layer m
-    token = save(x, step, i)         D2H of x, at save   x = load(token, [r], ...)     reload, or wait for it
-    release(tokens, keep)            drop device copies
+    token = save(x, step, i)         D2H of x, at save   u = load(tokens, [r], ...)    reload a unit, or wait
+    release(tokens, keep)            drop device copies  x = as_strided(u, ...)        a tensor of the unit
 
-The forward returns the token (an empty CPU tensor carrying the runtime's record as a Python
-attribute) in place of ``x``: the graph drops ``x`` after ``release``, and the runtime holds the
+The forward returns the token (an empty tensor on ``x``'s device carrying the runtime's record as a
+Python attribute) in place of ``x``: the graph drops ``x`` after ``release``, and the runtime holds the
 host copy until autograd frees the token. ``keep`` holds the released activations themselves, so the
 compiler cannot reuse their buffers while a D2H may still read them, and tensors that exist only
 from the release point on, so it cannot run earlier. ``after`` does the same for the backward ops.
 Data dependencies are the only ordering a compiler keeps, so every op has them.
+
+On CUDA the ops run where the compiled code calls them, on its stream: ``save`` records a ready event
+on the compute stream after the kernel that wrote ``x`` was launched and enqueues the D2H on the side
+stream behind it; ``release`` makes the compute stream wait for the layer's D2H before the graph may
+free ``x`` (no ``record_stream``: the allocator reuses ``x``'s block in compute-stream order, after the
+wait); ``load`` allocates the reload on the compute stream and makes it wait for the H2D. ``load``
+returns one storage unit (Note [Storage units]) whole, and the graph takes its tensors as views: a
+load per tensor would have to copy each tensor of a shared unit out of the reload, since what an op
+returns is 16-byte aligned and owned by the graph alone (inductor may write its outputs into it),
+and the copy of q in a fused qkv buffer spans nearly the whole buffer. Tokens live on the device:
+inductor takes a CPU input of a CUDA graph for unaligned memory, and the outputs of an op with an
+unaligned input for unaligned too, so the kernels that read the reloads would lose their vectorised
+loads. Each op but the markers does host work per call, so none may be captured in a CUDA graph
+(``cudagraph_unsafe``).
 
 ``key`` names the runtime of one transformed model: a process-wide counter, so the same script gets
 the same keys and a graph that a compile cache stored refers to the same model in a later run. It
@@ -60,8 +74,8 @@ def runtime(key: int) -> Any:
     return _RUNTIMES.get(key)
 
 
-def _token(sync: Any, record: Any) -> torch.Tensor:
-    token = torch.empty(0, dtype=torch.uint8)
+def _token(sync: Any, record: Any, device: Any = "cpu") -> torch.Tensor:
+    token = torch.empty(0, dtype=torch.uint8, device=device)
     setattr(token, _RECORD, (sync, record))
     return token
 
@@ -77,8 +91,7 @@ def _record(token: torch.Tensor) -> tuple:
     return record
 
 
-def _empty_fake(*args: Any) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device="cpu")
+_UNSAFE = (torch.Tag.cudagraph_unsafe,)
 
 
 @torch.library.custom_op("annotate_offload::layer", mutates_args=())
@@ -94,7 +107,7 @@ def _layer_fake(key: int, index: int, plan: int) -> None:
     install()  # a graph with layers of this package is being traced: the pass must see its partition
 
 
-@torch.library.custom_op("annotate_offload::begin", mutates_args=())
+@torch.library.custom_op("annotate_offload::begin", mutates_args=(), tags=_UNSAFE)
 def begin(key: int, first: int, last: int) -> torch.Tensor:
     sync = runtime(key)
     if sync is None:
@@ -105,37 +118,37 @@ def begin(key: int, first: int, last: int) -> torch.Tensor:
     return _token(sync, sync.graph_begin(first, last))
 
 
-@torch.library.custom_op("annotate_offload::save", mutates_args=())
+@torch.library.custom_op("annotate_offload::save", mutates_args=(), tags=_UNSAFE)
 def save(x: torch.Tensor, step: torch.Tensor, index: int) -> torch.Tensor:
     sync, record = _record(step)
-    return _token(sync, sync.graph_pack(record, index, x))
+    return _token(sync, sync.graph_pack(record, index, x), x.device)
 
 
-@torch.library.custom_op("annotate_offload::release", mutates_args=())
+@torch.library.custom_op("annotate_offload::release", mutates_args=(), tags=_UNSAFE)
 def release(tokens: list[torch.Tensor], keep: list[torch.Tensor]) -> None:
     if tokens:
         sync, _ = _record(tokens[0])  # the pass releases one layer of one runtime per op
         sync.graph_release(_record(token)[1] for token in tokens)
 
 
-@torch.library.custom_op("annotate_offload::reach", mutates_args=())
+@torch.library.custom_op("annotate_offload::reach", mutates_args=(), tags=_UNSAFE)
 def reach(token: torch.Tensor, index: int, after: list[torch.Tensor]) -> torch.Tensor:
     sync, record = _record(token)
     sync.graph_reach(record, index)
-    return torch.empty(0, dtype=torch.uint8)
+    return torch.empty(0, dtype=torch.uint8, device=token.device)
 
 
-@torch.library.custom_op("annotate_offload::load", mutates_args=())
-def load(token: torch.Tensor, after: list[torch.Tensor], size: list[int], stride: list[int], dtype: torch.dtype,
+@torch.library.custom_op("annotate_offload::load", mutates_args=(), tags=_UNSAFE)
+def load(tokens: list[torch.Tensor], after: list[torch.Tensor], offsets: list[int], numel: int, dtype: torch.dtype,
          device: torch.device) -> torch.Tensor:
-    sync, record = _record(token)
-    return sync.graph_unpack(record)
+    sync, _ = _record(tokens[0])
+    return sync.graph_unpack([_record(token)[1] for token in tokens], offsets, numel, dtype)
 
 
 @load.register_fake
-def _load_fake(token: torch.Tensor, after: list[torch.Tensor], size: list[int], stride: list[int],
+def _load_fake(tokens: list[torch.Tensor], after: list[torch.Tensor], offsets: list[int], numel: int,
                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 @torch.library.custom_op("annotate_offload::mark", mutates_args=())
@@ -144,8 +157,9 @@ def mark(x: torch.Tensor, offload: bool) -> None:
     program; the pass reads and removes it, and it does nothing where it stays."""
 
 
-for _op in (begin, save, reach):
-    _op.register_fake(_empty_fake)
+begin.register_fake(lambda key, first, last: torch.empty(0, dtype=torch.uint8))
+save.register_fake(lambda x, step, index: torch.empty(0, dtype=torch.uint8, device=x.device))
+reach.register_fake(lambda token, index, after: torch.empty(0, dtype=torch.uint8, device=token.device))
 for _op in (release, mark):
     _op.register_fake(lambda *args: None)
 for _name in ("layer", "release", "reach", "mark"):

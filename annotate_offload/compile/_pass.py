@@ -24,12 +24,16 @@ under the opt-in policy), tensors below ``min_offload_numel`` elements, on anoth
 layer's activations, with symbolic shapes (a recompile for dynamic shapes keeps them) or not strided.
 
 *How.* (Note [Compiled offload ops] in ``_ops.py``.) Forward: ``begin`` after the inputs;
-``save`` right after each offloaded activation exists; the token replaces it among the outputs;
+``save`` right after each offloaded activation exists (the views and detaches it is made of are moved
+up to the tensor they view first: the min-cut partitioner puts the detach of an op's saved output at
+the end of the forward, and the layer's release would follow it there); the token replaces it among the outputs;
 its layer's ``release`` (with the activation in ``keep``) after the first tensor the forward
 saves from the point where the runtime's schedule releases that layer on (the entry of layer
 ``i + 1 + release_lag``, or the end of the last layer), or after the user outputs when that point
 is not in this graph. Backward: for each layer, ``reach`` after the inputs of its first node that
-depend on the backward, then ``load`` of its tokens after that ``reach``, before their first use.
+depend on the backward; for each storage unit, one ``load`` of its tensors' tokens after that ``reach``,
+before the first use of any of them, and each tensor an ``as_strided`` view of what it returns, so the
+unit crosses once and the compiler knows the tensors alias (q, k and v of one fused buffer).
 The ``layer`` markers and ``mark`` ops are removed. Reported bytes count storage units as the runtime
 does (Note [Storage units]), so they equal the runtime's ``bytes_offloaded`` per step.
 """
@@ -236,6 +240,10 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) 
     report = [SavedActivation(n.name, owners[n][1] if owners[n] else None, tuple(_val(n).shape), _val(n).dtype,
                               _val(n).numel() * _val(n).element_size(), kept(n)) for n in saved]
     moved = [(n, owners[n]) for n, r in zip(saved, report) if r.kept is None]
+    for node, _ in moved:
+        _hoist(node)
+    forward_order = {n: i for i, n in enumerate(fg.nodes)}
+    moved.sort(key=lambda m: forward_order[m[0]])  # save order, in which the runtime makes its units
     if any(r.kept == "dynamic_shape" for r in report):
         warnings.warn("annotate_offload: a compiled graph of offloaded layers has dynamic shapes; its activations "
                       "with symbolic sizes stay on the device. Compile with torch.compile(model, dynamic=False) "
@@ -248,27 +256,48 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) 
     for key in runtimes:
         mine = tuple(r for r, n in zip(report, saved) if owners[n] is not None and owners[n][0] == key)
         units = _units([(n, tag) for n, tag in moved if tag[0] == key])
-        _REPORTS.setdefault(runtimes[key], []).append(GraphOffloads(mine, sum(hi - lo for _, lo, hi in units)))
+        _REPORTS.setdefault(runtimes[key], []).append(GraphOffloads(mine, sum(hi - lo for _, _, lo, hi, _ in units)))
     fw.recompile()
     bw.recompile()
 
 
 def _units(moved: list) -> list:
-    """The storage units the runtime copies for these activations, in save order: each layer copies
-    a unit once (Note [Storage units]), and no layer shares one with another in a compiled graph."""
+    """The storage units the runtime copies for these activations, in save order, each
+    ``[tag, storage, lo, hi, members]``: a layer copies a unit once (Note [Storage units]), and no
+    layer shares one with another in a compiled graph."""
     units: list = []
-    for node, (_, index) in moved:
+    for node, tag in moved:
         val = _val(node)
-        storage = (index, val.untyped_storage()._cdata)
+        storage = val.untyped_storage()._cdata
         lo, hi = _unit_range(val, False)
-        if not any(s == storage and a <= lo and hi <= b for s, a, b in units):
-            units.append((storage, lo, hi))
+        unit = next((u for u in units if u[:2] == [tag, storage] and u[2] <= lo and hi <= u[3]), None)
+        if unit is None:
+            units.append(unit := [tag, storage, lo, hi, []])
+        unit[4].append(node)
     return units
 
 
-def _fake_token(like: fx.Node) -> torch.Tensor:
-    with _val(like).fake_mode:
-        return torch.empty(0, dtype=torch.uint8, device="cpu")
+def _span(val: Any) -> tuple:
+    """The bytes ``[lo, hi)`` of its storage that a tensor spans."""
+    lo = val.storage_offset() * val.element_size()
+    return lo, lo + (1 + sum((n - 1) * st for n, st in zip(val.shape, val.stride()))) * val.element_size()
+
+
+def _fake_token(like: fx.Node, device: Any = None) -> torch.Tensor:
+    """The value of a token (Note [Compiled offload ops]): on ``device``, by default on ``like``'s."""
+    val = _val(like)
+    with val.fake_mode:
+        return torch.empty(0, dtype=torch.uint8, device=val.device if device is None else device)
+
+
+def _hoist(node: fx.Node) -> None:
+    """Move the views (and detaches) that ``node`` is made of to right after the tensor they view:
+    the min-cut partitioner puts the detach of an op's saved output at the end of the forward, and the
+    save, with its layer's release, would follow it there."""
+    chain = _chain(node)
+    for base, view in zip(chain[:0:-1], chain[-2::-1]):
+        if view.all_input_nodes == [base]:
+            base.append(view)
 
 
 def _forward(fg: fx.Graph, moved: list, entries: dict, runtimes: dict, saved: list, num_fwd_outputs: int) -> None:
@@ -277,7 +306,7 @@ def _forward(fg: fx.Graph, moved: list, entries: dict, runtimes: dict, saved: li
     for key in {tag[0] for _, tag in moved}:
         layers = [index for (k, index) in entries if k == key]
         steps[key] = _insert(fg, fg.inserting_before(first_compute), _OPS.begin.default,
-                             (key, min(layers), max(layers)), _fake_token(moved[0][0]), "offload_begin")
+                             (key, min(layers), max(layers)), _fake_token(moved[0][0], "cpu"), "offload_begin")
     tokens: dict = {}
     for node, (key, index) in moved:
         tokens[node] = _insert(fg, fg.inserting_after(node), _OPS.save.default, (node, steps[key], index),
@@ -323,15 +352,29 @@ def _backward(bg: fx.Graph, moved: list, runtimes: dict, backward_inputs: dict) 
     for tag, (start, after) in starts.items():
         if tag[0] in token:
             reached[tag] = _insert(bg, bg.inserting_before(start), _OPS.reach.default, (token[tag[0]], tag[1], after),
-                                   _fake_token(moved[0][0]), f"reach_layer_{tag[1]}")
+                                   _fake_token(token[tag[0]]), f"reach_layer_{tag[1]}")
     order = {n: i for i, n in enumerate(bg.nodes)}
-    for node, tag in moved:
-        placeholder, val = placeholders[node], _val(node)
-        users = [u for u in placeholder.users if u.target not in (_OPS.reach.default, _OPS.load.default)]
-        first = min(users, key=order.__getitem__)
-        after = [reached[tag]] if tag in reached and order[reached[tag]] < order[first] else [
-            g for g in starts.get(tag, (None, []))[1] if order[g] < order[first]]
-        loaded = _insert(bg, bg.inserting_before(first), _OPS.load.default,
-                         (placeholder, after, list(val.shape), list(val.stride()), val.dtype, val.device), val,
-                         f"reload_{node.name}")
-        placeholder.replace_all_uses_with(loaded, delete_user_cb=lambda u: u in users)
+    ours = (_OPS.reach.default, _OPS.load.default)
+    for tag, _, lo, hi, members in _units(moved):
+        for dtype in dict.fromkeys(_val(n).dtype for n in members):
+            nodes = [n for n in members if _val(n).dtype == dtype]
+            # a unit made by a tensor of another dtype that does not divide it: each tensor its own span
+            spans = [(lo, hi, nodes)] if lo % dtype.itemsize == hi % dtype.itemsize == 0 else [
+                (*_span(_val(n)), [n]) for n in nodes]
+            for a, b, group in spans:
+                holders = [placeholders[n] for n in group]
+                first = min((u for h in holders for u in h.users if u.target not in ours), key=order.__getitem__)
+                after = [reached[tag]] if tag in reached and order[reached[tag]] < order[first] else [
+                    g for g in starts.get(tag, (None, []))[1] if order[g] < order[first]]
+                vals = [_val(n) for n in group]
+                offsets = [v.storage_offset() - a // dtype.itemsize for v in vals]
+                with vals[0].fake_mode:
+                    unit_val = torch.empty((b - a) // dtype.itemsize, dtype=dtype, device=vals[0].device)
+                    views = [torch.as_strided(unit_val, v.shape, v.stride(), o) for v, o in zip(vals, offsets)]
+                unit = _insert(bg, bg.inserting_before(first), _OPS.load.default,
+                               (holders, after, offsets, unit_val.numel(), dtype, vals[0].device), unit_val,
+                               f"reload_{group[0].name}")
+                for holder, v, o, view in zip(holders, vals, offsets, views):
+                    node = _insert(bg, bg.inserting_before(first), torch.ops.aten.as_strided.default,
+                                   (unit, list(v.shape), list(v.stride()), o), view, f"reloaded_{holder.name}")
+                    holder.replace_all_uses_with(node, delete_user_cb=lambda u: u.target not in ours)

@@ -433,11 +433,20 @@ class _LayerState:
                 self.pacer.use(flat.numel())
         return _rebuild(flat, meta)
 
+    def served(self, handle: _Packed) -> bool:
+        """Whether this layer no longer holds any device bytes of ``handle``'s unit (a reload of it
+        handed out every tensor it held)."""
+        unit = self.fwd_gpu_tensor_group.aux["unit_index"][handle]
+        return all(group.tensor_list[unit] is None for group in (self.fwd_gpu_tensor_group, self.bwd_gpu_tensor_group))
+
     def __del__(self) -> None:
         try:
-            if any(s is not None for s in self.fwd_gpu_tensor_group.tensor_list) and self.d2h_done is not None:
+            if any(s is not None for s in self.fwd_gpu_tensor_group.tensor_list):
                 # device bytes dropped without the schedule: never before their D2H is done
-                self.backend.current_stream().wait_event(self.d2h_done)
+                if self.d2h_done is None:
+                    self.finish_forward()
+                if self.d2h_done is not None:
+                    self.backend.current_stream().wait_event(self.d2h_done)
             for unit, host in enumerate(self.cpu_tensor_group.tensor_list):
                 if host is not None:
                     self.pool.release(host, self.bwd_gpu_tensor_group.events[unit] or self.d2h_done)

@@ -78,7 +78,7 @@ from ._layer_state import (
 from ._marks import check_policy
 from ._pinned_pool import get_pool
 from ._stats import OffloadStats
-from ._tensor_group import _flat_bytes, _rebuild, _unit_range, _view_meta
+from ._tensor_group import _unit_range
 
 __all__ = ["OffloadSynchronizer", "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
 
@@ -383,9 +383,15 @@ class OffloadSynchronizer:
         self._maybe_bind(t, step)
         state = step.layers.get(index)
         if state is None:
+            # the layers before it are done saving (in save order, not necessarily in graph order):
+            # mark the end of their D2H so that their release waits for those copies, not this layer's
+            for other in step.layers.values():
+                if other.index < index and other.d2h_done is None and other.state == "offload_started":
+                    other.finish_forward()
             # no units shared across layers: once a layer is released, a compiled graph may reuse its
             # buffers (same storage, same version) for new values of a later layer
             state = step.layers[index] = _LayerState(index, self, None)
+        state.d2h_done = None  # a copy enqueued after the end was marked moves the end (release marks it again)
         handle = state.pack(t)
         if type(handle) is _Packed:
             # a graph never changes a saved tensor in place, but it reuses a dead tensor object for a
@@ -402,18 +408,24 @@ class OffloadSynchronizer:
                 released.add(handle.layer)
                 handle.layer.release_forward()
 
-    def graph_unpack(self, record: tuple) -> torch.Tensor:
-        """The tensor of ``record``, reloaded (or waited for) on the compute stream. A compiled graph
-        may write into what an op returns, so a unit that several saved tensors share is handed out
-        as a copy of its bytes."""
-        handle = record[0]
-        t = self.pop_tensor(handle)
-        if type(handle) is _Packed:
-            layer = handle.layer
-            if len(layer.users[layer.fwd_gpu_tensor_group.aux["unit_index"][handle]]) > 1:
-                lo, hi = _unit_range(t, False)
-                t = _rebuild(_flat_bytes(t, lo, hi).clone(), _view_meta(t, lo))
-        return t
+    def graph_unpack(self, records: list, offsets: list, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """One storage unit of a compiled backward, reloaded (or waited for) on the compute stream:
+        ``numel`` elements of ``dtype`` that hold the records' tensors at ``offsets`` (elements), which
+        the graph takes as views. A compiled graph may write into what an op returns, and takes it for
+        16-byte aligned: it gets the reload itself when that is exactly this unit and the runtime has
+        handed out every tensor it holds, else a new tensor with the tensors' bytes."""
+        views = [self.pop_tensor(handle) for handle, _ in records]
+        first = views[0]
+        storage = first.untyped_storage()
+        own = all(type(h) is _Packed and h.layer.served(h) for h, _ in records) and storage.data_ptr() % 16 == 0
+        if own and storage.nbytes() == numel * first.element_size() and all(
+            v.untyped_storage()._cdata == storage._cdata and v.storage_offset() == o for v, o in zip(views, offsets)
+        ):
+            return first.as_strided((numel,), (1,), 0)
+        unit = torch.empty(numel, dtype=dtype, device=first.device)
+        for view, offset in zip(views, offsets):
+            unit.as_strided(view.shape, view.stride(), offset).copy_(view)
+        return unit
 
     def graph_reach(self, record: tuple, index: int) -> None:
         """A compiled backward reached layer ``index`` of the step ``record`` belongs to."""

@@ -20,6 +20,8 @@ import torch
 
 from annotate_offload.annotate import offload_transform
 from annotate_offload.compile import compiled_offloads
+from annotate_offload.compile._pass import _tag
+from annotate_offload.models import GPTConfig, GPTStack
 
 from _compile_models import H, Stack, assert_same, gpt, hf_lora, llama, step  # noqa: E402
 
@@ -193,3 +195,69 @@ def test_eager_training_imports_no_compiler(run_group):
     out = run_group([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _partitioned(model, x) -> list:
+    """The forward and backward graphs of ``model``'s compile as the pass leaves them (min-cut
+    partitioner, as inductor and ``aot_eager``)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs: list = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm.graph)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+    step(model, torch.compile(model, backend=backend), (x,))
+    return graphs
+
+
+def _gpt4():
+    model = GPTStack(GPTConfig(hidden=32, heads=2, layers=4))
+    offload_transform(model, 3, min_offload_numel=16, release_lag=0, prefetch_layers=1)
+    return model, torch.randn(2, 16, 32)
+
+
+def test_each_layer_is_released_before_the_layer_after_its_release_point():
+    """The min-cut partitioner hands an op's saved output (SDPA's) to the backward through detach nodes
+    at the end of the forward; its save, hence its layer's release, must not move there with them.
+    With release_lag=0 layer i is released once layer i + 1 saves: before any node of layer i + 2."""
+    fw, _ = _partitioned(*_gpt4())
+    nodes = list(fw.nodes)
+    for i in (0, 1):
+        (release,) = [k for k, n in enumerate(nodes) if n.name == f"offload_release_{i}"]
+        assert not [n.name for n in nodes[:release] if _tag(n) is not None and _tag(n)[1] > i + 1]
+
+
+def test_the_backward_loads_each_storage_unit_once_and_takes_views_of_the_reload(monkeypatch):
+    """q, k and v are views of one fused qkv buffer, one storage unit (Note [Storage units]). The backward
+    loads every unit once, as the reload itself (no copy), and takes the saved tensors as views of it:
+    a load per tensor had the runtime copy the unit from each tensor's offset on, about three units."""
+    from annotate_offload.runtime._layer_state import _LayerState
+    from annotate_offload.runtime._synchronizer import OffloadSynchronizer
+
+    reloads, handed = [], []  # held, so that no address is reused within the step
+    reload, unpack = _LayerState._reload, OffloadSynchronizer.graph_unpack
+
+    def spy_reload(self, todo):
+        reload(self, todo)
+        reloads.extend(s.bwd_gpu_tensor_group.tensor_list[u] for s, u in todo)
+
+    def spy_unpack(self, *args):
+        handed.append(unpack(self, *args))
+        return handed[-1]
+
+    monkeypatch.setattr(_LayerState, "_reload", spy_reload)
+    monkeypatch.setattr(OffloadSynchronizer, "graph_unpack", spy_unpack)
+    model, x = _gpt4()
+    _, bw = _partitioned(model, x)
+    loads = list(bw.find_nodes(op="call_function", target=torch.ops.annotate_offload.load.default))
+    tokens = [t for load in loads for t in load.args[0]]
+    assert len(tokens) == len(set(tokens)) == len(_offloaded(compiled_offloads(model)[0]))
+    assert sorted(len(load.args[0]) for load in loads).count(3) == 3  # q, k, v of each offloaded layer
+    for load in loads:
+        assert {u.target for u in load.users} == {torch.ops.aten.as_strided.default}
+    assert len(handed) == len(loads) and {t.data_ptr() for t in handed} == {t.data_ptr() for t in reloads}
