@@ -159,13 +159,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.cpu_optimizers = self.pipeline.optimizers
         self.gpu_optimizer: Optional[torch.optim.Optimizer] = None
         links = list(self.pipeline.links)
-        parts: dict[int, list[Slot]] = {}
-        for s in self._slots:
-            if not s.host:
-                parts.setdefault(s.group, []).append(s)
-        if parts:
-            self.gpu_optimizer, dev_links = sub_optimizer(
-                gpu_cls, [(self.param_groups[gi], ss) for gi, ss in parts.items()], *impl_for(gpu_cls, self._impl, host=False))
+        if dev := [s for s in self._slots if not s.host]:
+            self.gpu_optimizer, dev_links = sub_optimizer(gpu_cls, self.param_groups, dev,
+                                                          *impl_for(gpu_cls, self._impl, host=False))
             links += dev_links
         self._links = [[(sub, keys) for sub, g2, keys in links if g2 is g] for g in self.param_groups]
         self._seen: list[list] = [[] for _ in self.param_groups]  # the group values last pushed down

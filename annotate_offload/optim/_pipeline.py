@@ -144,12 +144,15 @@ def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, 
     return impl, split
 
 
-def sub_optimizer(cls: type, parts: list[tuple[dict[str, Any], list[Slot]]], impl: dict[str, Any],
+def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot], impl: dict[str, Any],
                   split_complex: bool) -> tuple[torch.optim.Optimizer, list[tuple[dict, dict, tuple]]]:
-    """One ``cls`` over ``parts`` (HDO group, slots it steps); sets each slot's ``opt`` and ``sub_group`` and
+    """One ``cls`` over ``slots`` (a group per HDO group); sets each slot's ``opt`` and ``sub_group`` and
     returns the links ``(sub-optimizer group, HDO group, keys copied down when they change)``."""
+    parts: dict[int, list[Slot]] = {}
+    for s in slots:
+        parts.setdefault(s.group, []).append(s)
     groups, owners = [], []
-    for g, slots in parts:
+    for g, slots in ((hdo_groups[gi], ss) for gi, ss in parts.items()):
         hyper = {k: v for k, v in g.items() if k != "params" and k not in STRUCTURAL_KEYS}
         cplx = [s for s in slots if s.inner.is_complex()] if split_complex else []
         for ss, extra in (([s for s in slots if not s.inner.is_complex()] if cplx else slots, {}), (cplx, {"fused": None})):
@@ -219,11 +222,9 @@ class HostPipeline:
         self.chunks: list[Chunk] = []
         self.links: list[tuple[dict, dict, tuple]] = []
         for ci, (idx, serial) in enumerate(split_serial(make_chunks(sizes, chunk_bytes), numels, sizes, chunk_bytes)):
-            by_group: dict[int, list[Slot]] = {}
             for i in idx:
                 slots[i].chunk = ci
-                by_group.setdefault(slots[i].group, []).append(slots[i])
-            opt, links = sub_optimizer(cls, [(groups[gi], ss) for gi, ss in by_group.items()], impl, split)
+            opt, links = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
             self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
             self.links += links
         self.optimizers = [c.opt for c in self.chunks]
@@ -672,10 +673,10 @@ class HostPipeline:
                     if s in self.chunks[s.chunk].pending:
                         self.chunks[s.chunk].pending.remove(s)
 
-    def note_written(self, params: Optional[list[torch.Tensor]] = None) -> None:
-        """The current values of host parameters ``params`` (all: ``None``) are no user's load (e.g.
-        broadcast from their owner): their masters are not re-seeded from them."""
-        for s in self.slots if params is None else [self._slot[id(p)] for p in params]:
+    def note_written(self) -> None:
+        """The current values of the host parameters are no user's load (e.g. broadcast from their owner):
+        their masters are not re-seeded from them."""
+        for s in self.slots:
             s.p_ver = s.param._version
 
     def push_masters(self) -> None:

@@ -31,28 +31,25 @@ def _step(v: torch.Tensor, e: Slot) -> torch.Tensor:
 
 def place(e: Slot, st: dict[str, Any]) -> None:
     """Make ``st`` the sub-optimizer's state of ``e`` and put its tensors back where ``e`` is stepped (a
-    replaced ``master_param`` is copied into the master). Runs at every step: checks only, when in place."""
+    replaced ``master_param`` is copied into the master). Runs at every step: no ``.device``, no ``.to()``
+    when all is in place."""
     if e.st is not st:
         e.opt.state[e.inner] = e.st = st
     dev = e.inner.get_device()
-    for k, v in st.items():
-        if isinstance(v, torch.Tensor) and (v is not e.master if k == "master_param" else
-                                            _step(v, e) is not v if k == "step" else v.get_device() != dev):
-            break
-    else:
-        return
     for k, v in list(st.items()):
-        if k == "master_param" and torch.is_tensor(v):
+        if not isinstance(v, torch.Tensor):
+            continue
+        if k == "master_param":
             if e.master is None:
                 del st[k]
             elif v is not e.master:
                 with torch.no_grad():
                     e.master.copy_(v)
                 st[k] = e.master
-        elif k == "step" and torch.is_tensor(v):
+        elif k == "step":
             if (nv := _step(v, e)) is not v:
                 st[k] = nv
-        elif torch.is_tensor(v) and v.device != e.inner.device:
+        elif v.get_device() != dev:
             st[k] = v.to(e.inner.device)
 
 
