@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import operator
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -16,9 +17,9 @@ import torch
 from ..errors import OffloadError
 from . import _amp
 from ._device import Side
-from ._pipeline import IMPL_KEYS, STRUCTURAL_KEYS, HostPipeline, impl_for, sub_optimizer
+from ._pipeline import IMPL_KEYS, STRUCTURAL_KEYS, HostPipeline, Slot, impl_for, sub_optimizer
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
-from ._state import Entry, check_load, detach_views, place, probe
+from ._state import check_load, detach_views, place, probe
 from ._threads import thread_budget
 
 __all__ = ["HybridDeviceOptimizer"]
@@ -38,36 +39,6 @@ def _signature(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
     prms = inspect.signature(cls.__init__).parameters
     return ({k: p for k, p in prms.items() if k not in ("self", "params") and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)},
             any(p.kind is p.VAR_KEYWORD for p in prms.values()))
-
-
-def _check_hyper(checks: list[tuple[str, type, list, dict]], hyper: dict[str, Any], where: str) -> None:
-    """Let each torch class judge the hyper-parameters it takes: ``checks`` holds ``(name, class, like,
-    switches)``, and the class is built and stepped once on tensors ``like`` those it will step
-    (:func:`~._state.probe`). Also refuses what torch takes: a non-bool flag, a non-finite ``lr``."""
-    lr = hyper.get("lr")
-    if (type(lr) in (int, float) or torch.is_tensor(lr) and lr.numel() == 1) and not math.isfinite(float(lr)):
-        raise ValueError(f"HybridDeviceOptimizer: lr={lr!r}{where}: pass a finite learning rate.")
-    for role, cls, like, impl in checks:
-        sig, var_kw = _signature(cls)
-        kw = {k: v for k, v in {**hyper, **impl}.items() if var_kw or k in sig}
-        for k, v in kw.items():
-            if not isinstance(v, bool) and (isinstance(getattr(sig.get(k), "default", None), bool) or
-                                            (k in IMPL_KEYS and v is not None)):
-                raise TypeError(f"HybridDeviceOptimizer: {k}={v!r}{where}: pass True or False"
-                                f"{' or None' if k in IMPL_KEYS else ''}; {_name(cls)} takes a bool.")
-        err = probe(cls, kw, like)[1]
-        if err is None:
-            continue
-        base = probe(cls, {}, like)[1]
-        if base is not None:
-            raise TypeError(f"HybridDeviceOptimizer: {role}={_name(cls)}: pass a class that can step these parameters "
-                            f"with step() and no closure, as HybridDeviceOptimizer steps it ({base}).") from None
-        k = next((k for k in kw if probe(cls, {k: kw[k]}, like)[1] is not None), None)
-        if k is None:  # a combination: the first value whose removal is accepted
-            k = next((k for k in kw if probe(cls, {j: v for j, v in kw.items() if j != k}, like)[1] is None), None)
-        what = f"{k}={kw[k]!r}" if k is not None else ", ".join(f"{k}={v!r}" for k, v in kw.items())
-        raise (TypeError if isinstance(err, TypeError) else ValueError)(
-            f"HybridDeviceOptimizer: {what}{where}: pass a value that {_name(cls)} accepts ({err}).") from None
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -166,7 +137,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for k, v in kwargs.items():
             if not any(var_kw or k in sig for sig, var_kw in sigs):
                 raise TypeError(f"HybridDeviceOptimizer: {k}={v!r}: remove it or use a keyword of {_name(cpu_cls)} "
-                                f"({', '.join(sigs[0][0])}) ({probe(cpu_cls, {k: v}, [(torch.float32, 'cpu', 1)])[1]}).")
+                                f"({', '.join(sigs[0][0])}).")
         self._impl = {k: kwargs.pop(k) for k in IMPL_KEYS if k in kwargs}
         defaults = {k: p.default for k, p in sigs[0][0].items() if k not in IMPL_KEYS and p.default is not p.empty}
         defaults.update(kwargs, **flags, offload_fraction=float(offload_fraction), cpu_threads=cpu_threads,
@@ -174,52 +145,38 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)  # add_param_group checks each group
         self._built = True
 
-        # ---- split, host pipeline, device optimizer
+        # ---- split, host pipeline, device optimizer: one slot per parameter, both sides built from them
         flat = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         side = Side([local_tensor(p) for _, _, p in flat])
         host = choose_offloaded([g["params"] for g in self.param_groups], float(offload_fraction),
                                 lambda p: side.owns(local_tensor(p)))
+        self._slots = [Slot(p, i, gi, pi, host[gi][pi], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
         self.pipeline = HostPipeline(
-            [(p, i, gi, pi, local_tensor(p)) for i, (gi, pi, p) in enumerate(flat) if host[gi][pi]], self.param_groups,
-            cpu_cls, self._impl, side=side, fp32=param_update_in_fp32, pin_params=pin_cpu_params, pin_grads=pin_cpu_grads,
-            chunk_bytes=chunk_bytes, overlap=overlap_cpu_optimizer_d2h_h2d, offload_grads=offload_gradients,
-            in_backward=step_in_backward, delayed=delayed_param_update, threads=threads, begin=self._begin)
-        inner: dict[int, torch.Tensor] = {}
-        parts: dict[int, list[torch.Tensor]] = {}
-        for i, (gi, pi, p) in enumerate(flat):
-            if not host[gi][pi]:
-                loc = local_tensor(p)
-                wide = param_update_in_fp32 and loc.is_floating_point() and loc.dtype != torch.float32
-                inner[i] = loc.detach().float() if wide else p if loc is p else loc.detach()
-                parts.setdefault(gi, []).append(inner[i])
+            [s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl, side=side,
+            fp32=param_update_in_fp32, pin_params=pin_cpu_params, pin_grads=pin_cpu_grads, chunk_bytes=chunk_bytes,
+            overlap=overlap_cpu_optimizer_d2h_h2d, offload_grads=offload_gradients, in_backward=step_in_backward,
+            delayed=delayed_param_update, threads=threads, begin=self._begin)
         self.cpu_optimizers = self.pipeline.optimizers
         self.gpu_optimizer: Optional[torch.optim.Optimizer] = None
-        self._dev_links: list = []
-        if parts:
-            self.gpu_optimizer, self._dev_links = sub_optimizer(
-                gpu_cls, [(self.param_groups[gi], ts) for gi, ts in parts.items()], *impl_for(gpu_cls, self._impl, host=False))
-        sub_group = {id(t): g for o in self.sub_optimizers for g in o.param_groups for t in g["params"]}
-        self._entries: list[Entry] = []
-        for i, (gi, pi, p) in enumerate(flat):
-            if host[gi][pi]:
-                t, loc, ci = self.pipeline.where(p)  # loc: the tensor its H2D writes
-                self._entries.append(Entry(p, i, gi, pi, loc, t, self.cpu_optimizers[ci], sub_group[id(t)], t, True))
-            else:
-                t, loc = inner[i], local_tensor(p)
-                self._entries.append(Entry(p, i, gi, pi, loc, t, self.gpu_optimizer, sub_group[id(t)],  # type: ignore[arg-type]
-                                           t if t.dtype != loc.dtype else None, False))
-        self._masters = [e for e in self._entries if not e.host and e.inner is not e.param]  # device half
-        self._fresh = list(self._entries)  # entries whose state is not in self.state yet
-        self._ver = {e.flat: e.param._version for e in self._masters if e.master is not None}  # weights seen
+        links = list(self.pipeline.links)
+        if dev := [s for s in self._slots if not s.host]:
+            self.gpu_optimizer, dev_links = sub_optimizer(gpu_cls, self.param_groups, dev,
+                                                          *impl_for(gpu_cls, self._impl, host=False))
+            links += dev_links
+        self._links = [[(sub, keys) for sub, g2, keys in links if g2 is g] for g in self.param_groups]
+        self._seen: list[list] = [[] for _ in self.param_groups]  # the group values last pushed down
+        self._masters = [s for s in self._slots if not s.host and s.inner is not s.param]  # device half
+        self._fresh = list(self._slots)  # slots whose state is not in self.state yet
+        self._by_id = {id(s.param): s for s in self._slots}
         # Megatron-Core's maps (its DistributedOptimizer and tests read them)
-        self.param_to_inner_param = {e.param: e.inner for e in self._entries}
-        self.inner_param_to_orig_param = {e.inner: e.param for e in self._entries}
-        self.param_to_fp32_param = {e.param: e.inner for e in self._entries if e.master is not None
-                                    and e.inner.dtype == torch.float32 != e.local.dtype}
-        self.gpu_params_map_cpu_copy = {e.param: e.inner for e in self._entries if e.host}
-        self.cpu_copys_map_gpu_param = {e.inner: e.param for e in self._entries if e.host}
+        self.param_to_inner_param = {s.param: s.inner for s in self._slots}
+        self.inner_param_to_orig_param = {s.inner: s.param for s in self._slots}
+        self.param_to_fp32_param = {s.param: s.inner for s in self._slots if s.master is not None
+                                    and s.inner.dtype == torch.float32 != s.local.dtype}
+        self.gpu_params_map_cpu_copy = {s.param: s.inner for s in self._slots if s.host}
+        self.cpu_copys_map_gpu_param = {s.inner: s.param for s in self._slots if s.host}
         # the tensor each parameter's update is written into (Note [Local shards] in distributed/_shards.py)
-        self.param_to_local = {e.param: e.local for e in self._entries}
+        self.param_to_local = {s.param: s.local for s in self._slots}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Used by the constructor for each group; refused afterwards (``OffloadError``: the split is fixed)."""
@@ -239,22 +196,43 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if len({id(p) for p in g["params"]}) < len(g["params"]):
                 raise ValueError(f"HybridDeviceOptimizer: param group {len(self.param_groups) - 1} lists a parameter "
                                  "twice (its host copy would be stepped twice); list each parameter once.")
-            _check_hyper(self._checks(g["params"]), self._hyper(g), where)
+            self._check_group(g["params"], self._hyper(g), where)
         except (TypeError, ValueError):
             self.param_groups.pop()  # nothing half-applied
             raise
 
-    def _checks(self, params: list[torch.Tensor]) -> list[tuple[str, type, list, dict]]:
-        """What :func:`_check_hyper` probes: each class with the user's switches on tensors like those it
-        would step for ``params`` (the host class: host masters; the device class: parameters or masters)."""
-        like = {(t.dtype, t.device, t.dim()) for t in map(local_tensor, params)} or {(torch.float32, "cpu", 1)}
+    def _check_group(self, params: list[torch.Tensor], hyper: dict[str, Any], where: str) -> None:
+        """Let each torch class judge the hyper-parameters it takes: build it over tensors like those it would
+        step for ``params`` (host masters; device parameters or masters) and step it once (:func:`~._state.probe`);
+        its refusal is re-raised naming the value and the fix first. Refused here, though torch takes them: a
+        non-bool switch, a non-finite ``lr``."""
+        lr = hyper.get("lr")
+        if (type(lr) in (int, float) or torch.is_tensor(lr) and lr.numel() == 1) and not math.isfinite(float(lr)):
+            raise ValueError(f"HybridDeviceOptimizer: lr={lr!r}{where}: pass a finite learning rate.")
         fp32 = self.defaults["param_update_in_fp32"]
-        like = {(torch.float32 if fp32 and d.is_floating_point else d, v, n) for d, v, n in like}
+        like = sorted({(torch.float32 if fp32 and t.is_floating_point() else t.dtype, t.device, t.dim())
+                       for t in map(local_tensor, params)} or {(torch.float32, torch.device("cpu"), 1)}, key=str)
         host_impl = impl_for(self._classes[0], self._impl, host=True)[0]
         if "fused" not in self._impl:
             host_impl.pop("fused", None)  # ours, not the user's: Note [Complex parameters]
-        return [("cpu_optimizer_cls", self._classes[0], sorted({(d, "cpu", n) for d, _, n in like}, key=str), host_impl),
-                ("gpu_optimizer_cls", self._classes[1], sorted(like, key=str), self._impl)]
+        for role, cls, on, impl in (("cpu_optimizer_cls", self._classes[0], sorted({(d, "cpu", n) for d, _, n in like},
+                                     key=str), host_impl), ("gpu_optimizer_cls", self._classes[1], like, self._impl)):
+            sig, var_kw = _signature(cls)
+            kw = {k: v for k, v in {**hyper, **impl}.items() if var_kw or k in sig}
+            for k, v in kw.items():
+                if not isinstance(v, bool) and (isinstance(getattr(sig.get(k), "default", None), bool) or
+                                                (k in IMPL_KEYS and v is not None)):
+                    raise TypeError(f"HybridDeviceOptimizer: {k}={v!r}{where}: pass True or False"
+                                    f"{' or None' if k in IMPL_KEYS else ''}; {_name(cls)} takes a bool.")
+            if (err := probe(cls, kw, on)[1]) is None:
+                continue
+            if (base := probe(cls, {}, on)[1]) is not None:
+                raise TypeError(f"HybridDeviceOptimizer: {role}={_name(cls)}: pass a class that can step these parameters "
+                                f"with step() and no closure, as HybridDeviceOptimizer steps it ({base}).") from None
+            k = next((k for k in kw if probe(cls, {j: v for j, v in kw.items() if j != k}, on)[1] is None), None)
+            what = f"{k}={kw[k]!r}" if k is not None else ", ".join(f"{k}={v!r}" for k, v in kw.items())
+            raise (TypeError if isinstance(err, TypeError) else ValueError)(
+                f"HybridDeviceOptimizer: {what}{where}: pass a value that {_name(cls)} accepts ({err}).") from None
 
     @staticmethod
     def _hyper(g: dict[str, Any]) -> dict[str, Any]:
@@ -269,13 +247,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     @property
     def placements(self) -> list[Placement]:
         """Where each parameter is stepped, in ``param_groups`` order (see :class:`Placement`)."""
-        return [Placement(e.group, e.index, tuple(e.local.shape), e.local.numel(), "cpu" if e.host else "gpu",
-                          self.pipeline.where(e.param)[2] if e.host else -1) for e in self._entries]
+        return [Placement(s.group, s.index, tuple(s.local.shape), s.local.numel(), "cpu" if s.host else "gpu",
+                          s.chunk) for s in self._slots]
 
     @property
     def offloaded_numel(self) -> int:
         """Elements stepped on the host."""
-        return sum(e.local.numel() for e in self._entries if e.host)
+        return sum(s.local.numel() for s in self._slots if s.host)
 
     @property
     def thread_budget(self) -> int:
@@ -285,7 +263,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         n = len(self.gpu_params_map_cpu_copy)
         return (f"HybridDeviceOptimizer(offload_fraction={self.defaults['offload_fraction']}, host_params={n}, "
-                f"host_numel={self.offloaded_numel}, gpu_params={len(self._entries) - n}, "
+                f"host_numel={self.offloaded_numel}, gpu_params={len(self._slots) - n}, "
                 f"chunks={len(self.cpu_optimizers)}, threads={self.thread_budget})")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -295,13 +273,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ per step
     def _sync_hyper(self) -> None:
-        for sub, g, keys in (*self.pipeline.links, *self._dev_links):
-            for k in keys:
-                sub[k] = g[k]
+        """Push the groups' hyper-parameters (LR schedulers write ``param_groups``) into the sub-optimizers'
+        groups. They share the value objects, so a group none of whose values was replaced is current."""
+        for gi, g in enumerate(self.param_groups):
+            vals, seen = list(g.values()), self._seen[gi]
+            if len(vals) != len(seen) or not all(map(operator.is_, vals, seen)):
+                self._seen[gi] = vals
+                for sub, keys in self._links[gi]:
+                    for k in keys:
+                        sub[k] = g[k]
 
     def _begin(self) -> None:
-        """Once per step, before anything is stepped: hyper-parameters (LR schedulers write
-        ``param_groups``), state placement, and masters of weights loaded since the last step."""
+        """Once per step, before anything is stepped: hyper-parameters, state placement, and masters of
+        weights loaded since the last step."""
         self._sync_hyper()
         self._place_state()
         self.pipeline.resync()
@@ -311,56 +295,56 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Copy the weights written into the model since the last step (``everything``: all of them) into
         the device half's masters."""
         with torch.no_grad():
-            for e in self._masters:
-                if e.master is not None and (everything or e.param._version != self._ver[e.flat]):
-                    e.inner.copy_(e.local)
-                    self._ver[e.flat] = e.param._version
+            for s in self._masters:
+                if s.master is not None and (everything or s.param._version != s.p_ver):
+                    s.inner.copy_(s.local)
+                    s.p_ver = s.param._version
 
-    def _place_state(self) -> list[Entry]:
+    def _place_state(self) -> list[Slot]:
         """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it; return
-        the entries whose ``master_param`` was replaced (:func:`~._state.place`)."""
+        the slots whose ``master_param`` was replaced (:func:`~._state.place`)."""
         out = []
-        for e in self._entries:
-            if st := self.state.get(e.param):
-                if e.master is not None and st.get("master_param", e.master) is not e.master:
-                    out.append(e)
-                place(e, st)
+        for p, st in self.state.items():  # no tensor-keyed lookups: they hash through Python
+            if st and (s := self._by_id.get(id(p))) is not None:
+                if s.master is not None and st.get("master_param", s.master) is not s.master:
+                    out.append(s)
+                place(s, st)
         return out
 
     def _sync_hdo_state_to_sub_optimizers(self) -> None:
         """Megatron's DistributedOptimizer calls this after writing a checkpoint into ``state[p][key]``:
         the state reaches the sub-optimizers, and a written ``master_param`` is the master from now on
         (weights loaded before it do not re-seed it)."""
-        written = self._place_state()
-        self.pipeline.note_written([e.param for e in written if e.host])
-        self._ver.update({e.flat: e.param._version for e in written if not e.host})
+        for s in self._place_state():
+            s.p_ver = s.param._version
 
     def _publish_state(self) -> None:
         """``state[p]`` becomes the state the sub-optimizer created for ``p`` in its first step."""
-        for e in self._fresh:
-            if st := e.opt.state.get(e.inner):
-                self.state[e.param] = st
-                if e.master is not None:
-                    st.setdefault("master_param", e.master)
-        self._fresh = [e for e in self._fresh if e.param not in self.state]
+        if self._fresh:
+            for s in self._fresh:
+                if st := s.opt.state.get(s.inner):
+                    self.state[s.param] = s.st = st
+                    if s.master is not None:
+                        st.setdefault("master_param", s.master)
+            self._fresh = [s for s in self._fresh if s.param not in self.state]
 
     def _device_step(self, amp: Optional[_amp.AmpStep]) -> None:
         opt = self.gpu_optimizer
         if opt is None:
             return
         if _amp.takes_scale(opt, amp) is False:  # Note [GradScaler]
-            _amp.unscale_([g for e in self._entries if not e.host and (g := local_grad(e.param)) is not None], amp.scale)
-        for e in self._masters:
-            g = local_grad(e.param)
-            e.inner.grad = None if g is None else g.to(e.inner.dtype)
+            _amp.unscale_([g for s in self._slots if not s.host and (g := local_grad(s.param)) is not None], amp.scale)
+        for s in self._masters:
+            g = local_grad(s.param)
+            s.inner.grad = None if g is None else g.to(s.inner.dtype)
         with _amp.handed_over(opt, amp, host=False):
             opt.step()
-        for e in self._masters:
-            if e.inner.grad is not None:
-                e.inner.grad = None
-                if e.master is not None:
-                    e.local.copy_(e.inner)
-                    self._ver[e.flat] = e.param._version
+        for s in self._masters:
+            if s.inner.grad is not None:
+                s.inner.grad = None
+                if s.master is not None:
+                    s.local.copy_(s.inner)
+                    s.p_ver = s.param._version
 
     @contextlib.contextmanager
     def _outcome(self) -> Iterator[None]:
@@ -369,9 +353,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         try:
             yield
         except BaseException as exc:
-            dev = [] if self.pipeline.device_done else [e.flat for e in self._entries if not e.host]
+            dev = [] if self.pipeline.device_done else [s.flat for s in self._slots if not s.host]
             exc.untouched_params = idx = sorted({*dev, *self.pipeline.untouched()})  # type: ignore[attr-defined]
-            exc.add_note(f"HybridDeviceOptimizer: {len(idx)} of {len(self._entries)} parameters were not updated "
+            exc.add_note(f"HybridDeviceOptimizer: {len(idx)} of {len(self._slots)} parameters were not updated "
                          "(untouched_params: their indices in param_groups order), the others were. Call step() again "
                          "to step exactly those, once, or zero_grad() to drop them.")
             raise
@@ -469,12 +453,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.flush()
         sd = super().state_dict()
         sd["state"] = {k: detach_views(v) for k, v in sd["state"].items()}
-        subs: dict[int, list[dict]] = {}
-        for sub, g, _ in (*self.pipeline.links, *self._dev_links):
-            subs.setdefault(id(g), []).append(sub)
-        for packed, g in zip(sd["param_groups"], self.param_groups):
+        for packed, links in zip(sd["param_groups"], self._links):
             for k in IMPL_KEYS:
-                vals = [s.get(k, KeyError) for s in subs.get(id(g), [])]
+                vals = [sub.get(k, KeyError) for sub, _ in links]
                 if vals and all(_same(v, vals[0]) for v in vals) and vals[0] is not KeyError:
                     packed[k] = vals[0]
         return sd
@@ -492,28 +473,27 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         self.flush()
-        hypers, states = check_load(state_dict, self._entries, self.param_groups, lambda gi, hyper: _check_hyper(
-            self._checks(self.param_groups[gi]["params"]), self._hyper(hyper), f" in param group {gi} of the state dict"))
+        hypers, states = check_load(state_dict, self._slots, self.param_groups, lambda gi, hyper: self._check_group(
+            self.param_groups[gi]["params"], self._hyper(hyper), f" in param group {gi} of the state dict"))
         delayed = self.defaults["delayed_param_update"]
         for g, h in zip(self.param_groups, hypers):
             g.update(h)
         with torch.no_grad():
-            for e in self._entries:
-                st = states[e.flat]
+            for s in self._slots:
+                st = states[s.flat]
                 saved = st.pop("master_param", None)
-                if e.master is not None:
-                    wide = e.master.dtype != e.local.dtype or (delayed and e.host)
-                    e.master.copy_(saved if wide and saved is not None else e.local)
+                if s.master is not None:
+                    wide = s.master.dtype != s.local.dtype or (delayed and s.host)
+                    s.master.copy_(saved if wide and saved is not None else s.local)
                     if st:
-                        st["master_param"] = e.master
+                        st["master_param"] = s.master
                 if st:
-                    self.state[e.param] = e.opt.state[e.inner] = st
+                    self.state[s.param] = s.opt.state[s.inner] = s.st = st
                 else:
-                    self.state.pop(e.param, None)
-                    e.opt.state.pop(e.inner, None)
-        self._fresh = [e for e in self._entries if e.param not in self.state]
-        self.pipeline.note_written()
-        self._ver = {e.flat: e.param._version for e in self._masters if e.master is not None}
+                    self.state.pop(s.param, None)
+                    s.opt.state.pop(s.inner, None)
+                s.p_ver = s.param._version
+        self._fresh = [s for s in self._slots if s.param not in self.state]
         self._sync_hyper()
         if delayed:
             self.pipeline.push_masters()

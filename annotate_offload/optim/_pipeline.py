@@ -35,7 +35,7 @@ from torch.profiler import record_function
 from ..errors import OffloadError
 from . import _amp
 from ._device import carve
-from ._split import local_grad, make_chunks, split_serial
+from ._split import local_grad, local_tensor, make_chunks, split_serial
 from ._threads import CpuWorker, num_threads
 
 __all__: list[str] = []
@@ -49,6 +49,15 @@ STRUCTURAL_KEYS = ("offload_fraction", "param_update_in_fp32", "pin_cpu_grads", 
 # Note [Tiny gradients at step()]: host parameters under BATCHED_NUMEL elements (torchao's
 # ``minimal_size``) get no gradient hook; ``step()`` copies them in one batch under one event.
 BATCHED_NUMEL = 4096
+# Note [One D2H stream]: every gradient copy is enqueued on one stream (the D2H stream; without overlap
+# the compute stream, synchronised before the host step), so the event of a chunk's last copy covers
+# all of its copies: one wait per chunk.
+_NULL = contextlib.nullcontext()
+
+
+def _label(name: str) -> Any:
+    """A profiler range, only while a profiler runs (a ``record_function`` costs two op calls even without one)."""
+    return record_function(name) if torch.autograd._profiler_enabled() else _NULL
 
 
 class SlotState(enum.Enum):
@@ -62,19 +71,28 @@ class SlotState(enum.Enum):
 S = SlotState
 
 
-class HostSlot:
-    """One parameter stepped by a host optimizer."""
+class Slot:
+    """One parameter of the optimizer: what steps it and, when the host does, its pipeline state."""
 
-    __slots__ = ("param", "flat", "group", "index", "local", "master", "bufs", "staging", "scratch", "chunk",
-                 "grad_ref", "grad_ver", "grad_ptr", "d2h_ev", "ready_ev", "scales", "p_ver", "seq", "state")
+    __slots__ = ("param", "flat", "group", "index", "local", "host", "inner", "master", "opt", "sub_group", "bufs",
+                 "staging", "scratch", "chunk", "grad_ref", "grad_ver", "grad_ptr", "d2h_ev", "ready_ev", "scales",
+                 "p_ver", "seq", "state", "st")
 
-    def __init__(self, param: torch.Tensor, flat: int, group: int, index: int, local: torch.Tensor) -> None:
-        self.param, self.flat, self.group, self.index, self.local = param, flat, group, index, local
-        self.master = local  # then a view of a host slab
+    def __init__(self, param: torch.Tensor, flat: int, group: int, index: int, host: bool, fp32: bool) -> None:
+        self.param, self.flat, self.group, self.index, self.host = param, flat, group, index, host
+        self.local = loc = local_tensor(param)  # the tensor the model reads (its local shard for a DTensor)
+        wide = not host and fp32 and loc.is_floating_point() and loc.dtype != torch.float32
+        # inner: the tensor its sub-optimizer steps; master: a separate copy of it (host or fp32), else None
+        self.inner = loc.detach().float() if wide else param if loc is param else loc.detach()
+        self.master: Optional[torch.Tensor] = self.inner if wide else None
+        self.opt: Any = None  # its sub-optimizer and group there (set when they are built)
+        self.sub_group: dict = {}
+        self.st: Optional[dict] = None  # its state dict as last placed in the sub-optimizer
         self.bufs: list[torch.Tensor] = []  # host gradient buffers (two in delayed mode)
         self.staging: Optional[torch.Tensor] = None  # model-dtype pinned copy for the H2D
         self.scratch: Optional[torch.Tensor] = None  # landing buffer for accumulation (lazy)
-        self.chunk = self.grad_ver = self.grad_ptr = self.p_ver = self.seq = -1
+        self.chunk = self.grad_ver = self.grad_ptr = self.seq = -1
+        self.p_ver = param._version  # the weights' version its master holds
         self.grad_ref: Optional[weakref.ref] = None
         self.d2h_ev = self.ready_ev = None
         self.scales: list[tuple[torch.Tensor, Any]] = []  # clip coefficients pending for the buffer
@@ -99,10 +117,10 @@ class Chunk:
 
     __slots__ = ("slots", "opt", "serial", "trainable", "landed", "h2d_ev", "pending")
 
-    def __init__(self, slots: list[HostSlot], opt: torch.optim.Optimizer, serial: bool) -> None:
+    def __init__(self, slots: list[Slot], opt: torch.optim.Optimizer, serial: bool) -> None:
         self.slots, self.opt, self.serial, self.h2d_ev = slots, opt, serial, None
         self.trainable, self.landed = sum(s.param.requires_grad for s in slots), 0  # landed: step_in_backward
-        self.pending: list[HostSlot] = []  # delayed mode: stepped, H2D not yet issued
+        self.pending: list[Slot] = []  # delayed mode: stepped, H2D not yet issued
 
 
 def scale_(buf: torch.Tensor, grad_dtype: torch.dtype, coef: torch.Tensor) -> None:
@@ -126,19 +144,25 @@ def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, 
     return impl, split
 
 
-def sub_optimizer(cls: type, parts: list[tuple[dict[str, Any], list[torch.Tensor]]], impl: dict[str, Any],
+def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot], impl: dict[str, Any],
                   split_complex: bool) -> tuple[torch.optim.Optimizer, list[tuple[dict, dict, tuple]]]:
-    """One ``cls`` over ``parts`` (HDO group, tensors it steps), and its links ``(sub-optimizer group,
-    HDO group, keys copied down at each step)``."""
+    """One ``cls`` over ``slots`` (a group per HDO group); sets each slot's ``opt`` and ``sub_group`` and
+    returns the links ``(sub-optimizer group, HDO group, keys copied down when they change)``."""
+    parts: dict[int, list[Slot]] = {}
+    for s in slots:
+        parts.setdefault(s.group, []).append(s)
     groups, owners = [], []
-    for g, tensors in parts:
+    for g, slots in ((hdo_groups[gi], ss) for gi, ss in parts.items()):
         hyper = {k: v for k, v in g.items() if k != "params" and k not in STRUCTURAL_KEYS}
-        cplx = [t for t in tensors if t.is_complex()] if split_complex else []
-        for ts, extra in (([t for t in tensors if not t.is_complex()] if cplx else tensors, {}), (cplx, {"fused": None})):
-            if ts:
-                groups.append({**hyper, **extra, "params": ts})
+        cplx = [s for s in slots if s.inner.is_complex()] if split_complex else []
+        for ss, extra in (([s for s in slots if not s.inner.is_complex()] if cplx else slots, {}), (cplx, {"fused": None})):
+            if ss:
+                groups.append(({**hyper, **extra, "params": [s.inner for s in ss]}, ss))
                 owners.append(g)
-    opt = cls(groups, **impl)
+    opt = cls([sub for sub, _ in groups], **impl)
+    for sub, (_, ss) in zip(opt.param_groups, groups):
+        for s in ss:
+            s.opt, s.sub_group = opt, sub
     return opt, [(sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS))
                  for sub, g in zip(opt.param_groups, owners)]
 
@@ -159,7 +183,7 @@ def _on_grad(ref: weakref.ref, param: torch.Tensor) -> None:
         pl.grad_ready(param)
 
 
-def _sparse(s: HostSlot, g: torch.Tensor) -> TypeError:
+def _sparse(s: Slot, g: torch.Tensor) -> TypeError:
     return TypeError(
         f"HybridDeviceOptimizer: parameter {s.index} of param group {s.group} (shape {tuple(s.local.shape)}) has a "
         f"sparse gradient (layout={g.layout}); the host step copies gradients into dense buffers. Use a dense embedding "
@@ -170,14 +194,13 @@ class HostPipeline:
     """The host half of a :class:`HybridDeviceOptimizer` (Note [Host step lifecycle]); its public
     attributes and methods are the protocol the rest of the package uses."""
 
-    def __init__(self, entries: list[tuple[torch.Tensor, int, int, int, torch.Tensor]], groups: list[dict[str, Any]],
-                 cls: type, impl: dict[str, Any], *, side: Any, fp32: bool, pin_params: bool, pin_grads: bool,
-                 chunk_bytes: int, overlap: bool, offload_grads: bool, in_backward: bool, delayed: bool, threads: int,
-                 begin: Callable[[], None]) -> None:
+    def __init__(self, slots: list[Slot], groups: list[dict[str, Any]], cls: type, impl: dict[str, Any], *, side: Any,
+                 fp32: bool, pin_params: bool, pin_grads: bool, chunk_bytes: int, overlap: bool, offload_grads: bool,
+                 in_backward: bool, delayed: bool, threads: int, begin: Callable[[], None]) -> None:
         self.side, self.overlap, self.offload_grads = side, overlap, offload_grads
         self.in_backward, self.delayed, self.threads = in_backward, delayed, threads
         self._begin = weakref.WeakMethod(begin)  # the optimizer's once-per-step preparation
-        slots = self.slots = [HostSlot(*e) for e in reversed(entries)]  # backward lands the last ones first
+        slots = self.slots = slots[::-1]  # backward lands the last ones first
         self._slot = {id(s.param): s for s in slots}
         mdt = [torch.float32 if fp32 and s.local.is_floating_point() else s.local.dtype for s in slots]
         numels = [s.local.numel() for s in slots]
@@ -188,7 +211,8 @@ class HostPipeline:
         bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(2 if delayed else 1)]
         with torch.no_grad():
             for i, s in enumerate(slots):
-                s.master, s.bufs = masters[i].view(s.local.shape), [b[i].view(s.local.shape) for b in bufs]
+                s.inner = s.master = masters[i].view(s.local.shape)
+                s.bufs = [b[i].view(s.local.shape) for b in bufs]
                 s.master.copy_(s.local)
                 s.p_ver = s.param._version
             for j, i in enumerate(staged):
@@ -198,12 +222,9 @@ class HostPipeline:
         self.chunks: list[Chunk] = []
         self.links: list[tuple[dict, dict, tuple]] = []
         for ci, (idx, serial) in enumerate(split_serial(make_chunks(sizes, chunk_bytes), numels, sizes, chunk_bytes)):
-            by_group: dict[int, list[HostSlot]] = {}
             for i in idx:
                 slots[i].chunk = ci
-                by_group.setdefault(slots[i].group, []).append(slots[i])
-            opt, links = sub_optimizer(cls, [(groups[gi], [s.master for s in ss]) for gi, ss in by_group.items()], impl,
-                                       split)
+            opt, links = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
             self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
             self.links += links
         self.optimizers = [c.opt for c in self.chunks]
@@ -231,7 +252,7 @@ class HostPipeline:
                        for s in slots if overlap and s.param.requires_grad and not self.batched(s.param)]
         self._worker: Optional[CpuWorker] = None
         if overlap and (in_backward or delayed):
-            self._worker = CpuWorker(threads, side.bind_thread)
+            self._worker = CpuWorker(threads, functools.partial(side.bind_thread, self.h2d))
             weakref.finalize(self, CpuWorker.close, self._worker)
 
     # ------------------------------------------------------------------ lookups and sharding
@@ -242,12 +263,6 @@ class HostPipeline:
 
     def is_host(self, p: torch.Tensor) -> bool:
         return id(p) in self._slot
-
-    def where(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(master, local, chunk)`` of host parameter ``p``: the tensor ``optimizers[chunk]`` steps and
-        the model's tensor its H2D writes (a DTensor's local shard)."""
-        s = self._slot[id(p)]
-        return s.master, s.local, s.chunk
 
     def chunk_tensors(self) -> list[list[torch.Tensor]]:
         """The model's tensors of each host chunk, in chunk order."""
@@ -326,7 +341,7 @@ class HostPipeline:
             if s.state is S.COPIED and local_grad(s.param) is not None:
                 s.grad_ref = None
 
-    def _copy(self, todo: list[tuple[HostSlot, torch.Tensor]], stream: Any) -> None:
+    def _copy(self, todo: list[tuple[Slot, torch.Tensor]], stream: Any) -> None:
         """Enqueue the D2H of each gradient into its slot's buffer on ``stream``, under one event."""
         side = self.side
         with side.use(stream):
@@ -342,21 +357,24 @@ class HostPipeline:
                     buf.add_(s.scratch) if buf.dtype == g.dtype else buf.copy_(buf.to(g.dtype).add_(s.scratch))
                 else:
                     buf.copy_(g, non_blocking=True)
-                    s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
+                    if s.scales:  # the buffer holds g alone: coefficients already in g are not applied again
+                        s.scales = []
             ev = side.record(stream)
         for s, g in todo:
             s.to(S.COPIED, "copy", (S.EMPTY, S.COPIED, S.CONSUMED))
             s.d2h_ev, s.seq, self._seq = ev, self._seq, self._seq + 1
             s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
             s.grad_ver, s.grad_ptr = g._version, g.data_ptr()
-            # Note [Gradient residency]: the copy may be in flight when g is freed; record_stream keeps
-            # the allocator from reusing its block, and nothing blocks the backward thread.
-            if stream is not None:
-                g.record_stream(stream)
             if self.offload_grads:
+                # Note [Gradient residency]: the copy may be in flight when g is freed here; record_stream keeps
+                # the allocator from reusing its block, and nothing blocks the backward thread. A gradient left
+                # on the device is read again only after step() waited for its copy (a new or changed one is
+                # copied again), so it needs none.
+                if stream is not None:
+                    g.record_stream(stream)
                 s.param.grad = None
 
-    def _apply_scales(self, s: HostSlot, buf: torch.Tensor) -> None:
+    def _apply_scales(self, s: Slot, buf: torch.Tensor) -> None:
         for coef, ev in s.scales:
             self.side.synchronize(ev)
             scale_(buf, s.local.dtype, coef)
@@ -401,10 +419,10 @@ class HostPipeline:
             self.amp = amp_begin()
             self._prepare()
             if self.amp is None or not self.amp.skip:  # Note [GradScaler]: an inf/NaN step steps nothing
-                with record_function("HybridDeviceOptimizer.d2h"):
+                with _label("HybridDeviceOptimizer.d2h"):
                     self._collect(self.d2h if self.overlap else cur)
                 if not self.device_done:
-                    with record_function("HybridDeviceOptimizer.device_step"):
+                    with _label("HybridDeviceOptimizer.device_step"):
                         device_step(self.amp)
                     self.device_done = True
                 order = self._landing_order()
@@ -416,7 +434,7 @@ class HostPipeline:
                 else:
                     if not self.overlap:
                         side.synchronize(side.record(cur))
-                    with num_threads(self.threads):
+                    with num_threads(self.threads), side.use(self.h2d):  # Note [H2D ordering]
                         for ci in order:
                             self._run(ci, self._plan(ci), self._buf, False, self.amp)
         except BaseException:
@@ -450,11 +468,14 @@ class HostPipeline:
         elif not failed:
             for s in self.slots:
                 if s.state is not S.EMPTY:
-                    s.state, s.scales, s.grad_ref = S.CONSUMED, [], None
+                    s.state, s.grad_ref = S.CONSUMED, None
+                    if s.scales:
+                        s.scales = []
             self.device_done = False
             self._buf ^= self.delayed
-        for c in self.chunks:
-            c.landed = 0
+        if self.in_backward:
+            for c in self.chunks:
+                c.landed = 0
         self._begun, self.amp = False, None
 
     def _landing_order(self) -> list[int]:
@@ -466,69 +487,79 @@ class HostPipeline:
                 seq[s.chunk] = max(seq.get(s.chunk, -1), s.seq)
         return sorted(seq, key=seq.__getitem__)
 
-    def _plan(self, ci: int) -> list:
-        """What chunk ``ci`` steps, captured now: ``(slot, D2H event, clip coefficients)`` per slot."""
-        plan = [(s, s.d2h_ev, list(s.scales)) for s in self.chunks[ci].slots if s.state is S.COPIED]
-        for s, _, _ in plan:
-            s.to(S.SUBMITTED, "submit", (S.COPIED,))
-        return plan
+    def _plan(self, ci: int) -> tuple[list[Slot], Any, list]:
+        """What chunk ``ci`` steps, captured now: its slots with a gradient, the D2H event of the last one
+        copied (Note [One D2H stream]), and the clip coefficients pending per slot."""
+        slots, ev, last = [], None, -1
+        for s in self.chunks[ci].slots:
+            if s.state is S.COPIED:
+                s.state = S.SUBMITTED
+                slots.append(s)
+                if s.seq > last:
+                    ev, last = s.d2h_ev, s.seq
+        return slots, ev, [(s, list(s.scales)) for s in slots if s.scales]
 
     def _submit(self, ci: int, *, in_backward: bool = False) -> None:
         assert self._worker is not None
-        args = self._jobs[ci] = (ci, self._plan(ci), self._buf, in_backward, self.amp)
+        args = (ci, self._plan(ci), self._buf, in_backward, self.amp)
+        if self.delayed:
+            self._jobs[ci] = args
         self._worker.submit(functools.partial(self._run, *args))
 
-    def _run(self, ci: int, plan: list, buf: int, in_backward: bool, amp: Optional[_amp.AmpStep]) -> None:
-        """Host step of chunk ``ci`` with gradient buffer ``buf`` (the training thread in the default mode,
-        else the worker; ``in_backward``: submitted by a gradient hook, Note [H2D ordering])."""
+    def _run(self, ci: int, plan: tuple[list[Slot], Any, list], buf: int, in_backward: bool,
+             amp: Optional[_amp.AmpStep]) -> None:
+        """Host step of chunk ``ci`` with gradient buffer ``buf``, grad mode off and the H2D stream current
+        (the training thread in the default mode, else the worker; ``in_backward``: submitted by a
+        gradient hook, Note [H2D ordering])."""
         side, c = self.side, self.chunks[ci]
-        with record_function("HybridDeviceOptimizer.host_chunk"), torch.no_grad():
-            if self.delayed:
-                side.synchronize(c.h2d_ev)  # the last update's H2D reads the masters and staging
+        slots, ev, scales = plan
+        if self.delayed:
+            side.synchronize(c.h2d_ev)  # the last update's H2D reads the masters and staging
+        side.synchronize(ev)
+        if len(slots) != len(c.slots):  # torch steps the tensors that have a .grad
             for s in c.slots:
                 s.master.grad = None
-            inv = amp.host_inv if _amp.takes_scale(c.opt, amp) is False else None  # type: ignore[union-attr]
-            for s, ev, scales in plan:
-                side.synchronize(ev)
+        for s in slots:  # the buffer stays the master's .grad between steps: set only when it changes
+            if s.master.grad is not s.bufs[buf]:
                 s.master.grad = s.bufs[buf]
-                for coef, cev in scales:
-                    side.synchronize(cev)
-                    scale_(s.master.grad, s.local.dtype, coef)
-                if inv is not None:
-                    scale_(s.master.grad, s.local.dtype, inv)  # Note [GradScaler]: unscale_'s multiply
-            if plan:
-                with _amp.handed_over(c.opt, amp, host=True), num_threads(1) if c.serial else contextlib.nullcontext():
-                    c.opt.step()
-            stepped = [s for s, _, _ in plan]
-            for s in stepped:
-                s.master.grad = None
-                if s.staging is not None:
-                    s.staging.copy_(s.master)
-            self._jobs.pop(ci, None)
-            if not self.delayed:
-                for s in stepped:
-                    s.to(S.STEPPED, "step", (S.SUBMITTED,))
-                return self._h2d(c, stepped, in_backward)
-            with self._lock:
-                if self._applying:  # step() has begun (backward is over): the weights may change now
-                    self._h2d(c, stepped)
-                else:
-                    c.pending = stepped
-
-    def _h2d(self, c: Chunk, slots: list[HostSlot], in_backward: bool = False) -> None:
-        # Note [H2D ordering]: an H2D must follow the parameter's last use: step() makes the H2D stream
-        # wait at its entry; a chunk stepped in backward waits on each gradient-ready event instead.
-        side = self.side
-        stream = self.h2d if self.overlap else side.current_stream()
-        with torch.no_grad(), side.use(stream):
+        for s, coefs in scales:
+            for coef, cev in coefs:
+                side.synchronize(cev)
+                scale_(s.bufs[buf], s.local.dtype, coef)
+        if amp is not None and _amp.takes_scale(c.opt, amp) is False:
             for s in slots:
-                if s not in self._skip:
-                    if in_backward:
-                        side.wait_event(stream, s.ready_ev)
-                    s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
-                    s.p_ver = s.param._version
-                    self._applied.add(s.flat)
-            c.h2d_ev = side.record(stream)
+                scale_(s.bufs[buf], s.local.dtype, amp.host_inv)  # Note [GradScaler]: unscale_'s multiply
+        if slots:
+            with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL, \
+                    _amp.handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
+                c.opt.step()
+        for s in slots:
+            if s.staging is not None:
+                s.staging.copy_(s.master)
+        if not self.delayed:
+            for s in slots:
+                s.to(S.STEPPED, "step", (S.SUBMITTED,))
+            return self._h2d(c, slots, in_backward)
+        self._jobs.pop(ci, None)
+        with self._lock:
+            if self._applying:  # step() has begun (backward is over): the weights may change now
+                self._h2d(c, slots)
+            else:
+                c.pending = slots
+
+    def _h2d(self, c: Chunk, slots: list[Slot], in_backward: bool = False) -> None:
+        """Enqueue the H2D of ``slots`` on the current stream, the H2D stream (Note [H2D ordering]: an H2D must
+        follow the parameter's last use: step() makes the H2D stream wait at its entry; a chunk stepped in
+        backward waits on each gradient-ready event instead)."""
+        for s in slots:
+            if s not in self._skip:
+                if in_backward:
+                    self.side.wait_event(self.h2d, s.ready_ev)
+                s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
+                s.p_ver = s.param._version
+        if self.delayed:
+            self._applied.update(s.flat for s in slots if s not in self._skip)
+            c.h2d_ev = self.side.record(self.h2d)
 
     def _apply_previous(self, skip_written: bool = True) -> None:
         """Delayed mode: put the previous step's host update into the model (finished chunks now, the
@@ -536,7 +567,7 @@ class HostPipeline:
         assert self._worker is not None
         if skip_written:
             self._skip = frozenset(s for s in self.slots if s.param._version != s.p_ver)
-        with self._lock:
+        with self._lock, torch.no_grad(), self.side.use(self.h2d):
             self._applying = True
             for c in self.chunks:
                 if c.pending:
@@ -583,15 +614,19 @@ class HostPipeline:
                                "backward, so this step cannot be skipped. Call step() to finish it, or use "
                                "step_in_backward=False in a loop that skips steps.")
         self.device_done = False
-        for c in self.chunks:
+        for c in self.chunks if self.in_backward else ():
             c.landed = 0
+        keep = self.offload_grads and not set_to_none
         for s in self.slots:
-            held = s.state is not S.EMPTY and local_grad(s.param) is None and self._steps(s.chunk)
-            if self.offload_grads and not set_to_none and held:
+            if keep and s.state is not S.EMPTY and local_grad(s.param) is None and self._steps(s.chunk):
                 self.side.synchronize(s.d2h_ev)
                 s.bufs[self._buf].zero_()
-            s.state = S.COPIED if self.offload_grads and not set_to_none and held else S.EMPTY
-            s.grad_ref, s.scales = None, []
+                s.state = S.COPIED
+            else:
+                s.state = S.EMPTY
+            s.grad_ref = None
+            if s.scales:
+                s.scales = []
 
     # ------------------------------------------------------------------ clipping
     def held_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -638,10 +673,10 @@ class HostPipeline:
                     if s in self.chunks[s.chunk].pending:
                         self.chunks[s.chunk].pending.remove(s)
 
-    def note_written(self, params: Optional[list[torch.Tensor]] = None) -> None:
-        """The current values of host parameters ``params`` (all: ``None``) are no user's load (e.g.
-        broadcast from their owner): their masters are not re-seeded from them."""
-        for s in self.slots if params is None else [self._slot[id(p)] for p in params]:
+    def note_written(self) -> None:
+        """The current values of the host parameters are no user's load (e.g. broadcast from their owner):
+        their masters are not re-seeded from them."""
+        for s in self.slots:
             s.p_ver = s.param._version
 
     def push_masters(self) -> None:

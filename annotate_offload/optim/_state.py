@@ -13,53 +13,43 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from ._pipeline import IMPL_KEYS, STRUCTURAL_KEYS
+from ._pipeline import IMPL_KEYS, STRUCTURAL_KEYS, Slot
 
 __all__: list[str] = []
 
 
-class Entry(NamedTuple):
-    """One parameter of the optimizer and what steps it."""
-
-    param: torch.Tensor
-    flat: int  # index in param_groups order (the state dict's parameter id)
-    group: int
-    index: int
-    local: torch.Tensor  # the tensor the model reads (its local shard for a DTensor)
-    inner: torch.Tensor  # the tensor its sub-optimizer steps
-    opt: torch.optim.Optimizer
-    sub_group: dict  # its group in that sub-optimizer
-    master: Optional[torch.Tensor]  # a separate master (host copy or fp32), else None
-    host: bool
-
-
-def _step(v: torch.Tensor, e: Entry) -> torch.Tensor:
+def _step(v: torch.Tensor, e: Slot) -> torch.Tensor:
     """``step`` where torch keeps it: fp32 on the parameter's device for fused/capturable groups, else the CPU."""
     if e.sub_group.get("fused") or e.sub_group.get("capturable"):
-        return v if (v.dtype, v.device) == (torch.float32, e.inner.device) else v.to(e.inner.device, torch.float32)
-    return v if v.device.type == "cpu" else v.to("cpu")
+        return v if v.dtype == torch.float32 and v.get_device() == e.inner.get_device() else v.to(e.inner.device, torch.float32)
+    return v if v.get_device() < 0 else v.to("cpu")
 
 
-def place(e: Entry, st: dict[str, Any]) -> None:
-    """Make ``st`` the sub-optimizer's state of ``e`` and put its tensors back where ``e`` is stepped
-    (a replaced ``master_param`` is copied into the master)."""
-    e.opt.state[e.inner] = st
+def place(e: Slot, st: dict[str, Any]) -> None:
+    """Make ``st`` the sub-optimizer's state of ``e`` and put its tensors back where ``e`` is stepped (a
+    replaced ``master_param`` is copied into the master). Runs at every step: no ``.device``, no ``.to()``
+    when all is in place."""
+    if e.st is not st:
+        e.opt.state[e.inner] = e.st = st
+    dev = e.inner.get_device()
     for k, v in list(st.items()):
-        if k == "master_param" and torch.is_tensor(v):
+        if not isinstance(v, torch.Tensor):
+            continue
+        if k == "master_param":
             if e.master is None:
                 del st[k]
             elif v is not e.master:
                 with torch.no_grad():
                     e.master.copy_(v)
                 st[k] = e.master
-        elif k == "step" and torch.is_tensor(v):
+        elif k == "step":
             if (nv := _step(v, e)) is not v:
                 st[k] = nv
-        elif torch.is_tensor(v) and v.device != e.inner.device:  # runs at every step: no .to() when in place
+        elif v.get_device() != dev:
             st[k] = v.to(e.inner.device)
 
 
@@ -90,7 +80,7 @@ def _desc(v: Any) -> str:
     return f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}" if torch.is_tensor(v) else f"{type(v).__name__} {v!r:.80}"
 
 
-def _convert(e: Entry, k: str, v: Any, t: Any, bad: Callable[[str], ValueError]) -> Any:
+def _convert(e: Slot, k: str, v: Any, t: Any, bad: Callable[[str], ValueError]) -> Any:
     """``v`` loaded as state ``k`` of ``e``, cast and moved as torch does; ``t``: what the class creates."""
     if not torch.is_tensor(t):  # a key the class does not create: kept, cast and moved as torch keeps it
         if torch.is_tensor(v) and k != "master_param":
@@ -108,7 +98,7 @@ def _convert(e: Entry, k: str, v: Any, t: Any, bad: Callable[[str], ValueError])
     return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
 
 
-def check_load(sd: Any, entries: list[Entry], groups: list[dict[str, Any]],
+def check_load(sd: Any, entries: list[Slot], groups: list[dict[str, Any]],
                check_hyper: Callable[[int, dict[str, Any]], None]) -> tuple[list[dict[str, Any]], dict[int, dict]]:
     """Validate ``sd`` against the optimizer and convert it (Note [Validated loads]); applies nothing.
     Returns ``(hyper-parameters per group, state per flat index)``."""

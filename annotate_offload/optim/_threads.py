@@ -67,6 +67,7 @@ class CpuWorker:
     @staticmethod
     def _start(threads: int, bind: Callable[[], None]) -> None:
         bind()
+        torch.set_grad_enabled(False)  # the host steps write masters and weights in place
         torch.set_num_threads(threads)
         torch.get_num_threads()  # ATen initialises this thread's pool now, with this count
 

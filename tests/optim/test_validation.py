@@ -20,8 +20,7 @@ def _hooks(params):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        ({"lrr": 1e-3}, r"HybridDeviceOptimizer: lrr=0.001: remove it or use a keyword of torch.optim.AdamW \(lr, .*"
-                        r"unexpected keyword argument 'lrr'"),
+        ({"lrr": 1e-3}, r"HybridDeviceOptimizer: lrr=0.001: remove it or use a keyword of torch.optim.AdamW \(lr, "),
         ({"weight_decy": 0.1}, r"weight_decy=0.1: remove it or use a keyword of torch.optim.AdamW"),
         ({"offload_fractio": 0.5}, r"offload_fractio=0.5: remove it"),
         ({"momentum": 0.9}, r"momentum=0.9: remove it or use a keyword of torch.optim.AdamW"),
