@@ -1,25 +1,14 @@
 """DDP: the host step sees all-reduced gradients, and each bucket's D2H starts when its all-reduce ends (private).
 
-Note [DDP and host-stepped gradients]: ``HybridDeviceOptimizer`` starts each offloaded gradient's
-D2H from a post-accumulate-grad hook. Under DDP that hook fires when autograd has accumulated the
-*local* gradient, before DDP's bucket all-reduce: the copy would carry this rank's gradient, not
-the mean. :func:`attach_optimizer` therefore removes those hooks and installs a DDP
-communication hook that
-
-1. divides the bucket by the world size and all-reduces it (torch's default ``allreduce_hook``,
-   same bits: sum of the ``1/W``-scaled gradients);
-2. in the all-reduce future's callback (NCCL: on the launching thread, with the current stream
-   waiting on the collective; gloo: on a gloo worker thread after the reduction), starts the D2H of
-   every host-stepped parameter of the bucket through the optimizer's own path (ready event on the
-   current stream, D2H stream, pinned buffer).
-
-With ``gradient_as_bucket_view=True`` ``p.grad`` *is* the reduced bucket view, so the copy taken in
-the callback is what ``step()`` would copy, and ``step()`` recognises it (same tensor, same
-version) and does not copy again. Any later in-place change (``clip_grad_norm_``, a scaler's
-``unscale_``) bumps the version and is re-copied at ``step()``, as on one GPU. With the default
-``gradient_as_bucket_view=False`` DDP copies the reduced bucket into ``p.grad`` only at the end of
-backward, so the callback cannot copy yet: every D2H happens at ``step()`` (correct, not overlapped;
-a warning says so). ``ddp.no_sync()`` micro-batches run no hook; the synced backward copies.
+Note [DDP and host-stepped gradients]: the optimizer's post-accumulate-grad hooks fire on the
+*local* gradient, before DDP's bucket all-reduce, so a D2H started there would carry this rank's
+gradient, not the mean. :func:`attach_optimizer` removes those hooks and installs a comm hook that
+divides each bucket by the world size and all-reduces it (torch's default ``allreduce_hook``, same
+bits), then, in the future's callback, starts the D2H of the bucket's host-stepped gradients
+through the optimizer's own path. With ``gradient_as_bucket_view=True`` ``p.grad`` is the reduced
+bucket view, so ``step()`` sees the same tensor at the same version and does not copy again; a later
+in-place change bumps the version and is re-copied. With ``gradient_as_bucket_view=False`` DDP fills
+``p.grad`` only at the end of backward, so every D2H happens at ``step()`` (a warning says so).
 """
 
 from __future__ import annotations
