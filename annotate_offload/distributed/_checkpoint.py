@@ -205,9 +205,8 @@ def save_checkpoint(model: nn.Module, optimizer: Any, checkpoint_id: Any, *, pro
 def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: Any, *, process_group: Any = None) -> None:
     """Load a checkpoint of :func:`save_checkpoint` into ``model`` (in place) and ``optimizer``.
 
-    Weights are written into the existing parameters (no replacement, so the optimizer's local
-    shards stay valid), the optimizer's masters are re-seeded from them, then the optimizer state
-    is loaded in its own layout (Note [DCP layout]).
+    Weights are written in place (the optimizer's local shards stay valid), the masters are
+    re-seeded from them, then the optimizer state is loaded in its own layout (Note [DCP layout]).
 
     Args:
         model (nn.Module): DDP-wrapped, ``fully_shard``-ed or plain, with the saved architecture.
@@ -219,7 +218,7 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
     Raises:
         OffloadError: the checkpoint has no optimizer part (``optimizer`` given).
         ValueError: the checkpoint's model keys differ from ``model``'s (nothing is loaded), or its
-            param groups do not hold the same parameters (by FQN) as the optimizer's, group by group.
+            param groups hold other parameters (by FQN) than the optimizer's.
     """
     import torch.distributed.checkpoint as dcp
 

@@ -53,9 +53,9 @@ class OffloadCommHook:
         buf.div_(self._pg.size() if self._pg is not None else dist.get_world_size())
         params = list(bucket.parameters()) if self.overlapped else []
         fut = dist.all_reduce(buf, group=self._pg, async_op=True).get_future()
-        return fut.then(lambda f: self._reduced(f, buf, params))
+        return fut.then(lambda f: self._reduced(f, params))
 
-    def _reduced(self, fut: torch.futures.Future, buf: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    def _reduced(self, fut: torch.futures.Future, params: list[torch.Tensor]) -> torch.Tensor:
         out = fut.value()[0]
         if not params:
             return out
