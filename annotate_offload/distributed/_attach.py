@@ -47,8 +47,7 @@ class ShardedAttachment:
     Attributes:
         sharded (bool): some parameters are DTensors (each rank steps its local shard).
         recopied (int): host gradients copied again at ``step()`` because they changed after backward.
-        copied_at_step (int): host gradients ``step()`` had to copy, cumulative (the ``recopied`` ones
-            and any the optimizer's hooks did not copy in backward; 0 when all D2H overlapped backward).
+        copied_at_step (int): host gradients ``step()`` had to copy, ``recopied`` ones included (cumulative).
     """
 
     def __init__(self, opt: Any, model: nn.Module, sharded: bool) -> None:

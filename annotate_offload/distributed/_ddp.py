@@ -30,11 +30,9 @@ class OffloadCommHook:
 
     Attributes:
         copied_in_hook (int): host-stepped gradients whose D2H started in a bucket callback (cumulative).
-        copied_at_step (int): host-stepped gradients that ``step()`` still had to copy (cumulative;
-            stays 0 with ``gradient_as_bucket_view=True`` and no gradient change after backward).
+        copied_at_step (int): host-stepped gradients that ``step()`` still had to copy (cumulative).
         overlapped (bool): ``gradient_as_bucket_view`` was on, so D2H starts in backward.
-        shard (HostShard | None): this rank's share of the host step (Note [Host-step sharding] in
-            ``_host_shard.py``), ``None`` when every rank steps all host chunks.
+        shard (HostShard | None): this rank's share of the host step; ``None``: every rank steps all.
     """
 
     def __init__(self, opt: Any, process_group: Any, overlapped: bool) -> None:
@@ -77,8 +75,7 @@ class OffloadCommHook:
 
 
 def register_offload_comm_hook(ddp_model: Any, opt: Any, *, shard_host_step: bool) -> OffloadCommHook:
-    """The DDP half of :func:`attach_optimizer`, which documents it and has checked the model, the
-    optimizer and that the model owns its parameters."""
+    """The DDP half of :func:`attach_optimizer`, which documents it and checks model and optimizer."""
     if opt.defaults["offload_gradients"]:
         raise ValueError(
             "register_offload_comm_hook: the optimizer has offload_gradients=True; under DDP the gradient bucket stays "

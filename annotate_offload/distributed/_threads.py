@@ -114,8 +114,7 @@ class ThreadBudget:
     Attributes:
         threads (int): threads for the host optimizer step (``HybridDeviceOptimizer(cpu_threads=...)``).
         cpus (tuple[int, ...]): the CPU ids this rank's share consists of.
-        numa_node (int): the NUMA node the share lies on (``-1``: no NUMA information, or a share
-            spanning several nodes, as for a single process on a multi-node host).
+        numa_node (int): the NUMA node of the share (``-1``: unknown, or the share spans several nodes).
         local_rank (int): the rank this budget is for.
         local_world_size (int): processes on this host.
     """
