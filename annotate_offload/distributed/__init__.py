@@ -1,16 +1,12 @@
 """Offload under torch.distributed, one process per device (DDP, FSDP2 ``fully_shard``), launched with torchrun.
 
-* optimizer wiring: :func:`attach_optimizer` (DDP: reduced gradients, each bucket's D2H after its
-  all-reduce, the host step sharded across ranks; FSDP2: local shards), :func:`clip_grad_norm_`
-  (global norm over FSDP2 shards, seen by the host step);
-* host threads: :func:`local_thread_budget` (cores / local ranks, NUMA-aware), :func:`bind_to_budget`;
-* checkpoints through ``torch.distributed.checkpoint`` at any world size and offload fraction:
-  :func:`save_checkpoint`, :func:`load_checkpoint`.
+Optimizer wiring (:func:`attach_optimizer`, :func:`clip_grad_norm_`), per-rank host threads
+(:func:`local_thread_budget`, :func:`bind_to_budget`) and checkpoints loadable at any world size and
+offload fraction (:func:`save_checkpoint`, :func:`load_checkpoint`).
 
-Activation offload needs nothing extra: ``offload_transform`` works per rank, and FSDP2's
-unsharded parameters (and their bf16 all-gathers or autocast casts) are parameters, so the runtime
-never offloads them, and resharding frees nothing a saved tensor still needs. Apply
-``offload_transform`` *before* ``fully_shard`` (like activation checkpointing in torchtitan).
+Activation offload needs nothing extra: ``offload_transform`` works per rank, and FSDP2's unsharded
+parameters are parameters, which the runtime never offloads. Apply ``offload_transform`` *before*
+``fully_shard``.
 
 Usage (one process per GPU, under torchrun)::
 

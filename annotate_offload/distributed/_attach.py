@@ -1,15 +1,9 @@
 """``attach_optimizer``: wire a ``HybridDeviceOptimizer`` to a DDP or FSDP2 model (private).
 
-FSDP2 needs no change of the gradient path: it calls the sharded parameters' post-accumulate-grad
-hooks after the reduce-scatter, with the reduce-scatter stream current, so the optimizer's own hooks copy the reduced local shard
-(``to_local()``) and each rank offloads exactly its shard. What the attachment adds there is the
-guard of Note [Local shards] (``_shards.py``) and a refusal of the optimizer's own
-``clip_grad_norm_``, whose norm would cover only this rank's shard. Clip with this package's
-:func:`clip_grad_norm_` (global norm over the DTensor shards; the optimizer re-copies the clipped
-gradients at ``step()``). ``torch.nn.utils.clip_grad_norm_`` computes the same norm, but its
-foreach multiply leaves no version trace on DTensor gradients (Note [DTensor gradient versions]),
-so after it call :meth:`ShardedAttachment.mark_gradients_changed`, or the host steps the unclipped
-copy.
+FSDP2 calls the sharded parameters' post-accumulate-grad hooks after the reduce-scatter, so the
+optimizer's own hooks already copy the reduced local shard. The attachment adds the guard of Note
+[Local shards] (``_shards.py``), DTensor gradient version tracking, and a refusal of the
+optimizer's shard-local ``clip_grad_norm_``.
 """
 
 from __future__ import annotations
@@ -53,8 +47,7 @@ class ShardedAttachment:
     Attributes:
         sharded (bool): some parameters are DTensors (each rank steps its local shard).
         recopied (int): host gradients copied again at ``step()`` because they changed after backward.
-        copied_at_step (int): host gradients ``step()`` had to copy, cumulative (the ``recopied`` ones
-            and any the optimizer's hooks did not copy in backward; 0 when all D2H overlapped backward).
+        copied_at_step (int): host gradients ``step()`` had to copy, ``recopied`` ones included (cumulative).
     """
 
     def __init__(self, opt: Any, model: nn.Module, sharded: bool) -> None:
@@ -116,42 +109,31 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
     Call once, after wrapping the model and building the optimizer on its parameters, before the
     first backward.
 
-    * ``DistributedDataParallel`` (Note [DDP and host-stepped gradients] in ``_ddp.py``): the
-      optimizer's gradient hooks would copy this rank's gradient before DDP reduces it, so they are
-      replaced by a DDP communication hook that all-reduces each bucket (torch's default, same bits)
-      and then starts the D2H of its host-stepped gradients. ``gradient_as_bucket_view=True`` is
-      needed for the D2H to start in backward; without it every D2H happens at ``step()``.
-    * FSDP2 (``fully_shard``) or a plain module: the optimizer's own hooks already see reduced
-      local shards; a step pre-hook raises ``OffloadError`` if a parameter or its local shard
-      storage was replaced behind the optimizer (Note [Local shards]), and, when parameters are
-      sharded, the optimizer's ``clip_grad_norm_`` (shard-local norm) is refused in favour of
-      :func:`annotate_offload.distributed.clip_grad_norm_`. ``torch.nn.utils.clip_grad_norm_``
-      is not seen on DTensor gradients: call ``attachment.mark_gradients_changed()`` after it.
+    * ``DistributedDataParallel``: the optimizer's gradient hooks are replaced by a comm hook that
+      all-reduces each bucket and then starts the D2H of its host-stepped gradients (Note [DDP and
+      host-stepped gradients] in ``_ddp.py``; needs ``gradient_as_bucket_view=True`` to overlap).
+    * FSDP2 or a plain module: a step pre-hook raises ``OffloadError`` if a parameter or its local
+      storage was replaced (Note [Local shards]); with sharded parameters the optimizer's
+      ``clip_grad_norm_`` is refused in favour of :func:`annotate_offload.distributed.clip_grad_norm_`.
+      After ``torch.nn.utils.clip_grad_norm_`` call ``attachment.mark_gradients_changed()``.
 
     Args:
         model (nn.Module): the DDP-wrapped or ``fully_shard``-ed model.
         optimizer (HybridDeviceOptimizer): built on ``model``'s parameters.
-        shard_host_step (bool): DDP only (FSDP2 parameters are sharded already): each rank steps
-            ``1/W`` of the host chunks and the ranks broadcast the new weights (Note [Host-step
-            sharding] in ``_host_shard.py``; same bits, a ``1/W`` share of host compute, D2H and
-            host state per rank); the optimizer's own ``state_dict()`` then refuses, checkpoints go
-            through :func:`save_checkpoint`. Ownership is per host chunk (``chunk_bytes``, 64 MiB by
-            default): a host half smaller than ``W`` chunks leaves some ranks nothing to step (pass
-            a smaller ``chunk_bytes``). ``False``: every rank steps every host chunk (a full
-            replica). Default: ``True``.
+        shard_host_step (bool): DDP only: each rank steps ``1/W`` of the host chunks and the ranks
+            broadcast the new weights (Note [Host-step sharding] in ``_host_shard.py``); checkpoints
+            then go through :func:`save_checkpoint`. Ownership is per host chunk (``chunk_bytes``),
+            so a host half smaller than ``W`` chunks leaves some ranks idle. Default: ``True``.
 
     Returns:
-        OffloadCommHook | ShardedAttachment: DDP: the installed communication hook, with copy
-        counters; FSDP2/plain: the attachment.
+        OffloadCommHook | ShardedAttachment: DDP: the comm hook, with copy counters; else the attachment.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``; ``optimizer`` is not a ``HybridDeviceOptimizer``;
-            DDP: ``shard_host_step`` is not a bool.
+        TypeError: ``model`` is not an ``nn.Module``, ``optimizer`` not a ``HybridDeviceOptimizer``,
+            or (DDP) ``shard_host_step`` not a bool.
         ValueError: the optimizer steps parameters ``model`` does not own; DDP: ``shard_host_step``
-            is combined with ``delayed_param_update=True``, or the optimizer was built with
-            ``offload_gradients=True`` (under DDP the gradient bucket stays allocated, so freeing
-            ``p.grad`` saves nothing and breaks the bucket view).
-        OffloadError: DDP: the model already has a communication hook (attached twice).
+            with ``delayed_param_update=True``, or ``offload_gradients=True``.
+        OffloadError: DDP: the model already has a communication hook.
 
     Warns:
         UserWarning: DDP with ``gradient_as_bucket_view=False`` (no D2H overlap with backward).

@@ -1,22 +1,17 @@
 """``HybridDeviceOptimizer`` state through ``torch.distributed.checkpoint`` (DCP), at any world size and fraction (private).
 
-Note [DCP layout]: the optimizer's own ``state_dict()`` is keyed by parameter index and holds
-each rank's *local* tensors (a shard under FSDP2), on the host or the device depending on the
-fraction. DCP can reshard only what it can see as global tensors, so the adapter writes
+Note [DCP layout]: the optimizer's ``state_dict()`` holds each rank's local tensors keyed by index;
+DCP reshards only global tensors, so the adapter writes
 
     {"model": <the model's state_dict()>,
      "optim": {"state": {fqn: {"exp_avg": T, "exp_avg_sq": T, "step": t[, "master_param": T]}},
                "param_groups": <JSON string of the groups, params as FQNs>}}
 
-where ``T`` is a DTensor with the parameter's mesh and placements whose local tensor is the
-optimizer's own state tensor, wherever it lives (no device copy is made: the host half stays on the
-host), and a plain tensor for a replicated (DDP or single-process) parameter, which DCP dedups
-across ranks. ``master_param`` is written only when its dtype differs from the parameter's (fp32
-masters of bf16 parameters): otherwise it equals the weights, which the model part already holds.
-Which keys exist therefore depends on dtypes only, never on the fraction or the world size, so a
-checkpoint loads into any split: loading builds destination tensors in the *new* layout from the
-checkpoint's metadata, lets DCP reshard into them, and hands a torch-format state dict to
-``HybridDeviceOptimizer.load_state_dict``, which places each tensor on the side that now steps it.
+where ``T`` wraps the optimizer's own state tensor, wherever it lives, as a DTensor with the
+parameter's placements (a plain tensor for a replicated parameter, which DCP dedups).
+``master_param`` is written only when its dtype differs from the parameter's. The keys depend on
+dtypes only, never on fraction or world size, so loading builds tensors in the new layout from the
+metadata, lets DCP reshard into them, and hands the result to ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -122,7 +117,7 @@ def _optimizer_state_dict(model: nn.Module, optimizer: Any, who: str) -> dict[st
     return {"state": state, "param_groups": _groups_json(opt, fqns)}
 
 
-def _template(model: nn.Module, opt: Any, fqns: list[list[str]], md: Any, key: str) -> dict[str, Any]:
+def _template(opt: Any, fqns: list[list[str]], md: Any, key: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     entries = md.state_dict_metadata
@@ -156,17 +151,12 @@ def _template(model: nn.Module, opt: Any, fqns: list[list[str]], md: Any, key: s
 
 
 def _set_optimizer_state_dict(opt: Any, fqns: list[list[str]], state_dict: dict[str, Any]) -> None:
-    """Load the optimizer part of a DCP checkpoint (as filled by ``torch.distributed.checkpoint.load``)
-    into ``opt``, whose parameters have the FQNs ``fqns`` (per group).
+    """Load the optimizer part of a DCP checkpoint, resharded into ``opt``'s current layout.
 
-    Each tensor is this rank's piece in the optimizer's *current* layout (DCP resharded it);
-    ``HybridDeviceOptimizer.load_state_dict`` places it on the side that steps it now, so the
-    fraction may differ from the saved one. Hyper-parameters (``lr``, ``betas``, ...) come from
-    the checkpoint; structural options (fraction, modes) stay the optimizer's.
+    Hyper-parameters come from the checkpoint; structural options (fraction, modes) stay ``opt``'s.
 
     Raises:
-        ValueError: the checkpoint's param groups do not hold the same parameters (by FQN) as the
-            optimizer's, group by group.
+        ValueError: the saved param groups do not hold the same FQNs as ``opt``'s, group by group.
     """
     saved_groups = json.loads(state_dict["param_groups"]) if isinstance(state_dict["param_groups"], str) else state_dict["param_groups"]
     if [g["params"] for g in saved_groups] != fqns:
@@ -215,9 +205,8 @@ def save_checkpoint(model: nn.Module, optimizer: Any, checkpoint_id: Any, *, pro
 def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: Any, *, process_group: Any = None) -> None:
     """Load a checkpoint of :func:`save_checkpoint` into ``model`` (in place) and ``optimizer``.
 
-    Weights are written into the existing parameters (no replacement, so the optimizer's local
-    shards stay valid), the optimizer's masters are re-seeded from them, then the optimizer state
-    is loaded in its own layout (Note [DCP layout]).
+    Weights are written in place (the optimizer's local shards stay valid), the masters are
+    re-seeded from them, then the optimizer state is loaded in its own layout (Note [DCP layout]).
 
     Args:
         model (nn.Module): DDP-wrapped, ``fully_shard``-ed or plain, with the saved architecture.
@@ -229,7 +218,7 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
     Raises:
         OffloadError: the checkpoint has no optimizer part (``optimizer`` given).
         ValueError: the checkpoint's model keys differ from ``model``'s (nothing is loaded), or its
-            param groups do not hold the same parameters (by FQN) as the optimizer's, group by group.
+            param groups hold other parameters (by FQN) than the optimizer's.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -252,7 +241,7 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
         return
     opt.reload_model_params()
     fqns = _fqns(model, opt, "load_checkpoint")
-    osd = _template(model, opt, fqns, md, _OPTIM)
+    osd = _template(opt, fqns, md, _OPTIM)
     with _quiet_single_process():
         dcp.load({_OPTIM: osd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
     _set_optimizer_state_dict(opt, fqns, osd)

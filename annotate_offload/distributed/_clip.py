@@ -22,12 +22,9 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for DTensor (FSDP2) or plain gradients, visible to the host step.
 
-    Same norm as torch's utility (over all ranks' shards for DTensor gradients) and the same
-    coefficient ``clamp(max_norm / (norm + 1e-6), max=1)``, but applied with one in-place multiply
-    per gradient, which bumps each DTensor gradient's version, so an attached
-    ``HybridDeviceOptimizer`` copies the clipped gradient again at ``step()`` (torch's foreach
-    multiply changes DTensor gradients without any version signal: Note [DTensor gradient versions]
-    in ``_attach.py``).
+    Same norm and coefficient as torch's utility (over all ranks' shards for DTensor gradients),
+    applied with one in-place multiply per gradient so that the version bump makes an attached
+    optimizer re-copy the clipped gradient (Note [DTensor gradient versions] in ``_attach.py``).
 
     Args:
         parameters (Iterable[torch.Tensor]): parameters whose ``.grad`` is clipped (``None`` grads skipped).

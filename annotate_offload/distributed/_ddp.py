@@ -1,25 +1,14 @@
 """DDP: the host step sees all-reduced gradients, and each bucket's D2H starts when its all-reduce ends (private).
 
-Note [DDP and host-stepped gradients]: ``HybridDeviceOptimizer`` starts each offloaded gradient's
-D2H from a post-accumulate-grad hook. Under DDP that hook fires when autograd has accumulated the
-*local* gradient, before DDP's bucket all-reduce: the copy would carry this rank's gradient, not
-the mean. :func:`attach_optimizer` therefore removes those hooks and installs a DDP
-communication hook that
-
-1. divides the bucket by the world size and all-reduces it (torch's default ``allreduce_hook``,
-   same bits: sum of the ``1/W``-scaled gradients);
-2. in the all-reduce future's callback (NCCL: on the launching thread, with the current stream
-   waiting on the collective; gloo: on a gloo worker thread after the reduction), starts the D2H of
-   every host-stepped parameter of the bucket through the optimizer's own path (ready event on the
-   current stream, D2H stream, pinned buffer).
-
-With ``gradient_as_bucket_view=True`` ``p.grad`` *is* the reduced bucket view, so the copy taken in
-the callback is what ``step()`` would copy, and ``step()`` recognises it (same tensor, same
-version) and does not copy again. Any later in-place change (``clip_grad_norm_``, a scaler's
-``unscale_``) bumps the version and is re-copied at ``step()``, as on one GPU. With the default
-``gradient_as_bucket_view=False`` DDP copies the reduced bucket into ``p.grad`` only at the end of
-backward, so the callback cannot copy yet: every D2H happens at ``step()`` (correct, not overlapped;
-a warning says so). ``ddp.no_sync()`` micro-batches run no hook; the synced backward copies.
+Note [DDP and host-stepped gradients]: the optimizer's post-accumulate-grad hooks fire on the
+*local* gradient, before DDP's bucket all-reduce, so a D2H started there would carry this rank's
+gradient, not the mean. :func:`attach_optimizer` removes those hooks and installs a comm hook that
+divides each bucket by the world size and all-reduces it (torch's default ``allreduce_hook``, same
+bits), then, in the future's callback, starts the D2H of the bucket's host-stepped gradients
+through the optimizer's own path. With ``gradient_as_bucket_view=True`` ``p.grad`` is the reduced
+bucket view, so ``step()`` sees the same tensor at the same version and does not copy again; a later
+in-place change bumps the version and is re-copied. With ``gradient_as_bucket_view=False`` DDP fills
+``p.grad`` only at the end of backward, so every D2H happens at ``step()`` (a warning says so).
 """
 
 from __future__ import annotations
@@ -41,11 +30,9 @@ class OffloadCommHook:
 
     Attributes:
         copied_in_hook (int): host-stepped gradients whose D2H started in a bucket callback (cumulative).
-        copied_at_step (int): host-stepped gradients that ``step()`` still had to copy (cumulative;
-            stays 0 with ``gradient_as_bucket_view=True`` and no gradient change after backward).
+        copied_at_step (int): host-stepped gradients that ``step()`` still had to copy (cumulative).
         overlapped (bool): ``gradient_as_bucket_view`` was on, so D2H starts in backward.
-        shard (HostShard | None): this rank's share of the host step (Note [Host-step sharding] in
-            ``_host_shard.py``), ``None`` when every rank steps all host chunks.
+        shard (HostShard | None): this rank's share of the host step; ``None``: every rank steps all.
     """
 
     def __init__(self, opt: Any, process_group: Any, overlapped: bool) -> None:
@@ -64,9 +51,9 @@ class OffloadCommHook:
         buf.div_(self._pg.size() if self._pg is not None else dist.get_world_size())
         params = list(bucket.parameters()) if self.overlapped else []
         fut = dist.all_reduce(buf, group=self._pg, async_op=True).get_future()
-        return fut.then(lambda f: self._reduced(f, buf, params))
+        return fut.then(lambda f: self._reduced(f, params))
 
-    def _reduced(self, fut: torch.futures.Future, buf: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    def _reduced(self, fut: torch.futures.Future, params: list[torch.Tensor]) -> torch.Tensor:
         out = fut.value()[0]
         if not params:
             return out
@@ -88,8 +75,7 @@ class OffloadCommHook:
 
 
 def register_offload_comm_hook(ddp_model: Any, opt: Any, *, shard_host_step: bool) -> OffloadCommHook:
-    """The DDP half of :func:`attach_optimizer`, which documents it and has checked the model, the
-    optimizer and that the model owns its parameters."""
+    """The DDP half of :func:`attach_optimizer`, which documents it and checks model and optimizer."""
     if opt.defaults["offload_gradients"]:
         raise ValueError(
             "register_offload_comm_hook: the optimizer has offload_gradients=True; under DDP the gradient bucket stays "

@@ -1,24 +1,16 @@
 """DDP: each rank steps only its share of the host chunks, then the ranks broadcast the new weights (private).
 
-Note [Host-step sharding]: under DDP every rank holds the same reduced gradients and the same
-weights, so a replicated ``HybridDeviceOptimizer`` repeats the whole host step on every rank, and
-the ranks of one host share its memory bandwidth. Sharding the host step, as ZeRO-Offload
-partitions optimizer state across data-parallel ranks, divides that work by the world size:
+Note [Host-step sharding]: under DDP every rank holds the same reduced gradients and weights, so a
+replicated host step repeats the same work on every rank of a host, which share its memory
+bandwidth. As in ZeRO-Offload, each rank steps only its share:
 
-1. Ownership: the host chunks (the optimizer's pipelining units) are dealt to ranks largest first,
-   each to the least-loaded rank (ties: lowest rank), so every rank owns about ``1/W`` of the host
-   bytes. The deal is a pure function of the chunk sizes: every rank computes the same one.
-2. Backward: a rank copies D2H only the reduced gradients of chunks it owns and steps only those.
-3. After ``step()`` (a step post-hook, so after the compute stream waits for this rank's H2D)
-   every host-stepped parameter is broadcast from its owner, in one fixed order on every rank. The
-   bits are the owner's, computed from the same reduced gradient with the same kernel, so training
-   is bit-identical to the replicated optimizer.
-4. State: a rank holds host optimizer state for its own chunks only. ``optimizer.state_dict()``
-   refuses; :func:`save_checkpoint` writes each parameter's state from its owner, and loading
-   fills every rank, so checkpoints load at any world size, fraction or sharding.
-
-Not supported with ``delayed_param_update=True`` (its H2D lands in the next ``step()`` and in
-``flush()``, which would then have to be collective); pass ``shard_host_step=False`` there.
+1. Ownership: host chunks are dealt largest first to the least-loaded rank (ties: lowest rank), a
+   pure function of the chunk sizes, so every rank computes the same deal.
+2. A rank copies D2H and steps only the chunks it owns.
+3. A step post-hook broadcasts every host-stepped parameter from its owner, in one fixed order; the
+   owner computed the same bits, so training is bit-identical to the replicated optimizer.
+4. A rank holds host state for its own chunks only: ``optimizer.state_dict()`` refuses, and
+   :func:`save_checkpoint` writes each parameter's state from its owner.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
 Note [Local shards]: ``HybridDeviceOptimizer`` resolves each parameter to the tensor this rank
 owns once, at construction (``p.to_local()`` for a DTensor), and keeps host masters for exactly
-those elements. FSDP2 keeps the same DTensor parameter objects and the same local storage for the
-whole run (torch >= 2.6 re-pads at the first forward only when the local tensor changed), but a
-user who replaces a parameter (``load_state_dict(assign=True)``, ``module.to_empty``) or its local
-storage after the optimizer was built would otherwise train silently on a dead copy: the optimizer
-would write updates into storage the model no longer reads. :func:`check_local_shards` turns that
+those elements. FSDP2 keeps the same parameters and local storage for the whole run, but a user who
+replaces a parameter (``load_state_dict(assign=True)``, ``to_empty``) or its local storage would
+have the optimizer update storage the model no longer reads; :func:`check_local_shards` turns that
 into an ``OffloadError`` at the next ``step()``.
 """
 
@@ -29,14 +27,7 @@ def is_dtensor(t: Any) -> bool:
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores for ``t``: a DTensor's local shard (no autograd view), else ``t``.
-
-    Args:
-        t (torch.Tensor): a parameter, gradient or state tensor, plain or DTensor.
-
-    Returns:
-        torch.Tensor: shares storage with ``t``'s local data (writes are visible to the model).
-    """
+    """The tensor this rank stores for ``t`` (a DTensor's local shard, sharing storage), else ``t``."""
     if is_dtensor(t):
         with torch.no_grad():
             return t.to_local()
@@ -78,11 +69,7 @@ def param_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str, str]]:
 
 
 def check_optimizer(opt: Any, who: str) -> HybridDeviceOptimizer:
-    """``opt`` as a ``HybridDeviceOptimizer``.
-
-    Raises:
-        TypeError: it is not one.
-    """
+    """``opt`` as a ``HybridDeviceOptimizer``; ``TypeError`` if it is not one."""
     if not isinstance(opt, HybridDeviceOptimizer):
         raise TypeError(f"{who}: optimizer must be an annotate_offload.optim.HybridDeviceOptimizer, got {type(opt).__name__}.")
     return opt
@@ -90,12 +77,7 @@ def check_optimizer(opt: Any, who: str) -> HybridDeviceOptimizer:
 
 def check_local_shards(opt: HybridDeviceOptimizer, owners: Optional[dict[int, tuple[nn.Module, str, str]]] = None,
                        who: str = "HybridDeviceOptimizer") -> None:
-    """Raise if a parameter of ``opt`` was replaced, or its local storage moved, since construction.
-
-    Raises:
-        OffloadError: naming the parameter and what to do (build the optimizer after loading, or
-            load weights in place).
-    """
+    """Raise ``OffloadError`` if a parameter of ``opt``, or its local storage, changed since construction."""
     for p, mine in opt.param_to_local.items():
         name = "?"
         if owners is not None and id(p) in owners:

@@ -1,26 +1,20 @@
 """Host-thread budget of one local rank, NUMA-aware where ``/sys`` tells (private).
 
-Note [Rank thread budget]: ranks on one host share its cores and, above all, its memory
-bandwidth, so each rank's host optimizer step gets its own share of the cores, on the NUMA node of
-its GPU where known. torchrun sets ``OMP_NUM_THREADS=1`` for every rank when it starts more than one
-per node, which would make each host step single-threaded; the budget ignores ``OMP_NUM_THREADS``.
+Note [Rank thread budget]: ranks on one host share its cores and memory bandwidth, so each rank's
+host step gets its own share of the cores, on its GPU's NUMA node where known. ``OMP_NUM_THREADS``
+is ignored (torchrun sets it to 1 for several ranks per node).
 
-    cpus     = this process's affinity (``os.sched_getaffinity``: honours taskset/numactl/cgroups)
-    nodes    = NUMA nodes from /sys/devices/system/node/node*/cpulist, each restricted to ``cpus``
-               (nodes left with no usable CPU are dropped; no /sys -> one node holding ``cpus``)
-    node(r)  = the node of rank r's GPU (``cuda:r``, /sys/bus/pci/devices/<pci>/numa_node) when the
-               local GPUs' nodes are known and r's is usable, shared with the ranks whose GPUs sit on
-               the same node; else nodes[r * len(nodes) // local_world_size] (contiguous blocks), or
-               whole nodes when there are at least as many nodes as local ranks (one process: all)
-    share(r) = the CPUs of node(r) dealt out among the local ranks of that node, in rank order
+    cpus     = this process's affinity (``os.sched_getaffinity``)
+    nodes    = NUMA nodes from /sys/devices/system/node, restricted to ``cpus`` (empty ones dropped;
+               no /sys -> one node holding ``cpus``)
+    node(r)  = the node of rank r's GPU (``cuda:r``) when known and usable, shared with the ranks
+               whose GPUs sit there; else contiguous blocks of ranks per node, or whole nodes when
+               there are at least as many nodes as local ranks
+    share(r) = the CPUs of node(r) dealt out among that node's local ranks, in rank order
     threads  = max(1, len(share(r)) - (1 if len(share(r)) >= 4 else 0))
 
-One core of a share of four or more is left to the Python thread that launches GPU work (the
-optimizer's rule for ``step_in_backward`` and ``delayed_param_update``, Note [Thread budget] in
-``optim/_threads.py``; its default mode steps on the training thread and may take the whole share,
-``len(budget.cpus)``). With one node this is ``usable cpus // local ranks`` (the remainder goes to the
-lowest ranks). The CPU list is returned so a launcher can bind the rank (:func:`bind_to_budget`);
-nothing is bound unless asked.
+One core of a share of four or more is left to the thread that launches GPU work (Note [Thread
+budget] in ``optim/_threads.py``). Nothing is bound unless asked (:func:`bind_to_budget`).
 """
 
 from __future__ import annotations
@@ -120,8 +114,7 @@ class ThreadBudget:
     Attributes:
         threads (int): threads for the host optimizer step (``HybridDeviceOptimizer(cpu_threads=...)``).
         cpus (tuple[int, ...]): the CPU ids this rank's share consists of.
-        numa_node (int): the NUMA node the share lies on (``-1``: no NUMA information, or a share
-            spanning several nodes, as for a single process on a multi-node host).
+        numa_node (int): the NUMA node of the share (``-1``: unknown, or the share spans several nodes).
         local_rank (int): the rank this budget is for.
         local_world_size (int): processes on this host.
     """
@@ -144,29 +137,21 @@ def local_thread_budget(
     """The host-thread budget of one local rank (Note [Rank thread budget] in this module).
 
     Args:
-        local_rank (int | None): this process's rank on the host. Default: ``LOCAL_RANK`` (torchrun), else 0.
+        local_rank (int | None): this process's rank on the host. Default: ``LOCAL_RANK``, else 0.
         local_world_size (int | None): processes on the host. Default: ``LOCAL_WORLD_SIZE``, else 1.
         cpus (list[int] | None): usable CPU ids. Default: ``os.sched_getaffinity(0)``.
         nodes (dict[int, list[int]] | list[list[int]] | None): CPU ids per NUMA node (a list is
-            indexed by node id). Default: read from ``/sys/devices/system/node``; empty means "no
-            NUMA information".
+            indexed by node id; empty: no NUMA information). Default: read from /sys.
         rank_nodes (list[int] | None): NUMA node of each local rank's GPU. Default: read from /sys
-            for ``cuda:0 .. cuda:local_world_size-1`` when this process sees that many GPUs (local rank
-            ``r`` drives ``cuda:r``, as under torchrun), else ranks fill the nodes in contiguous blocks.
-            Nodes with no usable CPU (e.g. outside a ``torchrun --numa-binding`` affinity) are ignored.
+            when this process sees ``local_world_size`` GPUs (rank ``r`` drives ``cuda:r``).
 
     Returns:
-        ThreadBudget: ``threads`` to pass as ``HybridDeviceOptimizer(cpu_threads=...)``, the CPU share
-        and its NUMA node. ``OMP_NUM_THREADS`` (``1`` under torchrun) is deliberately ignored.
+        ThreadBudget: ``threads`` for ``HybridDeviceOptimizer(cpu_threads=...)``, the CPU share and
+        its NUMA node.
 
     Raises:
         ValueError: ``local_world_size < 1``, ``local_rank`` outside ``[0, local_world_size)``, a
             non-integer ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, or no usable CPU.
-
-    Example::
-
-        budget = local_thread_budget()           # under torchrun
-        opt = HybridDeviceOptimizer(model.parameters(), cpu_threads=budget.threads, lr=1e-4)
     """
     lws = _env_int("LOCAL_WORLD_SIZE", 1) if local_world_size is None else local_world_size
     lr = _env_int("LOCAL_RANK", 0) if local_rank is None else local_rank
