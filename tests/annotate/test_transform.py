@@ -89,6 +89,18 @@ def test_bytes_measured_on_first_step_without_example_inputs():
     assert "measured" in repr(plan)
 
 
+def test_plan_says_why_an_offloaded_layer_moved_nothing():
+    model = offload_transform(Stack(L), num_layers=2)  # every saved tensor is below the default threshold
+    run_step(model, X())
+    text = repr(model.offload_plan)
+    assert "bytes/step=0 B [measured]" in text
+    assert ("offloaded layers 0, 1 moved 0 B: all 10 saved tensors of the offloaded layers (288.00 KiB) are < "
+            "min_offload_numel=262144 elements and stay on the device; lower it with min_offload_numel=") in text
+    model = offload_transform(Stack(L), num_layers=2, min_offload_numel=0)
+    run_step(model, X())
+    assert model.offload_plan.bytes_per_step > 0 and "moved 0 B" not in repr(model.offload_plan)
+
+
 def test_meta_estimate_matches_runtime_on_attention_free_model():
     model = Stack(L)
     _transformed(model, 2, example_inputs=(X(),))
