@@ -7,6 +7,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from annotate_offload.config import parse_memory_budget
+
 __all__ = ["Settings", "resolve", "check_count"]
 
 
@@ -107,6 +109,11 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
         s.config_layers = getattr(cfg, "num_layers", None)
     for name, value in (fields or {}).items():
         setattr(s, FIELDS[name], getattr(value, "value", value))
+    if s.memory_budget is not None:
+        try:
+            parse_memory_budget(s.memory_budget)  # before the layers are looked for or measured
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"offload_transform: {e}") from None
     if s.num_layers is None and s.memory_budget is not None:
         s.num_layers = "auto"
     if s.num_layers is None:

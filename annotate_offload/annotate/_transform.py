@@ -108,8 +108,8 @@ def offload_transform(
         ValueError: ``num_layers`` missing, out of ``[0, L)``, or different from the config's;
             no layers found; ``"auto"`` without ``memory_budget``; a budget without
             ``example_inputs``, with ``num_layers=N`` or with ``config.recompute``; a budget that is
-            not a size (``"abc"``), not positive, or below what any plan needs (these three after
-            measuring, naming the smallest feasible budget); empty ``example_inputs``; a config rule.
+            not a size (``"abc"``) or not positive (before anything else), or below what any plan needs
+            (after measuring, naming the smallest feasible budget); empty ``example_inputs``; a config rule.
         OffloadError: the model was already transformed; a layer is registered at two positions
             or belongs to another transformed model; with ``example_inputs``, a layer runs twice in
             one forward. All raised before the model changes.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -21,11 +20,12 @@ __all__ = ["PlannerResult", "plan_offload", "format_bytes"]
 _OPTIMIZERS = ("hybrid", "device", None)
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes in the largest binary unit that keeps it >= 1: ``"2.27 MiB"``, ``"512 B"``."""
+def format_bytes(n: float, up: bool = False) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1: ``"2.27 MiB"``, ``"512 B"``; ``up`` rounds
+    up (``n`` an int), so that the text parsed as a size is at least ``n``."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if abs(n) >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
+            return f"{(-(-int(n) * 100 >> shift) / 100 if up else n / (1 << shift)):.2f} {unit}"
     return f"{int(n)} B"
 
 
@@ -116,9 +116,8 @@ class PlannerResult:
 
 
 def _budget_error(who: str, what: str, smallest: int) -> ValueError:
-    gib = math.ceil(smallest / 2**30 * 100) / 100
-    return ValueError(f"{who}: {what}; the smallest feasible budget for this model and batch is {smallest} bytes "
-                      f"({format_bytes(smallest)}): pass memory_budget >= {smallest}, e.g. '{gib}GiB', or shrink the "
+    return ValueError(f"{who}: {what}; the smallest feasible budget for this model and batch is {smallest} bytes: "
+                      f"pass memory_budget >= {smallest}, e.g. '{format_bytes(smallest, up=True)}', or shrink the "
                       "batch or sequence.")
 
 
@@ -172,8 +171,8 @@ def plan_offload(
 
     Raises:
         TypeError: a budget that is neither a number nor a string; bad ``example_inputs`` or ``measurements``.
-        ValueError: a budget that is not a size (``"abc"``), zero, negative, or below what any plan needs
-            (after measuring: the message gives the smallest feasible budget); no ``example_inputs`` and
+        ValueError: a budget that is not a size (``"abc"``), zero or negative (before measuring), or below
+            what any plan needs (after measuring: the message gives the smallest feasible budget); no ``example_inputs`` and
             no ``measurements``; ``layers`` and ``measurements`` of different lengths; a bad ``optimizer``.
 
     Example::
@@ -183,9 +182,9 @@ def plan_offload(
         opt = HybridDeviceOptimizer(model.parameters(), **result.optimizer_kwargs())
     """
     try:
-        budget, bad = parse_memory_budget(memory_budget), None
-    except ValueError as exc:  # named with the smallest feasible budget once measured
-        budget, bad = 0, str(exc)
+        budget = parse_memory_budget(memory_budget)  # before any profiling
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"plan_offload: {exc}") from None
     check_schedule("plan_offload", release_lag, prefetch_layers)  # before any profiling
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"plan_offload: optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}.")
@@ -222,10 +221,8 @@ def plan_offload(
         found = search(measurements, bandwidth, budget, step, schedules=dict.fromkeys(schedules),
                    host_optimizer=optimizer == "hybrid", keep=keep)
     except Infeasible as exc:
-        what = bad or f"memory_budget={memory_budget!r} ({budget} bytes) cannot be met"
+        what = f"memory_budget={memory_budget!r} ({budget} bytes) cannot be met"
         raise _budget_error("plan_offload", what, exc.smallest) from None
-    if bad is not None:
-        raise _budget_error("plan_offload", bad, found.smallest_budget)
     keep_all = predict(measurements, ("keep",) * len(measurements), bandwidth, step)
     return PlannerResult(choices=found.choices, release_lag=found.release_lag, prefetch_layers=found.prefetch_layers,
                          offload_fraction=found.prediction.offload_fraction, prediction=found.prediction,

@@ -130,6 +130,10 @@ def test_trainer_refuses_before_the_first_step(optimizer, callback, kwargs, matc
     ((), {"config": {"model": {"cpu_offloading": True, "cpu_offloading_num_layers": 2, "pipeline_model_parallel_size": 2}}},
      ValueError, r"no support for Pipeline parallelism"),
     ((), {"config": [("model", {})]}, TypeError, r"config must be a Config, ModelConfig, OptimizerConfig or a mapping"),
+    ((), {"memory_budget": "lots"}, ValueError, r"^OffloadCallback: memory_budget='lots' is not a memory size"),
+    ((), {"memory_budget": -5}, ValueError, r"^OffloadCallback: memory_budget=-5 must be positive"),
+    ((), {"memory_budget": 0}, ValueError, r"^OffloadCallback: memory_budget=0 must be positive"),
+    ((), {"memory_budget": [1]}, TypeError, r"^OffloadCallback: memory_budget must be bytes .* got \[1\]"),
 ])
 def test_callback_checks_its_arguments_at_construction(args, kwargs, error, match):
     with pytest.raises(error, match=match):
