@@ -74,7 +74,7 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
                 "offloaded (as in TransformerEngine), only activations. Use optimizer offload "
                 "(HybridDeviceOptimizer) to move optimizer state off the GPU.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             s.notes.append("cpu_offloading_weights=True ignored: weights are never offloaded")
         if getattr(cfg, "cpu_offloading_double_buffering", False):
@@ -82,7 +82,7 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
                 "offload_transform: config.cpu_offloading_double_buffering=True has no effect (as in "
                 "TransformerEngine's current runtime); reload look-ahead is set with prefetch_layers.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             s.notes.append("cpu_offloading_double_buffering=True has no effect")
         if not getattr(cfg, "cpu_offloading_activations", True):

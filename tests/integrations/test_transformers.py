@@ -87,6 +87,20 @@ def test_trainer_memory_budget_plans_on_the_first_batch():
     assert plan.planner is not None and {lp.choice for lp in plan.layers} != {"keep"}, plan
 
 
+def test_trainer_memory_budget_plans_for_the_optimizer_trainer_built():
+    data = Tokens(16, 64)
+    half = (HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 0.5})
+    probe = trainer(half, [OffloadCallback(memory_budget="1B", min_offload_numel=0)], data=data)
+    with pytest.raises(ValueError, match="smallest feasible budget") as err:
+        probe.train()
+    smallest = int(re.search(r"budget for this model and batch is (\d+) bytes", str(err.value)).group(1))
+    tr = trainer(half, [OffloadCallback(memory_budget=int(smallest * 1.3), min_offload_numel=0)], data=data)
+    tr.train()
+    plan = tr.model.offload_plan
+    assert plan.optimizer_kwargs() == {"offload_fraction": 0.5}
+    assert "optimizer offload_fraction=0.500 (the optimizer's)" in repr(plan)
+
+
 def test_trainer_resume_equals_uninterrupted():
     save = dict(save_strategy="steps", save_steps=2)
     _, full = run(HYBRID, [OffloadCallback(**OFFLOAD)], out="a", **save)

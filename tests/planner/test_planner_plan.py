@@ -85,6 +85,23 @@ def test_the_suggested_budget_has_a_sensible_unit_and_is_not_rounded_down():
         assert parse_memory_budget(format_bytes(n, up=True)) >= n
 
 
+def test_a_given_offload_fraction_is_planned_for_and_only_the_layers_are_searched():
+    free, fixed = plan(10 * GB), plan(10 * GB, offload_fraction=0.5)
+    assert free.offload_fraction == 0.0 and not free.fraction_given
+    assert fixed.offload_fraction == 0.5 and fixed.fraction_given and fixed.prediction.peak_bytes <= 10 * GB
+    assert fixed.choices.count("keep") > free.choices.count("keep")  # half the Adam state is off the device already
+    assert fixed.prediction == predict(SAME, fixed.choices, LINK, STEP, release_lag=fixed.release_lag,
+                                       prefetch_layers=fixed.prefetch_layers, offload_fraction=0.5)
+    assert "optimizer offload_fraction=0.500 (the optimizer's)" in fixed.summary()
+    with pytest.raises(ValueError, match="smallest feasible budget"):  # fits only with more of it on the host
+        plan(plan(4 * GB).prediction.peak_bytes, offload_fraction=0.0)
+    for bad in (1.5, "0.5", True):
+        with pytest.raises(ValueError, match=rf"offload_fraction={bad!r} with optimizer='hybrid'; pass a number"):
+            plan(10 * GB, offload_fraction=bad)
+    with pytest.raises(ValueError, match="offload_fraction=0.5 with optimizer='device'"):
+        plan(10 * GB, offload_fraction=0.5, optimizer="device")
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="example_inputs is None and measurements is None"):
         plan_offload(None, memory_budget=GB)
