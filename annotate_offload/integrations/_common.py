@@ -23,16 +23,18 @@ class Offload:
     Args:
         who (str): the callback's name, for messages.
         num_layers, memory_budget, config, fields: as the callbacks take them.
+        inputs (str): what a budget needs besides (Lightning's ``example_inputs=``), for hints.
 
     Raises:
         TypeError, ValueError: ``offload_transform``'s checks of the arguments; an invalid config.
     """
 
-    def __init__(self, who: str, num_layers: Any, memory_budget: Any, config: Any, fields: dict[str, Any]) -> None:
+    def __init__(self, who: str, num_layers: Any, memory_budget: Any, config: Any, fields: dict[str, Any],
+                 inputs: str = " with example_inputs=") -> None:
         self.who = who
         self.config, self.optimizer_section = (None, False) if config is None else as_config(config, who)
         try:
-            self.settings = resolve(num_layers, self.config, fields, memory_budget)  # None: config.cpu_offloading=False
+            self.settings = resolve(num_layers, self.config, fields, memory_budget, inputs)  # None: cpu_offloading=False
         except (TypeError, ValueError) as e:
             raise type(e)(str(e).replace("offload_transform:", f"{who}:", 1)) from None
         if self.settings is not None and self.settings.num_layers != "auto" and self.settings.num_layers < 0:

@@ -105,7 +105,7 @@ class OffloadCallback(TrainerCallback):
 
     def __init__(self, num_layers: int | None = None, *, memory_budget: int | str | None = None,
                  config: Any = None, **fields: Any) -> None:
-        self._offload = Offload("OffloadCallback", num_layers, memory_budget, config, fields)
+        self._offload = Offload("OffloadCallback", num_layers, memory_budget, config, fields, inputs="")
         self._attached: Any = None  # the optimizer attached to Trainer's DDP model
         self._log_plan = False
 

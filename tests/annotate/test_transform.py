@@ -214,11 +214,14 @@ def test_num_layers_required_and_typed():
         offload_transform("model", num_layers=1)
 
 
-@pytest.mark.parametrize("n", [-1, L, L + 3])
-def test_num_layers_out_of_range(n):
+@pytest.mark.parametrize("n, match", [
+    (-1, rf"^offload_transform: num_layers=-1 is negative; pass 0 <= num_layers <= {L - 1} "),
+    (L, rf"^offload_transform: CPU offloading can be done only for layers less than {L} \(num_layers={L}\)"),
+    (L + 3, rf"^offload_transform: CPU offloading can be done only for layers less than {L} \(num_layers={L + 3}\)")])
+def test_num_layers_out_of_range(n, match):
     model = Stack(L)
     before = dict(model.__dict__)
-    with pytest.raises(ValueError, match=rf"CPU offloading can be done only for layers less than {L} \(num_layers={n}\)"):
+    with pytest.raises(ValueError, match=match):
         offload_transform(model, num_layers=n)
     assert model.__dict__.keys() == before.keys()  # untouched
 

@@ -134,7 +134,8 @@ def test_trainer_refuses_before_the_first_step(optimizer, callback, kwargs, matc
 
 
 @pytest.mark.parametrize("args, kwargs, error, match", [
-    ((), {}, ValueError, r"^OffloadCallback: num_layers is required"),
+    ((), {}, ValueError, r"^OffloadCallback: num_layers is required .* or memory_budget='20GiB' \(the step's peak "
+                         r"device memory\) to plan for it\.$"),
     ((-1,), {}, ValueError, r"OffloadCallback: num_layers=-1: pass 0 <= num_layers < L"),
     ((2,), {"min_ofload_numel": 0}, TypeError, r"unexpected keyword 'min_ofload_numel'"),
     ((), {"config": {"cpu_offloading": True}}, ValueError,
