@@ -239,12 +239,12 @@ class OffloadPlan:
 def _why_nothing_moved(layers: list[int], stats: Any, min_numel: int) -> str:
     """Why offloaded ``layers`` moved 0 B in the measured forward, from the runtime's keep counters."""
     small, why = stats.kept.get("too_small", 0), ""
+    other = ", ".join(f"{r}={n}" for r, n in sorted(stats.kept.items()) if r not in ("too_small", "layer_not_offloaded"))
     if small:
-        every = "all " if stats.tensors_offloaded == 0 else ""
+        every = "all " if not any(stats.bytes_offloaded_per_layer.values()) and not other else ""
         why = (f": {every}{small} saved tensors of the offloaded layers ({_opt_bytes(stats.kept_bytes['too_small'])}) "
                f"are < min_offload_numel={min_numel} elements and stay on the device; lower it with "
                "min_offload_numel=... (offload_transform keyword, callback keyword or config field) to move them")
-    other = ", ".join(f"{r}={n}" for r, n in sorted(stats.kept.items()) if r not in ("too_small", "layer_not_offloaded"))
     return (f"offloaded layer{'s' * (len(layers) > 1)} {', '.join(map(str, layers))} moved 0 B{why}"
             + (f" (also kept on the device: {other})" if other else ""))
 

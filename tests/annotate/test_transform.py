@@ -96,6 +96,10 @@ def test_plan_says_why_an_offloaded_layer_moved_nothing():
     assert "bytes/step=0 B [measured]" in text
     assert ("offloaded layers 0, 1 moved 0 B: all 10 saved tensors of the offloaded layers (288.00 KiB) are < "
             "min_offload_numel=262144 elements and stay on the device; lower it with min_offload_numel=") in text
+    model = offload_transform(Stack(L), num_layers=2, min_offload_numel=5000, offload_policy="opt_in")
+    run_step(model, X())  # some small, the rest not selected: not "all" small
+    assert ("moved 0 B: 2 saved tensors of the offloaded layers (32.00 KiB) are < min_offload_numel=5000 elements"
+            in repr(model.offload_plan)) and "(also kept on the device: not_selected=4, parameter=4)" in repr(model.offload_plan)
     model = offload_transform(Stack(L), num_layers=2, min_offload_numel=0)
     run_step(model, X())
     assert model.offload_plan.bytes_per_step > 0 and "moved 0 B" not in repr(model.offload_plan)
