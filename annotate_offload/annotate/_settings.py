@@ -110,10 +110,7 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None, 
     for name, value in (fields or {}).items():
         setattr(s, FIELDS[name], getattr(value, "value", value))
     if s.memory_budget is not None:
-        try:
-            parse_memory_budget(s.memory_budget)  # before the layers are looked for or measured
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"offload_transform: {e}") from None
+        parse_memory_budget(s.memory_budget, "offload_transform")  # before the layers are looked for or measured
     if s.num_layers is None and s.memory_budget is not None:
         s.num_layers = "auto"
     if s.num_layers is None:

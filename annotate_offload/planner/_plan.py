@@ -118,12 +118,6 @@ class PlannerResult:
         return "\n".join(lines)
 
 
-def _budget_error(who: str, what: str, smallest: int) -> ValueError:
-    return ValueError(f"{who}: {what}; the smallest feasible budget for this model and batch is {smallest} bytes: "
-                      f"pass memory_budget >= {smallest}, e.g. '{format_bytes(smallest, up=True)}', or shrink the "
-                      "batch or sequence.")
-
-
 def plan_offload(
     model: nn.Module | None,
     *,
@@ -188,10 +182,7 @@ def plan_offload(
         print(result)
         opt = HybridDeviceOptimizer(model.parameters(), **result.optimizer_kwargs())
     """
-    try:
-        budget = parse_memory_budget(memory_budget)  # before any profiling
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"plan_offload: {exc}") from None
+    budget = parse_memory_budget(memory_budget, "plan_offload")  # before any profiling
     check_schedule("plan_offload", release_lag, prefetch_layers)  # before any profiling
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"plan_offload: optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}.")
@@ -232,8 +223,10 @@ def plan_offload(
         found = search(measurements, bandwidth, budget, step, schedules=dict.fromkeys(schedules),
                    host_optimizer=optimizer == "hybrid", keep=keep, offload_fraction=offload_fraction)
     except Infeasible as exc:
-        what = f"memory_budget={memory_budget!r} ({budget} bytes) cannot be met"
-        raise _budget_error("plan_offload", what, exc.smallest) from None
+        raise ValueError(f"plan_offload: memory_budget={memory_budget!r} ({budget} bytes) cannot be met; the smallest "
+                         f"feasible budget for this model and batch is {exc.smallest} bytes: pass memory_budget >= "
+                         f"{exc.smallest}, e.g. '{format_bytes(exc.smallest, up=True)}', or shrink the batch or "
+                         "sequence.") from None
     keep_all = predict(measurements, ("keep",) * len(measurements), bandwidth, step)
     return PlannerResult(choices=found.choices, release_lag=found.release_lag, prefetch_layers=found.prefetch_layers,
                          offload_fraction=found.prediction.offload_fraction if offload_fraction is None else
