@@ -238,13 +238,13 @@ def search(
     faster_on_host = step.host_ms < step.device_ms
     best = None
     smallest = math.inf
-    fixed = None if offload_fraction is None else step.host_tensors(offload_fraction)
+    most = all_host if offload_fraction is None else step.host_tensors(offload_fraction)
     for (schedule, plan), sim in found.items():
-        smallest = min(smallest, sim[1] + step.optimizer(all_host if fixed is None else fixed)[0])
+        smallest = min(smallest, sim[1] + step.optimizer(most)[0])
         m = step.fewest_host_tensors(sim[1] + total_state - memory_budget)
-        if m is None or m > (all_host if fixed is None else fixed):
+        if m is None or m > most:
             continue
-        m = fixed if fixed is not None else all_host if faster_on_host else m
+        m = most if faster_on_host or offload_fraction is not None else m
         pred = with_optimizer(sim, step, m)
         key = plan_key(plan, schedule, m, pred)
         if best is None or key < best[0]:
