@@ -142,29 +142,30 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_memory_budget(value: Any) -> int:
+def parse_memory_budget(value: Any, who: str = "") -> int:
     """A memory budget in bytes: an int, a whole float (``4e9``) or a string such as ``"20GiB"``,
     ``"1.5 GB"`` or ``"500MiB"`` (units ``B``, ``KB``/``MB``/``GB``/``TB`` in powers of 1000,
-    ``KiB``/``MiB``/``GiB``/``TiB`` in powers of 1024, any case).
+    ``KiB``/``MiB``/``GiB``/``TiB`` in powers of 1024, any case). ``who`` prefixes the messages.
 
     Raises:
         TypeError: not an int, float or str.
         ValueError: a string that is not a size, a fraction of a byte, or a size that is not positive.
     """
+    name = f"{who}: memory_budget" if who else "memory_budget"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise TypeError(f"memory_budget must be bytes (an int) or a string such as '20GiB', got {value!r} "
+        raise TypeError(f"{name} must be bytes (an int) or a string such as '20GiB', got {value!r} "
                         f"({type(value).__name__}).")
     fix = "pass bytes (an int) or a string such as '20GiB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
     number, unit = value, 1
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
         if match is None or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"memory_budget={value!r} is not a memory size; {fix}.")
+            raise ValueError(f"{name}={value!r} is not a memory size; {fix}.")
         number, unit = float(match.group(1)), _UNITS[match.group(2).lower()]
     if not math.isfinite(number) or unit == 1 and number != int(number):
-        raise ValueError(f"memory_budget={value!r} is not a whole number of bytes; {fix}.")
+        raise ValueError(f"{name}={value!r} is not a whole number of bytes; {fix}.")
     if number <= 0:
-        raise ValueError(f"memory_budget={value!r} must be positive; {fix}.")
+        raise ValueError(f"{name}={value!r} must be positive; {fix}.")
     return int(round(number * unit))
 
 

@@ -130,7 +130,7 @@ def _discover(model: nn.Module) -> tuple[list[LayerRef], str]:
             continue  # nested in an earlier container's blocks
         found.append((fqn, module))
     if not found:
-        return [], "discovery of repeated blocks (nn.ModuleList/nn.Sequential children of one class)"
+        return [], "@offload_layer marks, then at least two nn.ModuleList/nn.Sequential children of one class"
     size = [sum(p.numel() for p in c.parameters()) for _, c in found]
     fqn, container = found[max(range(len(found)), key=lambda k: (size[k], -k))]
     names = [name for name, _ in container.named_children()]

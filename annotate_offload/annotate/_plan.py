@@ -183,6 +183,9 @@ class OffloadPlan:
         else:
             self.layers = tuple(replace(lp, bytes_per_step=value(lp)) for lp in self.layers)
         self.bytes_source = source
+        empty = [lp.index for lp in self.layers if lp.offloaded and not lp.bytes_per_step]
+        if source == "measured" and empty and self.stats is not None:
+            self.notes += (_why_nothing_moved(empty, self.stats, self.runtime.min_offload_numel),)
 
     def _replace_layer(self, index: int, module_type: str) -> None:
         self.layers = tuple(replace(lp, module_type=module_type) if lp.index == index else lp for lp in self.layers)
@@ -231,6 +234,19 @@ class OffloadPlan:
             lines.append("  " + "  ".join(v.ljust(w) if c < 4 else v.rjust(w) for c, (v, w) in enumerate(zip(r, widths))))
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _why_nothing_moved(layers: list[int], stats: Any, min_numel: int) -> str:
+    """Why offloaded ``layers`` moved 0 B in the measured forward, from the runtime's keep counters."""
+    small, why = stats.kept.get("too_small", 0), ""
+    other = ", ".join(f"{r}={n}" for r, n in sorted(stats.kept.items()) if r not in ("too_small", "layer_not_offloaded"))
+    if small:
+        every = "all " if not any(stats.bytes_offloaded_per_layer.values()) and not other else ""
+        why = (f": {every}{small} saved tensors of the offloaded layers ({_opt_bytes(stats.kept_bytes['too_small'])}) "
+               f"are < min_offload_numel={min_numel} elements and stay on the device; lower it with "
+               "min_offload_numel=... (offload_transform keyword, callback keyword or config field) to move them")
+    return (f"offloaded layer{'s' * (len(layers) > 1)} {', '.join(map(str, layers))} moved 0 B{why}"
+            + (f" (also kept on the device: {other})" if other else ""))
 
 
 def _opt_bytes(n: int | None) -> str:

@@ -7,6 +7,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from annotate_offload.config import parse_memory_budget
+
 __all__ = ["Settings", "resolve", "check_count"]
 
 
@@ -42,10 +44,10 @@ FIELDS = {"release_lag": "release_lag", "prefetch_layers": "prefetch_layers",
           "min_offload_numel": "min_offload_numel", "recompute": "recompute", "offload_policy": "policy"}
 
 
-def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
-            memory_budget: Any = None) -> Settings | None:
+def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None, memory_budget: Any = None,
+            inputs: str = " with example_inputs=") -> Settings | None:
     """``num_layers``, ``memory_budget``, the config's fields and keyword ``fields`` over them, checked;
-    ``None`` means the config turns offloading off."""
+    ``None`` means the config turns offloading off. ``inputs``: what a budget needs besides, for hints."""
     unknown = sorted(set(fields or ()) - set(FIELDS))
     if unknown:
         raise TypeError(
@@ -72,7 +74,7 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
                 "offloaded (as in TransformerEngine), only activations. Use optimizer offload "
                 "(HybridDeviceOptimizer) to move optimizer state off the GPU.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             s.notes.append("cpu_offloading_weights=True ignored: weights are never offloaded")
         if getattr(cfg, "cpu_offloading_double_buffering", False):
@@ -80,7 +82,7 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
                 "offload_transform: config.cpu_offloading_double_buffering=True has no effect (as in "
                 "TransformerEngine's current runtime); reload look-ahead is set with prefetch_layers.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             s.notes.append("cpu_offloading_double_buffering=True has no effect")
         if not getattr(cfg, "cpu_offloading_activations", True):
@@ -107,18 +109,20 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
         s.config_layers = getattr(cfg, "num_layers", None)
     for name, value in (fields or {}).items():
         setattr(s, FIELDS[name], getattr(value, "value", value))
+    if s.memory_budget is not None:
+        parse_memory_budget(s.memory_budget, "offload_transform")  # before the layers are looked for or measured
     if s.num_layers is None and s.memory_budget is not None:
         s.num_layers = "auto"
     if s.num_layers is None:
         raise ValueError(
             "offload_transform: num_layers is required (None given, no memory_budget and no config with "
             "cpu_offloading_num_layers); pass num_layers=N to offload the first N layers, or "
-            "memory_budget='20GiB' (the step's peak device memory) with example_inputs= to plan for it."
+            f"memory_budget='20GiB' (the step's peak device memory){inputs} to plan for it."
         )
     if s.num_layers == "auto" and s.memory_budget is None:
         raise ValueError(
             "offload_transform: num_layers='auto' requires memory_budget= (the training step's peak device "
-            "memory, bytes or e.g. '20GiB'); pass it with example_inputs=, or pass num_layers=N."
+            f"memory, bytes or e.g. '20GiB'); pass it{inputs}, or pass num_layers=N."
         )
     if s.num_layers != "auto" and s.memory_budget is not None:
         raise ValueError(
@@ -160,10 +164,14 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None,
 
 
 def check_count(n: int, eligible: int, total: int) -> None:
+    if n < 0 and eligible:
+        raise ValueError(f"offload_transform: num_layers={n} is negative; pass 0 <= num_layers <= {eligible - 1} "
+                         f"(the first N of the model's {eligible} offloadable layers are offloaded; 0 offloads none).")
     if not 0 <= n < eligible:
         kept = f" ({total - eligible} declared @offload_layer(offload=False))" if total != eligible else ""
         fix = (f"choose 0 <= num_layers <= {eligible - 1} (the first N of the {eligible} offloadable layers{kept} "
                "are offloaded; the last one never is)") if eligible else "declare at least two offloadable layers"
         raise ValueError(
-            f"CPU offloading can be done only for layers less than {eligible} (num_layers={n}). Fix: {fix}."
+            f"offload_transform: CPU offloading can be done only for layers less than {eligible} (num_layers={n}). "
+            f"Fix: {fix}."
         )

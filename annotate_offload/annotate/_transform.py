@@ -108,8 +108,8 @@ def offload_transform(
         ValueError: ``num_layers`` missing, out of ``[0, L)``, or different from the config's;
             no layers found; ``"auto"`` without ``memory_budget``; a budget without
             ``example_inputs``, with ``num_layers=N`` or with ``config.recompute``; a budget that is
-            not a size (``"abc"``), not positive, or below what any plan needs (these three after
-            measuring, naming the smallest feasible budget); empty ``example_inputs``; a config rule.
+            not a size (``"abc"``) or not positive (before anything else), or below what any plan needs
+            (after measuring, naming the smallest feasible budget); empty ``example_inputs``; a config rule.
         OffloadError: the model was already transformed; a layer is registered at two positions
             or belongs to another transformed model; with ``example_inputs``, a layer runs twice in
             one forward. All raised before the model changes.
@@ -130,6 +130,14 @@ def offload_transform(
         offload_transform(model, memory_budget="20GiB", example_inputs=(x,))  # on the training device
         opt = HybridDeviceOptimizer(model.parameters(), **model.offload_plan.optimizer_kwargs())
     """
+    return transform(model, num_layers, memory_budget, example_inputs, config, layer_types, filter_fn, config_fields)
+
+
+def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inputs: Any, config: Any,
+              layer_types: Any, filter_fn: Any, config_fields: dict[str, Any],
+              offload_fraction: float | None = None) -> nn.Module:
+    """:func:`offload_transform`; with a budget, ``offload_fraction`` is the split of the optimizer the user
+    already has (the framework callbacks know it), which the plan is made for instead of choosing one."""
     # ---- validate everything before touching the model
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload_transform: model must be an nn.Module, got {type(model).__name__}.")
@@ -167,12 +175,12 @@ def offload_transform(
     notes = list(settings.notes)
     planned = None
     if auto:
-        planned = _plan(model, refs, settings, example_inputs, config, declared_keep)
+        planned = _plan(model, refs, settings, example_inputs, config, declared_keep, offload_fraction)
         choices = list(planned.choices)
         settings.release_lag, settings.prefetch_layers = planned.release_lag, planned.prefetch_layers
         if planned.fits:
             notes.append(planned.summary())
-            warnings.warn(f"offload_transform: {planned.summary()}.", UserWarning, stacklevel=2)
+            warnings.warn(f"offload_transform: {planned.summary()}.", UserWarning, stacklevel=3)
     else:
         n = settings.num_layers
         eligible_idx = [i for i, r in enumerate(refs) if r.offload][:n]  # type: ignore[misc]
@@ -231,7 +239,7 @@ def offload_transform(
             note = f"meta estimate failed ({type(e).__name__}: {first}); bytes measured on the first step"
             plan.notes = plan.notes + (note,)
             warnings.warn(f"offload_transform: example_inputs= could not run the forward: {note}. Check that "
-                          "example_inputs matches model(*example_inputs).", UserWarning, stacklevel=2)
+                          "example_inputs matches model(*example_inputs).", UserWarning, stacklevel=3)
     return model
 
 
@@ -288,7 +296,7 @@ def _check_positions(model: nn.Module, refs: list[LayerRef]) -> None:
 
 
 def _plan(model: nn.Module, refs: list[LayerRef], settings: Any, example_inputs: Any, config: Any,
-          declared_keep: list[bool]) -> Any:
+          declared_keep: list[bool], offload_fraction: float | None) -> Any:
     """The planner's result for the budget, measured under the autocast the step runs in."""
     from annotate_offload.planner import plan_offload
 
@@ -302,7 +310,8 @@ def _plan(model: nn.Module, refs: list[LayerRef], settings: Any, example_inputs:
     optimizer = "device" if getattr(section, "optimizer_cpu_offload", True) is False else "hybrid"
     with region:
         return plan_offload(model, memory_budget=settings.memory_budget, example_inputs=example_inputs,
-                            optimizer=optimizer,
+                            optimizer="hybrid" if offload_fraction is not None else optimizer,
+                            offload_fraction=offload_fraction,
                             layers=[r.module for r in refs], min_offload_numel=_min_numel(settings.min_offload_numel),
                             release_lag=settings.release_lag, prefetch_layers=settings.prefetch_layers,
                             keep=[i for i, k in enumerate(declared_keep) if k])

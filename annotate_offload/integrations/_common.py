@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from ..annotate import offload_transform
+from ..annotate._transform import transform
 from ..annotate._settings import resolve
 from ..config import _SECTIONS, Config, ModelConfig, OptimizerConfig, _closest, _closest_key
 from ..optim import HybridDeviceOptimizer
@@ -23,16 +23,18 @@ class Offload:
     Args:
         who (str): the callback's name, for messages.
         num_layers, memory_budget, config, fields: as the callbacks take them.
+        inputs (str): what a budget needs besides (Lightning's ``example_inputs=``), for hints.
 
     Raises:
         TypeError, ValueError: ``offload_transform``'s checks of the arguments; an invalid config.
     """
 
-    def __init__(self, who: str, num_layers: Any, memory_budget: Any, config: Any, fields: dict[str, Any]) -> None:
+    def __init__(self, who: str, num_layers: Any, memory_budget: Any, config: Any, fields: dict[str, Any],
+                 inputs: str = " with example_inputs=") -> None:
         self.who = who
         self.config, self.optimizer_section = (None, False) if config is None else as_config(config, who)
         try:
-            self.settings = resolve(num_layers, self.config, fields, memory_budget)  # None: config.cpu_offloading=False
+            self.settings = resolve(num_layers, self.config, fields, memory_budget, inputs)  # None: cpu_offloading=False
         except (TypeError, ValueError) as e:
             raise type(e)(str(e).replace("offload_transform:", f"{who}:", 1)) from None
         if self.settings is not None and self.settings.num_layers != "auto" and self.settings.num_layers < 0:
@@ -51,23 +53,14 @@ class Offload:
         return self.settings is not None and model is not self.model
 
     def transform(self, model: nn.Module, example_inputs: Any, opt: HybridDeviceOptimizer | None) -> None:
-        """``offload_transform(model, ...)``; with a budget the planner counts the optimizer as built (on the
-        device unless ``opt``) and a smaller ``offload_fraction`` than the plan's is warned about."""
-        config = self.config
-        if self.budget:
-            config = dataclasses.replace(config or Config(model=ModelConfig(cpu_offloading=True)),
-                                         optimizer=OptimizerConfig(optimizer_cpu_offload=opt is not None))
+        """``offload_transform(model, ...)``; with a budget the plan is made for the optimizer as built:
+        ``opt``'s ``offload_fraction``, or on the device (``0.0``) without a ``HybridDeviceOptimizer``."""
+        fraction = (0.0 if opt is None else opt.defaults["offload_fraction"]) if self.budget else None
         with warnings.catch_warnings():  # the plan keeps the note; the bytes are measured on the first step
             warnings.filterwarnings("ignore", "offload_transform: example_inputs= could not run the forward")
-            offload_transform(model, self.num_layers, memory_budget=self.memory_budget, example_inputs=example_inputs,
-                              config=config, **self.fields)
+            transform(model, self.num_layers, self.memory_budget, example_inputs, self.config, None, None,
+                      self.fields, fraction)
         self.model = model
-        planned = model.offload_plan.optimizer_kwargs()["offload_fraction"]
-        if opt is not None and opt.defaults["offload_fraction"] < planned:
-            warnings.warn(f"{self.who}: the plan for memory_budget={self.settings.memory_budget!r} assumes "
-                          f"HybridDeviceOptimizer(offload_fraction={planned:.3f}) but the optimizer has "
-                          f"{opt.defaults['offload_fraction']:.3f}, so the step may exceed the budget; build it with "
-                          f"offload_fraction={planned:.3f}.", UserWarning, stacklevel=3)
 
 
 def as_config(config: Any, who: str) -> tuple[Config, bool]:

@@ -46,7 +46,8 @@ class OffloadCallback(pl.Callback):
         num_layers (int | None): offload the first ``N`` repeated layers (``0 <= N < L``). Required unless
             ``memory_budget`` or the config's ``cpu_offloading_num_layers``/``memory_budget`` is given.
         memory_budget (int | str | None): the step's peak device memory, e.g. ``"20GiB"``, planned at fit
-            start on ``example_inputs`` under the run's autocast; ``None``: no budget.
+            start on ``example_inputs`` under the run's autocast, for the optimizer ``configure_optimizers``
+            returned (a ``HybridDeviceOptimizer``'s ``offload_fraction``, else on the device); ``None``: no budget.
         example_inputs (Tensor | tuple | dict | None): one training step's inputs to the ``LightningModule``'s
             forward, moved to its device; required with a budget. Default: ``None``.
         config (Config | ModelConfig | Mapping | None): Megatron Bridge names, see :meth:`from_config`.

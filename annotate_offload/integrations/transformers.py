@@ -85,7 +85,8 @@ class OffloadCallback(TrainerCallback):
             ``memory_budget`` or the config's ``cpu_offloading_num_layers``/``memory_budget`` is given.
         memory_budget (int | str | None): the step's peak device memory, e.g. ``"20GiB"``: the planner
             chooses per layer at train begin, measuring the first training batch (taken without
-            advancing the data order) under the run's bf16/fp16 autocast; ``None``: no budget.
+            advancing the data order) under the run's bf16/fp16 autocast, for the optimizer Trainer built (a
+            ``HybridDeviceOptimizer``'s ``offload_fraction``, else on the device); ``None``: no budget.
         config (Config | ModelConfig | Mapping | None): Megatron Bridge names (``model.cpu_offloading``,
             ``cpu_offloading_num_layers``, ``min_offload_numel``, ...); see :meth:`from_config`.
         **fields: ``offload_transform``'s keyword fields: ``min_offload_numel``, ``release_lag``,
@@ -104,7 +105,7 @@ class OffloadCallback(TrainerCallback):
 
     def __init__(self, num_layers: int | None = None, *, memory_budget: int | str | None = None,
                  config: Any = None, **fields: Any) -> None:
-        self._offload = Offload("OffloadCallback", num_layers, memory_budget, config, fields)
+        self._offload = Offload("OffloadCallback", num_layers, memory_budget, config, fields, inputs="")
         self._attached: Any = None  # the optimizer attached to Trainer's DDP model
         self._log_plan = False
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -21,11 +20,12 @@ __all__ = ["PlannerResult", "plan_offload", "format_bytes"]
 _OPTIMIZERS = ("hybrid", "device", None)
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes in the largest binary unit that keeps it >= 1: ``"2.27 MiB"``, ``"512 B"``."""
+def format_bytes(n: float, up: bool = False) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1: ``"2.27 MiB"``, ``"512 B"``; ``up`` rounds
+    up (``n`` an int), so that the text parsed as a size is at least ``n``."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if abs(n) >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
+            return f"{(-(-int(n) * 100 >> shift) / 100 if up else n / (1 << shift)):.2f} {unit}"
     return f"{int(n)} B"
 
 
@@ -50,6 +50,7 @@ class PlannerResult:
         measurements (tuple[LayerMeasurement, ...]), step (StepMeasurement), bandwidth (LinkBandwidth):
             what the plan was computed from.
         search_mode (str): ``"exhaustive"`` (exact optimum of the cost model) or ``"heuristic"``.
+        fraction_given (bool): ``offload_fraction`` was given (the optimizer's), not chosen.
     """
 
     choices: tuple
@@ -63,6 +64,7 @@ class PlannerResult:
     step: StepMeasurement
     bandwidth: LinkBandwidth
     search_mode: str
+    fraction_given: bool = False
 
     @property
     def fits(self) -> bool:
@@ -92,15 +94,16 @@ class PlannerResult:
     def summary(self) -> str:
         """Lines on the budget, the predicted step and peak, the schedule and the optimizer split."""
         p, k, b = self.prediction, self.keep_all, self.memory_budget
+        given = f"; planned for the optimizer's offload_fraction={self.offload_fraction:.3f}" * self.fraction_given
         if self.fits:
             return (f"the model fits memory_budget={format_bytes(b)}: predicted peak {format_bytes(k.peak_bytes)} with "
-                    "every layer kept and the optimizer on the device; nothing is offloaded or recomputed")
+                    f"every layer kept and the optimizer on the device; nothing is offloaded or recomputed{given}")
         counts = ", ".join(f"{self.choices.count(c)} {c}" for c in ("keep", "offload", "recompute", "recompute_offload")
                            if c in self.choices)
         return "\n".join([
             f"plan for memory_budget={format_bytes(b)} ({self.search_mode} search): {counts}; "
             f"release_lag={self.release_lag}, prefetch_layers={self.prefetch_layers}; "
-            f"optimizer offload_fraction={self.offload_fraction:.3f}",
+            f"optimizer offload_fraction={self.offload_fraction:.3f}" + " (the optimizer's)" * self.fraction_given,
             f"  predicted step {p.step_ms:.1f} ms (optimizer {p.optimizer_ms:.1f} ms), peak {format_bytes(p.peak_bytes)}; "
             f"keeping everything: {k.step_ms:.1f} ms, {format_bytes(k.peak_bytes)}",
             f"  link D2H {self.bandwidth.d2h_gbps:.1f} / H2D {self.bandwidth.h2d_gbps:.1f} GB/s ({self.bandwidth.source}); "
@@ -113,13 +116,6 @@ class PlannerResult:
                                   self.prediction.layer_peak_bytes):
             lines.append(f"  {m.name[:24]:<24} {c:<17} {ms:>9.2f} {format_bytes(peak):>11}")
         return "\n".join(lines)
-
-
-def _budget_error(who: str, what: str, smallest: int) -> ValueError:
-    gib = math.ceil(smallest / 2**30 * 100) / 100
-    return ValueError(f"{who}: {what}; the smallest feasible budget for this model and batch is {smallest} bytes "
-                      f"({format_bytes(smallest)}): pass memory_budget >= {smallest}, e.g. '{gib}GiB', or shrink the "
-                      "batch or sequence.")
 
 
 def plan_offload(
@@ -136,6 +132,7 @@ def plan_offload(
     min_offload_numel: int | None = None,
     optimizer: str | None = "hybrid",
     keep: Sequence[int] = (),
+    offload_fraction: float | None = None,
 ) -> PlannerResult:
     """The fastest plan whose predicted peak device memory fits ``memory_budget``.
 
@@ -166,14 +163,17 @@ def plan_offload(
             backward only). Default: ``"hybrid"``.
         keep (Sequence[int]): indices of layers that must not be offloaded (``@offload_layer(offload=False)``);
             they are kept or recomputed. Default: ``()``.
+        offload_fraction (float | None): with ``optimizer="hybrid"``, the split of the optimizer the step
+            uses, in ``[0, 1]``: the search then chooses only the layers and the schedule. ``None``: the
+            search chooses the split too. Default: ``None``.
 
     Returns:
         PlannerResult: the plan; ``print(result)`` shows the prediction per layer and in total.
 
     Raises:
         TypeError: a budget that is neither a number nor a string; bad ``example_inputs`` or ``measurements``.
-        ValueError: a budget that is not a size (``"abc"``), zero, negative, or below what any plan needs
-            (after measuring: the message gives the smallest feasible budget); no ``example_inputs`` and
+        ValueError: a budget that is not a size (``"abc"``), zero or negative (before measuring), or below
+            what any plan needs (after measuring: the message gives the smallest feasible budget); no ``example_inputs`` and
             no ``measurements``; ``layers`` and ``measurements`` of different lengths; a bad ``optimizer``.
 
     Example::
@@ -182,13 +182,14 @@ def plan_offload(
         print(result)
         opt = HybridDeviceOptimizer(model.parameters(), **result.optimizer_kwargs())
     """
-    try:
-        budget, bad = parse_memory_budget(memory_budget), None
-    except ValueError as exc:  # named with the smallest feasible budget once measured
-        budget, bad = 0, str(exc)
+    budget = parse_memory_budget(memory_budget, "plan_offload")  # before any profiling
     check_schedule("plan_offload", release_lag, prefetch_layers)  # before any profiling
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"plan_offload: optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}.")
+    if offload_fraction is not None and (optimizer != "hybrid" or isinstance(offload_fraction, bool) or not
+                                         isinstance(offload_fraction, (int, float)) or not 0 <= offload_fraction <= 1):
+        raise ValueError(f"plan_offload: offload_fraction={offload_fraction!r} with optimizer={optimizer!r}; pass a "
+                         "number in [0, 1] with optimizer='hybrid', or offload_fraction=None to let the search choose.")
     if measurements is None:
         if example_inputs is None:
             raise ValueError("plan_offload: example_inputs is None and measurements is None; pass example_inputs=(x,) "
@@ -220,14 +221,15 @@ def plan_offload(
                  for k, p in SCHEDULES]
     try:
         found = search(measurements, bandwidth, budget, step, schedules=dict.fromkeys(schedules),
-                   host_optimizer=optimizer == "hybrid", keep=keep)
+                   host_optimizer=optimizer == "hybrid", keep=keep, offload_fraction=offload_fraction)
     except Infeasible as exc:
-        what = bad or f"memory_budget={memory_budget!r} ({budget} bytes) cannot be met"
-        raise _budget_error("plan_offload", what, exc.smallest) from None
-    if bad is not None:
-        raise _budget_error("plan_offload", bad, found.smallest_budget)
+        raise ValueError(f"plan_offload: memory_budget={memory_budget!r} ({budget} bytes) cannot be met; the smallest "
+                         f"feasible budget for this model and batch is {exc.smallest} bytes: pass memory_budget >= "
+                         f"{exc.smallest}, e.g. '{format_bytes(exc.smallest, up=True)}', or shrink the batch or "
+                         "sequence.") from None
     keep_all = predict(measurements, ("keep",) * len(measurements), bandwidth, step)
     return PlannerResult(choices=found.choices, release_lag=found.release_lag, prefetch_layers=found.prefetch_layers,
-                         offload_fraction=found.prediction.offload_fraction, prediction=found.prediction,
+                         offload_fraction=found.prediction.offload_fraction if offload_fraction is None else
+                         float(offload_fraction), prediction=found.prediction,
                          keep_all=keep_all, memory_budget=budget, measurements=measurements, step=step,
-                         bandwidth=bandwidth, search_mode=found.mode)
+                         bandwidth=bandwidth, search_mode=found.mode, fraction_given=offload_fraction is not None)

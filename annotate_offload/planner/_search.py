@@ -33,6 +33,9 @@ Note [Planner search]
 
     The smallest feasible budget (given when a budget cannot be met) is the least predicted peak over
     the candidates with the whole optimizer state on the host.
+
+    A given ``offload_fraction`` (the optimizer the user already has) fixes the split: the search then
+    chooses only the layers' choices and the schedule, and the smallest budget is for that split.
 """
 
 from __future__ import annotations
@@ -200,6 +203,7 @@ def search(
     plans: Sequence[Sequence[str]] | None = None,
     keep: Sequence[int] = (),
     exhaustive_limit: int = EXHAUSTIVE_LIMIT,
+    offload_fraction: float | None = None,
 ) -> SearchResult:
     """The fastest predicted plan whose predicted peak is at most ``memory_budget`` bytes.
 
@@ -214,6 +218,7 @@ def search(
         plans (Sequence[Sequence[str]] | None): consider only these choices. Default: ``None``.
         keep (Sequence[int]): layers that are never offloaded (kept or recomputed). Default: ``()``.
         exhaustive_limit (int): enumerate every plan when there are at most this many.
+        offload_fraction (float | None): the optimizer's fixed split; ``None``: chosen. Default: ``None``.
 
     Returns:
         SearchResult: the chosen plan (see Note [Planner search] for ties and monotonicity).
@@ -233,12 +238,13 @@ def search(
     faster_on_host = step.host_ms < step.device_ms
     best = None
     smallest = math.inf
+    most = all_host if offload_fraction is None else step.host_tensors(offload_fraction)
     for (schedule, plan), sim in found.items():
-        smallest = min(smallest, sim[1] + step.optimizer(all_host)[0])
+        smallest = min(smallest, sim[1] + step.optimizer(most)[0])
         m = step.fewest_host_tensors(sim[1] + total_state - memory_budget)
-        if m is None or m > all_host:
+        if m is None or m > most:
             continue
-        m = all_host if faster_on_host else m
+        m = most if faster_on_host or offload_fraction is not None else m
         pred = with_optimizer(sim, step, m)
         key = plan_key(plan, schedule, m, pred)
         if best is None or key < best[0]:

@@ -90,11 +90,24 @@ def test_a_model_that_fits_keeps_everything_with_a_one_line_warning():
     assert plan.optimizer_kwargs() == {"offload_fraction": 0.0}
 
 
-@pytest.mark.parametrize("budget", ["abc", 0, -5, 1, "1KiB"])
-def test_bad_budgets_name_the_smallest_feasible_budget_and_leave_the_model_alone(budget):
+@pytest.mark.parametrize("budget", [1, "1KiB"])
+def test_small_budgets_name_the_smallest_feasible_budget_and_leave_the_model_alone(budget):
     model = Stack(4)
     with pytest.raises(ValueError, match=r"memory_budget=.*the smallest feasible budget for this model and batch is \d+"):
         offload_transform(model, memory_budget=budget, example_inputs=(X,))
+    assert "offload_plan" not in model.__dict__ and "forward" not in model.layers[0].__dict__
+
+
+@pytest.mark.parametrize("inputs", [(X,), None], ids=["example_inputs", "no_inputs"])
+@pytest.mark.parametrize("budget, error, match", [
+    ("lots", ValueError, r"memory_budget='lots' is not a memory size; pass bytes .*TiB\)\.$"),
+    (0, ValueError, "memory_budget=0 must be positive"), (-5, ValueError, "memory_budget=-5 must be positive"),
+    ([1], TypeError, r"memory_budget must be bytes .* got \[1\] \(list\)")])
+def test_bad_budgets_are_refused_before_anything_is_measured(monkeypatch, inputs, budget, error, match):
+    monkeypatch.setattr(planner, "plan_offload", lambda *a, **k: pytest.fail("measured before checking"))
+    model = Stack(4)
+    with pytest.raises(error, match=rf"^offload_transform: {match}"):
+        offload_transform(model, memory_budget=budget, example_inputs=inputs)
     assert "offload_plan" not in model.__dict__ and "forward" not in model.layers[0].__dict__
 
 

@@ -119,7 +119,8 @@ def test_selection_errors():
         find_layers(m, filter_fn=lambda mod: True)
     refs, _ = find_layers(m, filter_fn=lambda *a: a[1] == "layers.0")  # *args is fine
     assert [r.fqn for r in refs] == ["layers.0"]
-    with pytest.raises(ValueError, match="found no layers in Linear"):
+    with pytest.raises(ValueError, match=r"found no layers in Linear \(looked for @offload_layer marks, then at least "
+                                         r"two nn.ModuleList/nn.Sequential children of one class\); mark"):
         find_layers(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"found no layers in Stack \(looked for layer_types=\(Conv2d\)\)"):
         find_layers(m, layer_types=nn.Conv2d)

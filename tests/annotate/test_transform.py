@@ -89,6 +89,22 @@ def test_bytes_measured_on_first_step_without_example_inputs():
     assert "measured" in repr(plan)
 
 
+def test_plan_says_why_an_offloaded_layer_moved_nothing():
+    model = offload_transform(Stack(L), num_layers=2)  # every saved tensor is below the default threshold
+    run_step(model, X())
+    text = repr(model.offload_plan)
+    assert "bytes/step=0 B [measured]" in text
+    assert ("offloaded layers 0, 1 moved 0 B: all 10 saved tensors of the offloaded layers (288.00 KiB) are < "
+            "min_offload_numel=262144 elements and stay on the device; lower it with min_offload_numel=") in text
+    model = offload_transform(Stack(L), num_layers=2, min_offload_numel=5000, offload_policy="opt_in")
+    run_step(model, X())  # some small, the rest not selected: not "all" small
+    assert ("moved 0 B: 2 saved tensors of the offloaded layers (32.00 KiB) are < min_offload_numel=5000 elements"
+            in repr(model.offload_plan)) and "(also kept on the device: not_selected=4, parameter=4)" in repr(model.offload_plan)
+    model = offload_transform(Stack(L), num_layers=2, min_offload_numel=0)
+    run_step(model, X())
+    assert model.offload_plan.bytes_per_step > 0 and "moved 0 B" not in repr(model.offload_plan)
+
+
 def test_meta_estimate_matches_runtime_on_attention_free_model():
     model = Stack(L)
     _transformed(model, 2, example_inputs=(X(),))
@@ -202,11 +218,14 @@ def test_num_layers_required_and_typed():
         offload_transform("model", num_layers=1)
 
 
-@pytest.mark.parametrize("n", [-1, L, L + 3])
-def test_num_layers_out_of_range(n):
+@pytest.mark.parametrize("n, match", [
+    (-1, rf"^offload_transform: num_layers=-1 is negative; pass 0 <= num_layers <= {L - 1} "),
+    (L, rf"^offload_transform: CPU offloading can be done only for layers less than {L} \(num_layers={L}\)"),
+    (L + 3, rf"^offload_transform: CPU offloading can be done only for layers less than {L} \(num_layers={L + 3}\)")])
+def test_num_layers_out_of_range(n, match):
     model = Stack(L)
     before = dict(model.__dict__)
-    with pytest.raises(ValueError, match=rf"CPU offloading can be done only for layers less than {L} \(num_layers={n}\)"):
+    with pytest.raises(ValueError, match=match):
         offload_transform(model, num_layers=n)
     assert model.__dict__.keys() == before.keys()  # untouched
 

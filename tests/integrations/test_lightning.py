@@ -121,6 +121,16 @@ def test_lightning_refuses_before_the_first_step(optimizer, callback, kwargs, ma
     assert all(torch.equal(a, b) for a, b in zip(weights, lit.parameters()))
 
 
+@pytest.mark.parametrize("budget, error, match", [
+    ("lots", ValueError, "memory_budget='lots' is not a memory size"), (-5, ValueError, "memory_budget=-5 must be positive"),
+    (0, ValueError, "memory_budget=0 must be positive"), ([1], TypeError, r"memory_budget must be bytes .* got \[1\]")])
+def test_lightning_checks_the_budget_at_construction(budget, error, match):
+    with pytest.raises(error, match=rf"^OffloadCallback: {match}"):
+        OffloadCallback(memory_budget=budget, example_inputs=(torch.zeros(1, 4, dtype=torch.long),))
+    with pytest.raises(error, match=rf"^OffloadCallback: {match}"):  # the bad value first, then the missing inputs
+        OffloadCallback(memory_budget=budget)
+
+
 def test_lightning_memory_budget_plans_on_example_inputs():
     example = (tokens(4, 64)[:4],)  # one step's batch; activations outweigh weights and optimizer state here
     with pytest.raises(ValueError, match=r"memory_budget='1GiB' needs example_inputs="):

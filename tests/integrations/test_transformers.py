@@ -87,6 +87,20 @@ def test_trainer_memory_budget_plans_on_the_first_batch():
     assert plan.planner is not None and {lp.choice for lp in plan.layers} != {"keep"}, plan
 
 
+def test_trainer_memory_budget_plans_for_the_optimizer_trainer_built():
+    data = Tokens(16, 64)
+    half = (HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 0.5})
+    probe = trainer(half, [OffloadCallback(memory_budget="1B", min_offload_numel=0)], data=data)
+    with pytest.raises(ValueError, match="smallest feasible budget") as err:
+        probe.train()
+    smallest = int(re.search(r"budget for this model and batch is (\d+) bytes", str(err.value)).group(1))
+    tr = trainer(half, [OffloadCallback(memory_budget=int(smallest * 1.3), min_offload_numel=0)], data=data)
+    tr.train()
+    plan = tr.model.offload_plan
+    assert plan.optimizer_kwargs() == {"offload_fraction": 0.5}
+    assert "optimizer offload_fraction=0.500 (the optimizer's)" in repr(plan)
+
+
 def test_trainer_resume_equals_uninterrupted():
     save = dict(save_strategy="steps", save_steps=2)
     _, full = run(HYBRID, [OffloadCallback(**OFFLOAD)], out="a", **save)
@@ -120,7 +134,8 @@ def test_trainer_refuses_before_the_first_step(optimizer, callback, kwargs, matc
 
 
 @pytest.mark.parametrize("args, kwargs, error, match", [
-    ((), {}, ValueError, r"^OffloadCallback: num_layers is required"),
+    ((), {}, ValueError, r"^OffloadCallback: num_layers is required .* or memory_budget='20GiB' \(the step's peak "
+                         r"device memory\) to plan for it\.$"),
     ((-1,), {}, ValueError, r"OffloadCallback: num_layers=-1: pass 0 <= num_layers < L"),
     ((2,), {"min_ofload_numel": 0}, TypeError, r"unexpected keyword 'min_ofload_numel'"),
     ((), {"config": {"cpu_offloading": True}}, ValueError,
@@ -130,6 +145,10 @@ def test_trainer_refuses_before_the_first_step(optimizer, callback, kwargs, matc
     ((), {"config": {"model": {"cpu_offloading": True, "cpu_offloading_num_layers": 2, "pipeline_model_parallel_size": 2}}},
      ValueError, r"no support for Pipeline parallelism"),
     ((), {"config": [("model", {})]}, TypeError, r"config must be a Config, ModelConfig, OptimizerConfig or a mapping"),
+    ((), {"memory_budget": "lots"}, ValueError, r"^OffloadCallback: memory_budget='lots' is not a memory size"),
+    ((), {"memory_budget": -5}, ValueError, r"^OffloadCallback: memory_budget=-5 must be positive"),
+    ((), {"memory_budget": 0}, ValueError, r"^OffloadCallback: memory_budget=0 must be positive"),
+    ((), {"memory_budget": [1]}, TypeError, r"^OffloadCallback: memory_budget must be bytes .* got \[1\]"),
 ])
 def test_callback_checks_its_arguments_at_construction(args, kwargs, error, match):
     with pytest.raises(error, match=match):

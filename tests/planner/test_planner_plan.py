@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from annotate_offload.models.gpt import GPTConfig, GPTStack
-from annotate_offload.planner import PlannerResult, plan_offload
+from annotate_offload.config import parse_memory_budget
+from annotate_offload.planner import PlannerResult, _plan as plan_module, plan_offload
+from annotate_offload.planner._plan import format_bytes
 from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, StepMeasurement, predict
 
 GB = 10**9
@@ -53,20 +55,54 @@ def test_a_tight_budget_moves_optimizer_state_only_when_recompute_is_not_enough(
         plan(full.peak_bytes - GB, optimizer="device")
 
 
-@pytest.mark.parametrize("budget", ["abc", 0, -1, "0GiB", 2.5, "20G", 1000])
-def test_bad_budgets_name_the_smallest_feasible_budget(budget):
+@pytest.mark.parametrize("budget, error, match", [
+    ("abc", ValueError, "is not a memory size"), (0, ValueError, "must be positive"), (-1, ValueError, "must be positive"),
+    ("0GiB", ValueError, "must be positive"), (2.5, ValueError, "not a whole number of bytes"),
+    ("20G", ValueError, "is not a memory size"), ([4], TypeError, "must be bytes")])
+def test_bad_budgets_are_refused_before_measuring(monkeypatch, budget, error, match):
+    monkeypatch.setattr(plan_module, "measure", lambda *a, **k: pytest.fail("measured before checking"))
+    with pytest.raises(error, match=rf"^plan_offload: memory_budget.*{match}") as info:
+        plan_offload(torch.nn.Linear(2, 2), memory_budget=budget, example_inputs=(torch.ones(2),))
+    assert "smallest feasible" not in str(info.value) and ".;" not in str(info.value)
+
+
+def test_a_budget_below_what_any_plan_needs_names_the_smallest_feasible_budget():
     with pytest.raises(ValueError, match=r"the smallest feasible budget for this model and batch is (\d+) bytes") as info:
-        plan(budget)
+        plan(1000)
     smallest = int(re.search(r"is (\d+) bytes", str(info.value)).group(1))
     assert plan(smallest).prediction.peak_bytes <= smallest
-    assert f"memory_budget={budget!r}" in str(info.value)
+    assert "memory_budget=1000 (1000 bytes) cannot be met" in str(info.value)
+    suggested = re.search(r"e\.g\. '([^']+)'", str(info.value)).group(1)
+    assert suggested == format_bytes(smallest, up=True) and parse_memory_budget(suggested) >= smallest
     with pytest.raises(ValueError, match=f"is {smallest} bytes"):
         plan(smallest - 1)
 
 
+def test_the_suggested_budget_has_a_sensible_unit_and_is_not_rounded_down():
+    assert format_bytes(int(1.5 * 2**20), up=True) == "1.50 MiB" and format_bytes(int(1.5 * 2**20) + 1, up=True) == "1.51 MiB"
+    assert format_bytes(512, up=True) == "512 B" and format_bytes(3 * 2**30 + 1, up=True) == "3.01 GiB"
+    for n in (1, 1023, 1024, 1025, 10**6, 123456789, 5 * 10**9 + 7):
+        assert parse_memory_budget(format_bytes(n, up=True)) >= n
+
+
+def test_a_given_offload_fraction_is_planned_for_and_only_the_layers_are_searched():
+    free, fixed = plan(10 * GB), plan(10 * GB, offload_fraction=0.5)
+    assert free.offload_fraction == 0.0 and not free.fraction_given
+    assert fixed.offload_fraction == 0.5 and fixed.fraction_given and fixed.prediction.peak_bytes <= 10 * GB
+    assert fixed.choices.count("keep") > free.choices.count("keep")  # half the Adam state is off the device already
+    assert fixed.prediction == predict(SAME, fixed.choices, LINK, STEP, release_lag=fixed.release_lag,
+                                       prefetch_layers=fixed.prefetch_layers, offload_fraction=0.5)
+    assert "optimizer offload_fraction=0.500 (the optimizer's)" in fixed.summary()
+    with pytest.raises(ValueError, match="smallest feasible budget"):  # fits only with more of it on the host
+        plan(plan(4 * GB).prediction.peak_bytes, offload_fraction=0.0)
+    for bad in (1.5, "0.5", True):
+        with pytest.raises(ValueError, match=rf"offload_fraction={bad!r} with optimizer='hybrid'; pass a number"):
+            plan(10 * GB, offload_fraction=bad)
+    with pytest.raises(ValueError, match="offload_fraction=0.5 with optimizer='device'"):
+        plan(10 * GB, offload_fraction=0.5, optimizer="device")
+
+
 def test_bad_arguments():
-    with pytest.raises(TypeError, match="memory_budget must be bytes"):
-        plan([4])
     with pytest.raises(ValueError, match="example_inputs is None and measurements is None"):
         plan_offload(None, memory_budget=GB)
     with pytest.raises(TypeError, match=r"measurements\[0\] is a float"):
