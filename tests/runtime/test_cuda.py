@@ -21,7 +21,8 @@ from annotate_offload.runtime import DefaultOffloadSynchronizer
 from annotate_offload.runtime._pinned_pool import PinnedBufferPool
 from annotate_offload.runtime._device import get_backend
 
-from ._models import assert_bit_identical, clone, grads, make_stack, run_offloaded, run_plain
+from ._models import (CHECKPOINTED_TANH_THEN_SUM, assert_bit_identical, clone, grads, make_stack,
+                      run_offloaded, run_plain)
 
 pytestmark = pytest.mark.cuda
 
@@ -440,12 +441,7 @@ def test_a_checkpointed_layer_offloads_its_inputs_on_cuda_without_a_device():
     bind the step to the CPU backend; the layer's CUDA input is offloaded."""
     x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
     ctx, sync_fn = ao.get_cpu_offload_context(True, 1, 2)
-    with ctx:
-        h = torch.utils.checkpoint.checkpoint(torch.tanh, x, use_reentrant=False)
-    h = sync_fn(h)
-    with ctx:
-        y = h.sum()
-    sync_fn(y).backward()
+    run_offloaded(CHECKPOINTED_TANH_THEN_SUM, x, ctx, sync_fn).backward()
     assert ctx.offload_synchronizer.backend.device_type == "cuda"
     assert ctx.offload_synchronizer.stats.bytes_offloaded == x.nbytes
     xr = x.detach().clone().requires_grad_()

@@ -7,6 +7,8 @@ import torch
 
 import annotate_offload as ao
 
+from ._models import CHECKPOINTED_TANH_THEN_SUM, run_offloaded
+
 
 def test_without_a_device_the_backend_follows_the_saved_tensors(monkeypatch):
     """On a machine with CUDA, a CPU model needs no device='cpu': nothing is bound (or initialised)
@@ -38,10 +40,5 @@ def test_a_cpu_tensor_saved_first_does_not_bind_the_step(monkeypatch):
     monkeypatch.setattr(OffloadSynchronizer, "_bind_to", lambda self, t: (bound.append(t.device), real(self, t)))
     ctx, sync_fn = ao.get_cpu_offload_context(True, 1, 2, min_offload_numel=0)
     x = torch.randn(32, 64, requires_grad=True)
-    with ctx:
-        h = torch.utils.checkpoint.checkpoint(torch.tanh, x, use_reentrant=False)
-    h = sync_fn(h)
-    with ctx:
-        y = h.sum()
-    sync_fn(y).backward()
+    run_offloaded(CHECKPOINTED_TANH_THEN_SUM, x, ctx, sync_fn).backward()
     assert bound == [] and ctx.offload_synchronizer.stats.bytes_offloaded == x.nbytes
