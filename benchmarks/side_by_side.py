@@ -7,7 +7,9 @@ Cases: ``W1`` (8 x h4096 bf16 GPT blocks, 2 x 4096 tokens, 7 layers offloaded wi
 ``release_lag=1, prefetch_layers=1``), ``W2`` (8 x h8192, 1 x 4096 tokens, 2 layers offloaded),
 ``W3-<mode>`` (24 x h2048 fp32 blocks under bf16 autocast, 4 x 1024 tokens, AdamW state fully on
 the host; mode ``exact``, ``og`` = ``offload_gradients``, ``sib`` = ``step_in_backward``,
-``delayed`` = ``delayed_param_update``). Each process prints the median step (CUDA events) and the
+``delayed`` = ``delayed_param_update``; ``torchao`` and ``torchao-og``: torchao's ``CPUOffloadOptimizer``
+over fused AdamW without and with ``offload_gradients``, run once per round, needing no ``--old``).
+Each process prints the median step (CUDA events) and the
 peak of ``torch.cuda.max_memory_allocated`` over the timed steps; the table gives every round and
 the medians. Needs a CUDA GPU; both versions must take the calls above.
 """
@@ -21,9 +23,12 @@ import statistics
 import subprocess
 import sys
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 W3_MODES = {"exact": {}, "og": {"offload_gradients": True},
             "sib": {"offload_gradients": True, "step_in_backward": True},
             "delayed": {"offload_gradients": True, "delayed_param_update": True}}
+PEER_MODES = {"torchao": False, "torchao-og": True}  # torchao's CPUOffloadOptimizer: offload_gradients
 
 
 def run_case(case: str, warmup: int, steps: int) -> dict:
@@ -46,8 +51,15 @@ def run_case(case: str, warmup: int, steps: int) -> dict:
     else:
         model = GPTStack(GPTConfig(hidden=2048, heads=16, layers=24), device="cuda", dtype=torch.float32)
         x = torch.randn(4, 1024, 2048, device="cuda")
-        opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, lr=1e-4,
-                                    **W3_MODES[case.split("-", 1)[1]])
+        mode = case.split("-", 1)[1]
+        if mode in PEER_MODES:
+            from _peers import make_torchao_cpu_offload_optimizer
+
+            opt = make_torchao_cpu_offload_optimizer(model.parameters(), lr=1e-4, offload_gradients=PEER_MODES[mode])
+            if opt is None:
+                raise RuntimeError("torchao does not import")
+        else:
+            opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, lr=1e-4, **W3_MODES[mode])
 
         def step():
             with torch.autocast("cuda", torch.bfloat16):
@@ -72,8 +84,8 @@ def run_case(case: str, warmup: int, steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--old", required=True, help="checkout of the other version (its annotate_offload is imported)")
-    p.add_argument("--new", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    p.add_argument("--old", help="checkout of the other version (its annotate_offload is imported)")
+    p.add_argument("--new", default=os.path.dirname(HERE),
                    help="checkout of this version (default: this one)")
     p.add_argument("--cases", default="W1,W2,W3-exact,W3-og")
     p.add_argument("--rounds", type=int, default=3)
@@ -86,17 +98,20 @@ def main() -> None:
         print(json.dumps(run_case(args.one[1], args.warmup, args.steps)))
         return
     cases = [c for c in args.cases.split(",") if c]
-    bad = [c for c in cases if c not in ("W1", "W2") and c.removeprefix("W3-") not in W3_MODES]
+    bad = [c for c in cases if c not in ("W1", "W2") and c.removeprefix("W3-") not in {**W3_MODES, **PEER_MODES}]
     if bad or args.rounds < 1:
         p.error(f"unknown case {bad[0]!r}" if bad else "--rounds must be >= 1")
-    items = [(v, c) for c in cases for v in ("old", "new")]
+    versions = ("new",) if args.old is None else ("old", "new")
+    items = [("peer" if c.removeprefix("W3-") in PEER_MODES else v, c) for c in cases for v in versions
+             if v == "new" or c.removeprefix("W3-") not in PEER_MODES]
     rows: dict = {}
     for r in range(args.rounds):
         for version, case in items[r % len(items):] + items[:r % len(items)]:
-            checkout = os.path.abspath(getattr(args, version))
-            out = subprocess.run([sys.executable, __file__, "--old", checkout, "--one", checkout, case,
+            checkout = os.path.abspath(args.new if version == "peer" else getattr(args, version))
+            out = subprocess.run([sys.executable, __file__, "--one", checkout, case,
                                   "--warmup", str(args.warmup), "--steps", str(args.steps)],
-                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": checkout})
+                                 capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join([checkout, HERE, os.environ.get("PYTHONPATH", "")])})
             lines = out.stdout.strip().splitlines()
             rows.setdefault((case, version), []).append(json.loads(lines[-1]) if out.returncode == 0 and lines
                                                         else {"error": out.stderr.strip().splitlines()[-1:]})
