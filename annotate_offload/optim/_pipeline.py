@@ -27,13 +27,12 @@ import functools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch.profiler import record_function
 
 from ..errors import OffloadError
-from . import _amp
 from ._device import carve
 from ._split import local_grad, local_tensor, make_chunks, split_serial
 from ._threads import CpuWorker, num_threads
@@ -126,6 +125,37 @@ class Chunk:
 def scale_(buf: torch.Tensor, grad_dtype: torch.dtype, coef: torch.Tensor) -> None:
     """Multiply a host gradient buffer by ``coef`` as the device multiplies a gradient of ``grad_dtype``."""
     buf.mul_(coef) if buf.dtype == grad_dtype else buf.copy_(buf.to(grad_dtype).mul_(coef))
+
+
+class AmpStep(NamedTuple):
+    """What GradScaler asked of one ``step()`` (Note [GradScaler] in ``_hybrid.py``)."""
+
+    skip: bool  # inf/NaN found: step nothing
+    scale: Optional[torch.Tensor] = None  # the scaler's scale and found_inf (their device); None: no unscaling
+    found: Optional[torch.Tensor] = None
+    host_scale: Optional[torch.Tensor] = None  # CPU copies for the host half (the scaler changes its own
+    host_found: Optional[torch.Tensor] = None  # in place, maybe before a delayed host step runs)
+    host_inv: Optional[torch.Tensor] = None  # 1 / host_scale, for host classes that take no scale
+
+
+def takes_scale(opt: torch.optim.Optimizer, amp: Optional[AmpStep]) -> Optional[bool]:
+    """Who unscales ``opt``'s gradients in this step: ``None`` nobody (no scale to undo), ``True``
+    ``opt.step()`` itself (:func:`handed_over`), ``False`` the caller first (GradScaler's ``unscale_``)."""
+    return None if amp is None or amp.scale is None else bool(getattr(opt, "_step_supports_amp_scaling", False))
+
+
+@contextlib.contextmanager
+def handed_over(opt: torch.optim.Optimizer, amp: Optional[AmpStep], *, host: bool) -> Iterator[None]:
+    """``grad_scale``/``found_inf`` set on ``opt`` for one ``opt.step()``, as GradScaler hands them to
+    torch's fused optimizers, when this step unscales and ``opt`` supports it."""
+    if not takes_scale(opt, amp):
+        yield
+        return
+    opt.grad_scale, opt.found_inf = (amp.host_scale, amp.host_found) if host else (amp.scale, amp.found)
+    try:
+        yield
+    finally:
+        del opt.grad_scale, opt.found_inf
 
 
 def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, Any], bool]:
@@ -230,7 +260,7 @@ class HostPipeline:
         self.optimizers = [c.opt for c in self.chunks]
         self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
         self.closed = self.device_done = False  # device_done: Note [Failed steps]
-        self.amp: Optional[_amp.AmpStep] = None
+        self.amp: Optional[AmpStep] = None
         self._owned: Optional[list[bool]] = None  # per chunk, under host-step sharding (DDP)
         self._buf = self._seq = 0
         self._begun = self._applying = self._retry = False
@@ -404,7 +434,7 @@ class HostPipeline:
             self._copy(todo, stream)
 
     # ------------------------------------------------------------------ the step
-    def step(self, device_step: Callable[[Optional[_amp.AmpStep]], None], amp_begin: Callable[[], Any]) -> None:
+    def step(self, device_step: Callable[[Optional[AmpStep]], None], amp_begin: Callable[[], Any]) -> None:
         """One step of both halves; ``device_step(amp)`` steps the device half (Note [Host step lifecycle])."""
         side = self.side
         cur = side.current_stream()
@@ -507,7 +537,7 @@ class HostPipeline:
         self._worker.submit(functools.partial(self._run, *args))
 
     def _run(self, ci: int, plan: tuple[list[Slot], Any, list], buf: int, in_backward: bool,
-             amp: Optional[_amp.AmpStep]) -> None:
+             amp: Optional[AmpStep]) -> None:
         """Host step of chunk ``ci`` with gradient buffer ``buf``, grad mode off and the H2D stream current
         (the training thread in the default mode, else the worker; ``in_backward``: submitted by a
         gradient hook, Note [H2D ordering])."""
@@ -526,12 +556,12 @@ class HostPipeline:
             for coef, cev in coefs:
                 side.synchronize(cev)
                 scale_(s.bufs[buf], s.local.dtype, coef)
-        if amp is not None and _amp.takes_scale(c.opt, amp) is False:
+        if amp is not None and takes_scale(c.opt, amp) is False:
             for s in slots:
                 scale_(s.bufs[buf], s.local.dtype, amp.host_inv)  # Note [GradScaler]: unscale_'s multiply
         if slots:
             with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL, \
-                    _amp.handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
+                    handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
                 c.opt.step()
         for s in slots:
             if s.staging is not None:

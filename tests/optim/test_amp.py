@@ -1,4 +1,4 @@
-"""HybridDeviceOptimizer under torch.amp.GradScaler (Note [GradScaler] in annotate_offload/optim/_amp.py).
+"""HybridDeviceOptimizer under torch.amp.GradScaler (Note [GradScaler] in annotate_offload/optim/_hybrid.py).
 
 Fresh-user report (seventh session): GradScaler's unscale_ rescales p.grad in place without
 bumping its version, so the overlapped path stepped the host half on the hooks' still-scaled
