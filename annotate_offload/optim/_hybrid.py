@@ -160,11 +160,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         host = choose_offloaded([g["params"] for g in self.param_groups], float(offload_fraction),
                                 lambda p: side.owns(local_tensor(p)))
         self._slots = [Slot(p, i, gi, pi, host[gi][pi], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
-        self.pipeline = HostPipeline(
-            [s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl, side=side,
-            fp32=param_update_in_fp32, pin_params=pin_cpu_params, pin_grads=pin_cpu_grads, chunk_bytes=chunk_bytes,
-            overlap=overlap_cpu_optimizer_d2h_h2d, offload_grads=offload_gradients, in_backward=step_in_backward,
-            delayed=delayed_param_update, threads=threads, begin=self._begin)
+        self.pipeline = HostPipeline([s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl,
+                                     self.defaults, side=side, threads=threads, begin=self._begin)
         self.cpu_optimizers = self.pipeline.optimizers
         self.gpu_optimizer: Optional[torch.optim.Optimizer] = None
         links = list(self.pipeline.links)

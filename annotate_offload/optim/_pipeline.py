@@ -224,21 +224,22 @@ class HostPipeline:
     """The host half of a :class:`HybridDeviceOptimizer` (Note [Host step lifecycle]); its public
     attributes and methods are the protocol the rest of the package uses."""
 
-    def __init__(self, slots: list[Slot], groups: list[dict[str, Any]], cls: type, impl: dict[str, Any], *, side: Any,
-                 fp32: bool, pin_params: bool, pin_grads: bool, chunk_bytes: int, overlap: bool, offload_grads: bool,
-                 in_backward: bool, delayed: bool, threads: int, begin: Callable[[], None]) -> None:
-        self.side, self.overlap, self.offload_grads = side, overlap, offload_grads
-        self.in_backward, self.delayed, self.threads = in_backward, delayed, threads
+    def __init__(self, slots: list[Slot], groups: list[dict[str, Any]], cls: type, impl: dict[str, Any],
+                 opts: dict[str, Any], *, side: Any, threads: int, begin: Callable[[], None]) -> None:
+        self.side, self.threads = side, threads  # opts: the optimizer's defaults (its constructor's options)
+        self.overlap, self.offload_grads = opts["overlap_cpu_optimizer_d2h_h2d"], opts["offload_gradients"]
+        self.in_backward, self.delayed = opts["step_in_backward"], opts["delayed_param_update"]
         self._begin = weakref.WeakMethod(begin)  # the optimizer's once-per-step preparation
+        fp32, chunk_bytes, overlap = opts["param_update_in_fp32"], opts["chunk_bytes"], self.overlap
         slots = self.slots = slots[::-1]  # backward lands the last ones first
         self._slot = {id(s.param): s for s in slots}
         mdt = [torch.float32 if fp32 and s.local.is_floating_point() else s.local.dtype for s in slots]
         numels = [s.local.numel() for s in slots]
-        self.pin_grads = pin_grads and side.can_pin
+        self.pin_grads = opts["pin_cpu_grads"] and side.can_pin
         staged = [i for i, s in enumerate(slots) if mdt[i] != s.local.dtype]  # bf16 staging of fp32 masters
         masters = carve(numels + [numels[i] for i in staged], mdt + [slots[i].local.dtype for i in staged],
-                        pin=pin_params and side.can_pin, what="host masters")
-        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(2 if delayed else 1)]
+                        pin=opts["pin_cpu_params"] and side.can_pin, what="host masters")
+        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(1 + self.delayed)]
         with torch.no_grad():
             for i, s in enumerate(slots):
                 s.inner = s.master = masters[i].view(s.local.shape)
@@ -281,7 +282,7 @@ class HostPipeline:
         self._hooks = [s.param.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self)))
                        for s in slots if overlap and s.param.requires_grad and not self.batched(s.param)]
         self._worker: Optional[CpuWorker] = None
-        if overlap and (in_backward or delayed):
+        if overlap and (self.in_backward or self.delayed):
             self._worker = CpuWorker(threads, functools.partial(side.bind_thread, self.h2d))
             weakref.finalize(self, CpuWorker.close, self._worker)
 
