@@ -178,23 +178,19 @@ def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot]
                   split_complex: bool) -> tuple[torch.optim.Optimizer, list[tuple[dict, dict, tuple]]]:
     """One ``cls`` over ``slots`` (a group per HDO group); sets each slot's ``opt`` and ``sub_group`` and
     returns the links ``(sub-optimizer group, HDO group, keys copied down when they change)``."""
-    parts: dict[int, list[Slot]] = {}
+    parts: dict[tuple[int, bool], list[Slot]] = {}  # (HDO group, complex in a group of its own) -> slots
     for s in slots:
-        parts.setdefault(s.group, []).append(s)
-    groups, owners = [], []
-    for g, slots in ((hdo_groups[gi], ss) for gi, ss in parts.items()):
-        hyper = {k: v for k, v in g.items() if k != "params" and k not in STRUCTURAL_KEYS}
-        cplx = [s for s in slots if s.inner.is_complex()] if split_complex else []
-        for ss, extra in (([s for s in slots if not s.inner.is_complex()] if cplx else slots, {}), (cplx, {"fused": None})):
-            if ss:
-                groups.append(({**hyper, **extra, "params": [s.inner for s in ss]}, ss))
-                owners.append(g)
-    opt = cls([sub for sub, _ in groups], **impl)
-    for sub, (_, ss) in zip(opt.param_groups, groups):
-        for s in ss:
+        parts.setdefault((s.group, split_complex and s.inner.is_complex()), []).append(s)
+    keys = sorted(parts)  # in HDO group order, a group's complex parameters after the others
+    subs = [{**{k: v for k, v in hdo_groups[gi].items() if k != "params" and k not in STRUCTURAL_KEYS},
+             **({"fused": None} if cplx else {}), "params": [s.inner for s in parts[gi, cplx]]} for gi, cplx in keys]
+    opt, links = cls(subs, **impl), []
+    for sub, key in zip(opt.param_groups, keys):
+        g = hdo_groups[key[0]]
+        for s in parts[key]:
             s.opt, s.sub_group = opt, sub
-    return opt, [(sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS))
-                 for sub, g in zip(opt.param_groups, owners)]
+        links.append((sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS)))
+    return opt, links
 
 
 # Note [One optimizer per parameter]: the newest pipeline over a parameter owns its hook (an older,
