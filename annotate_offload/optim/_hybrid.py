@@ -359,7 +359,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return
         if takes_scale(opt, amp) is False:  # Note [GradScaler]: GradScaler.unscale_, per device and dtype
             grads = [g for s in self._slots if not s.host and (g := local_grad(s.param)) is not None]
-            for (dev, _), ([gs], _) in _group_tensors_by_device_and_dtype([grads]).items():
+            for (dev, _), ([gs], _) in (_group_tensors_by_device_and_dtype([grads]) if grads else {}).items():
                 torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), _inverse(amp.scale).to(dev))
         for s in self._masters:
             g = local_grad(s.param)
