@@ -2,6 +2,14 @@
 
 The optimizer is a ``torch.optim.Optimizer`` made of a device sub-optimizer and a
 :class:`~._pipeline.HostPipeline`, the host half (Note [Host step lifecycle] in ``_pipeline.py``).
+
+Note [GradScaler]: ``GradScaler.unscale_`` rescales ``p.grad`` in place without bumping its version,
+so a host copy would look current while still scaled. The optimizer therefore declares
+``_step_supports_amp_scaling`` (torch's fused optimizers' contract): ``GradScaler.step`` sets
+``grad_scale`` and ``found_inf`` instead. A step with ``found_inf`` steps nothing; otherwise each
+sub-optimizer gets the scale as torch's fused optimizers do, or GradScaler's own unscale first when its
+class lacks the support: bit-identical to the same class under GradScaler. After ``scaler.unscale_``
+every host copy is made again. ``offload_gradients`` and ``step_in_backward`` miss the inf check: refused.
 """
 
 from __future__ import annotations
@@ -13,11 +21,12 @@ import operator
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..errors import OffloadError
-from . import _amp
 from ._device import Side
-from ._pipeline import IMPL_KEYS, STRUCTURAL_KEYS, HostPipeline, Slot, impl_for, sub_optimizer
+from ._pipeline import (IMPL_KEYS, STRUCTURAL_KEYS, AmpStep, HostPipeline, Slot, handed_over, impl_for,
+                        sub_optimizer, takes_scale)
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
 from ._state import check_load, detach_views, place, probe
 from ._threads import thread_budget
@@ -91,7 +100,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         loss.backward(); opt.step(); opt.zero_grad()
     """
 
-    _step_supports_amp_scaling = True  # Note [GradScaler] in _amp.py
+    _step_supports_amp_scaling = True  # Note [GradScaler]
 
     def __init__(self, params: Iterable[Any], offload_fraction: float = 0.5, cpu_optimizer_cls: Optional[type] = None,
                  gpu_optimizer_cls: Optional[type] = None, param_update_in_fp32: bool = False, pin_cpu_grads: bool = True,
@@ -151,11 +160,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         host = choose_offloaded([g["params"] for g in self.param_groups], float(offload_fraction),
                                 lambda p: side.owns(local_tensor(p)))
         self._slots = [Slot(p, i, gi, pi, host[gi][pi], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
-        self.pipeline = HostPipeline(
-            [s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl, side=side,
-            fp32=param_update_in_fp32, pin_params=pin_cpu_params, pin_grads=pin_cpu_grads, chunk_bytes=chunk_bytes,
-            overlap=overlap_cpu_optimizer_d2h_h2d, offload_grads=offload_gradients, in_backward=step_in_backward,
-            delayed=delayed_param_update, threads=threads, begin=self._begin)
+        self.pipeline = HostPipeline([s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl,
+                                     self.defaults, side=side, threads=threads, begin=self._begin)
         self.cpu_optimizers = self.pipeline.optimizers
         self.gpu_optimizer: Optional[torch.optim.Optimizer] = None
         links = list(self.pipeline.links)
@@ -328,16 +334,37 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         st.setdefault("master_param", s.master)
             self._fresh = [s for s in self._fresh if s.param not in self.state]
 
-    def _device_step(self, amp: Optional[_amp.AmpStep]) -> None:
+    def _amp_begin(self) -> Optional[AmpStep]:
+        """What a GradScaler set on this optimizer for this ``step()``, or ``None`` (Note [GradScaler])."""
+        found = getattr(self, "found_inf", None)
+        if found is None:
+            return None
+        for flag in ("offload_gradients", "step_in_backward"):
+            if self.defaults[flag]:
+                raise OffloadError(f"HybridDeviceOptimizer: GradScaler with {flag}=True is not supported (Note [GradScaler]): "
+                                   f"the host gradients miss the scaler's inf/NaN check. Build the optimizer with {flag}=False "
+                                   "to train with GradScaler (fp16).")
+        if bool(found.item()):
+            return AmpStep(True)
+        scale = getattr(self, "grad_scale", None)
+        if scale is None:  # scaler.unscale_(opt) ran: p.grad changed in place, versions unchanged
+            self.pipeline.forget_copy()
+            return AmpStep(False)
+        host = scale.detach().to("cpu", torch.float32, copy=True)
+        return AmpStep(False, scale, found, host, torch.zeros((), dtype=torch.float32), _inverse(host))
+
+    def _device_step(self, amp: Optional[AmpStep]) -> None:
         opt = self.gpu_optimizer
         if opt is None:
             return
-        if _amp.takes_scale(opt, amp) is False:  # Note [GradScaler]
-            _amp.unscale_([g for s in self._slots if not s.host and (g := local_grad(s.param)) is not None], amp.scale)
+        if takes_scale(opt, amp) is False:  # Note [GradScaler]: GradScaler.unscale_, per device and dtype
+            grads = [g for s in self._slots if not s.host and (g := local_grad(s.param)) is not None]
+            for (dev, _), ([gs], _) in (_group_tensors_by_device_and_dtype([grads]) if grads else {}).items():
+                torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), _inverse(amp.scale).to(dev))
         for s in self._masters:
             g = local_grad(s.param)
             s.inner.grad = None if g is None else g.to(s.inner.dtype)
-        with _amp.handed_over(opt, amp, host=False):
+        with handed_over(opt, amp, host=False):
             opt.step()
         for s in self._masters:
             if s.inner.grad is not None:
@@ -379,7 +406,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with self._outcome():
-            self.pipeline.step(self._device_step, lambda: _amp.begin(self))
+            self.pipeline.step(self._device_step, self._amp_begin)
         return loss
 
     def flush(self) -> None:
@@ -508,6 +535,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self.flush()
             finally:
                 self.pipeline.close()
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` as ``GradScaler.unscale_`` computes it (fp64 reciprocal, then fp32)."""
+    return scale.double().reciprocal().float()
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -27,13 +27,12 @@ import functools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch.profiler import record_function
 
 from ..errors import OffloadError
-from . import _amp
 from ._device import carve
 from ._split import local_grad, local_tensor, make_chunks, split_serial
 from ._threads import CpuWorker, num_threads
@@ -128,6 +127,37 @@ def scale_(buf: torch.Tensor, grad_dtype: torch.dtype, coef: torch.Tensor) -> No
     buf.mul_(coef) if buf.dtype == grad_dtype else buf.copy_(buf.to(grad_dtype).mul_(coef))
 
 
+class AmpStep(NamedTuple):
+    """What GradScaler asked of one ``step()`` (Note [GradScaler] in ``_hybrid.py``)."""
+
+    skip: bool  # inf/NaN found: step nothing
+    scale: Optional[torch.Tensor] = None  # the scaler's scale and found_inf (their device); None: no unscaling
+    found: Optional[torch.Tensor] = None
+    host_scale: Optional[torch.Tensor] = None  # CPU copies for the host half (the scaler changes its own
+    host_found: Optional[torch.Tensor] = None  # in place, maybe before a delayed host step runs)
+    host_inv: Optional[torch.Tensor] = None  # 1 / host_scale, for host classes that take no scale
+
+
+def takes_scale(opt: torch.optim.Optimizer, amp: Optional[AmpStep]) -> Optional[bool]:
+    """Who unscales ``opt``'s gradients in this step: ``None`` nobody (no scale to undo), ``True``
+    ``opt.step()`` itself (:func:`handed_over`), ``False`` the caller first (GradScaler's ``unscale_``)."""
+    return None if amp is None or amp.scale is None else bool(getattr(opt, "_step_supports_amp_scaling", False))
+
+
+@contextlib.contextmanager
+def handed_over(opt: torch.optim.Optimizer, amp: Optional[AmpStep], *, host: bool) -> Iterator[None]:
+    """``grad_scale``/``found_inf`` set on ``opt`` for one ``opt.step()``, as GradScaler hands them to
+    torch's fused optimizers, when this step unscales and ``opt`` supports it."""
+    if not takes_scale(opt, amp):
+        yield
+        return
+    opt.grad_scale, opt.found_inf = (amp.host_scale, amp.host_found) if host else (amp.scale, amp.found)
+    try:
+        yield
+    finally:
+        del opt.grad_scale, opt.found_inf
+
+
 def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, Any], bool]:
     """A sub-optimizer's constructor switches, and whether complex parameters need their own group.
 
@@ -148,23 +178,19 @@ def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot]
                   split_complex: bool) -> tuple[torch.optim.Optimizer, list[tuple[dict, dict, tuple]]]:
     """One ``cls`` over ``slots`` (a group per HDO group); sets each slot's ``opt`` and ``sub_group`` and
     returns the links ``(sub-optimizer group, HDO group, keys copied down when they change)``."""
-    parts: dict[int, list[Slot]] = {}
+    parts: dict[tuple[int, bool], list[Slot]] = {}  # (HDO group, complex in a group of its own) -> slots
     for s in slots:
-        parts.setdefault(s.group, []).append(s)
-    groups, owners = [], []
-    for g, slots in ((hdo_groups[gi], ss) for gi, ss in parts.items()):
-        hyper = {k: v for k, v in g.items() if k != "params" and k not in STRUCTURAL_KEYS}
-        cplx = [s for s in slots if s.inner.is_complex()] if split_complex else []
-        for ss, extra in (([s for s in slots if not s.inner.is_complex()] if cplx else slots, {}), (cplx, {"fused": None})):
-            if ss:
-                groups.append(({**hyper, **extra, "params": [s.inner for s in ss]}, ss))
-                owners.append(g)
-    opt = cls([sub for sub, _ in groups], **impl)
-    for sub, (_, ss) in zip(opt.param_groups, groups):
-        for s in ss:
+        parts.setdefault((s.group, split_complex and s.inner.is_complex()), []).append(s)
+    keys = sorted(parts)  # in HDO group order, a group's complex parameters after the others
+    subs = [{**{k: v for k, v in hdo_groups[gi].items() if k != "params" and k not in STRUCTURAL_KEYS},
+             **({"fused": None} if cplx else {}), "params": [s.inner for s in parts[gi, cplx]]} for gi, cplx in keys]
+    opt, links = cls(subs, **impl), []
+    for sub, key in zip(opt.param_groups, keys):
+        g = hdo_groups[key[0]]
+        for s in parts[key]:
             s.opt, s.sub_group = opt, sub
-    return opt, [(sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS))
-                 for sub, g in zip(opt.param_groups, owners)]
+        links.append((sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS)))
+    return opt, links
 
 
 # Note [One optimizer per parameter]: the newest pipeline over a parameter owns its hook (an older,
@@ -194,21 +220,22 @@ class HostPipeline:
     """The host half of a :class:`HybridDeviceOptimizer` (Note [Host step lifecycle]); its public
     attributes and methods are the protocol the rest of the package uses."""
 
-    def __init__(self, slots: list[Slot], groups: list[dict[str, Any]], cls: type, impl: dict[str, Any], *, side: Any,
-                 fp32: bool, pin_params: bool, pin_grads: bool, chunk_bytes: int, overlap: bool, offload_grads: bool,
-                 in_backward: bool, delayed: bool, threads: int, begin: Callable[[], None]) -> None:
-        self.side, self.overlap, self.offload_grads = side, overlap, offload_grads
-        self.in_backward, self.delayed, self.threads = in_backward, delayed, threads
+    def __init__(self, slots: list[Slot], groups: list[dict[str, Any]], cls: type, impl: dict[str, Any],
+                 opts: dict[str, Any], *, side: Any, threads: int, begin: Callable[[], None]) -> None:
+        self.side, self.threads = side, threads  # opts: the optimizer's defaults (its constructor's options)
+        self.overlap, self.offload_grads = opts["overlap_cpu_optimizer_d2h_h2d"], opts["offload_gradients"]
+        self.in_backward, self.delayed = opts["step_in_backward"], opts["delayed_param_update"]
         self._begin = weakref.WeakMethod(begin)  # the optimizer's once-per-step preparation
+        fp32, chunk_bytes, overlap = opts["param_update_in_fp32"], opts["chunk_bytes"], self.overlap
         slots = self.slots = slots[::-1]  # backward lands the last ones first
         self._slot = {id(s.param): s for s in slots}
         mdt = [torch.float32 if fp32 and s.local.is_floating_point() else s.local.dtype for s in slots]
         numels = [s.local.numel() for s in slots]
-        self.pin_grads = pin_grads and side.can_pin
+        self.pin_grads = opts["pin_cpu_grads"] and side.can_pin
         staged = [i for i, s in enumerate(slots) if mdt[i] != s.local.dtype]  # bf16 staging of fp32 masters
         masters = carve(numels + [numels[i] for i in staged], mdt + [slots[i].local.dtype for i in staged],
-                        pin=pin_params and side.can_pin, what="host masters")
-        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(2 if delayed else 1)]
+                        pin=opts["pin_cpu_params"] and side.can_pin, what="host masters")
+        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(1 + self.delayed)]
         with torch.no_grad():
             for i, s in enumerate(slots):
                 s.inner = s.master = masters[i].view(s.local.shape)
@@ -230,7 +257,7 @@ class HostPipeline:
         self.optimizers = [c.opt for c in self.chunks]
         self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
         self.closed = self.device_done = False  # device_done: Note [Failed steps]
-        self.amp: Optional[_amp.AmpStep] = None
+        self.amp: Optional[AmpStep] = None
         self._owned: Optional[list[bool]] = None  # per chunk, under host-step sharding (DDP)
         self._buf = self._seq = 0
         self._begun = self._applying = self._retry = False
@@ -251,7 +278,7 @@ class HostPipeline:
         self._hooks = [s.param.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self)))
                        for s in slots if overlap and s.param.requires_grad and not self.batched(s.param)]
         self._worker: Optional[CpuWorker] = None
-        if overlap and (in_backward or delayed):
+        if overlap and (self.in_backward or self.delayed):
             self._worker = CpuWorker(threads, functools.partial(side.bind_thread, self.h2d))
             weakref.finalize(self, CpuWorker.close, self._worker)
 
@@ -404,7 +431,7 @@ class HostPipeline:
             self._copy(todo, stream)
 
     # ------------------------------------------------------------------ the step
-    def step(self, device_step: Callable[[Optional[_amp.AmpStep]], None], amp_begin: Callable[[], Any]) -> None:
+    def step(self, device_step: Callable[[Optional[AmpStep]], None], amp_begin: Callable[[], Any]) -> None:
         """One step of both halves; ``device_step(amp)`` steps the device half (Note [Host step lifecycle])."""
         side = self.side
         cur = side.current_stream()
@@ -507,7 +534,7 @@ class HostPipeline:
         self._worker.submit(functools.partial(self._run, *args))
 
     def _run(self, ci: int, plan: tuple[list[Slot], Any, list], buf: int, in_backward: bool,
-             amp: Optional[_amp.AmpStep]) -> None:
+             amp: Optional[AmpStep]) -> None:
         """Host step of chunk ``ci`` with gradient buffer ``buf``, grad mode off and the H2D stream current
         (the training thread in the default mode, else the worker; ``in_backward``: submitted by a
         gradient hook, Note [H2D ordering])."""
@@ -526,12 +553,12 @@ class HostPipeline:
             for coef, cev in coefs:
                 side.synchronize(cev)
                 scale_(s.bufs[buf], s.local.dtype, coef)
-        if amp is not None and _amp.takes_scale(c.opt, amp) is False:
+        if amp is not None and takes_scale(c.opt, amp) is False:
             for s in slots:
                 scale_(s.bufs[buf], s.local.dtype, amp.host_inv)  # Note [GradScaler]: unscale_'s multiply
         if slots:
             with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL, \
-                    _amp.handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
+                    handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
                 c.opt.step()
         for s in slots:
             if s.staging is not None:

@@ -1,4 +1,4 @@
-"""HybridDeviceOptimizer under torch.amp.GradScaler (Note [GradScaler] in annotate_offload/optim/_amp.py).
+"""HybridDeviceOptimizer under torch.amp.GradScaler (Note [GradScaler] in annotate_offload/optim/_hybrid.py).
 
 Fresh-user report (seventh session): GradScaler's unscale_ rescales p.grad in place without
 bumping its version, so the overlapped path stepped the host half on the hooks' still-scaled
@@ -132,4 +132,20 @@ def test_gradscaler_refused_where_it_cannot_be_exact(mode, match):
     scaler.scale(loss_of(m, _xs(1)[0])).backward()
     with pytest.raises(OffloadError, match=match):
         scaler.step(opt)
+    opt.close()
+
+
+def test_gradscaler_with_no_device_gradient_steps_the_host_half():
+    """A device half whose parameters got no gradient has nothing for GradScaler's unscale to group."""
+    used, unused = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8, 8))
+    ref = used.detach().clone().requires_grad_()
+    opt = HybridDeviceOptimizer([used, unused], offload_fraction=0.5, cpu_optimizer_cls=torch.optim.SGD, lr=0.1)
+    assert [p.side for p in opt.placements] == ["cpu", "gpu"]
+    ref_opt = torch.optim.SGD([ref], lr=0.1)
+    before = unused.detach().clone()
+    for p, o in ((used, opt), (ref, ref_opt)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        scaler.scale(p.square().sum()).backward()
+        scaler.step(o)
+    assert torch.equal(used, ref) and torch.equal(unused, before)
     opt.close()
