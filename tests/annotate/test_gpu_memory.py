@@ -131,7 +131,9 @@ def test_hf_llama_transformed_on_the_cpu_then_moved_offloads_like_one_moved_firs
         del model
     (peak_a, moved_a), (peak_b, moved_b) = results.values()
     assert moved_a == moved_b > 0
-    assert base_peak - peak_a >= 0.9 * moved_a
+    # release_lag=1: at the forward's end the last offloaded layer's saves are still on the device, so
+    # 6 of the 7 offloaded layers' bytes are gone from the peak
+    assert base_peak - peak_a >= 0.9 * moved_a * 6 / 7
     assert abs(peak_a - peak_b) <= 0.01 * base_peak
 
 
