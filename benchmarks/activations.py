@@ -210,6 +210,10 @@ def make_offload_activations(model, x, n, numel) -> Runner:
         raise Unavailable(info.detail)
     if x.device.type == "cpu":  # it reads torch.accelerator.current_accelerator() at construction
         raise Unavailable(f"{info.name} needs an accelerator")
+    with contextlib.suppress(ImportError):  # TRL logs through accelerate, whose state a Trainer would make
+        from accelerate import PartialState
+
+        PartialState()
     offloader = offload_cls(use_pin_memory=True, use_streams=True)
 
     def forward(h):

@@ -299,7 +299,7 @@ def run(*, tiny: bool = False, fractions=(0.0, 0.25, 0.5, 1.0), modes: bool = Tr
                 after = (alone.ms(reps), copies.ms(reps)) if before else None
                 t_cpu = (before[0] + after[0]) / 2 if before else ref["t_cpu"]
                 row.update(floor=rule(ref, t_cpu), target=target, around=(before[0], after[0]) if before else None)
-                if before and ("step_in_backward" in what or "delayed_param_update" in what):
+                if before and isinstance(what, dict) and ("step_in_backward" in what or "delayed_param_update" in what):
                     row["floor_copies"] = rule(ref, (before[1] + after[1]) / 2)
             row.update(mode=name, round=k + 1, judged=any(name == j[0] for j in judged))
             rows.append(row)
