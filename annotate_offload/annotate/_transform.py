@@ -236,7 +236,7 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
             raise
         except Exception as e:  # a forward that cannot run on meta tensors (data-dependent code)
             first = (str(e).splitlines() or [""])[0][:160]
-            note = f"meta estimate failed ({type(e).__name__}: {first}); bytes measured on the first step"
+            note = f"no estimate on meta tensors ({type(e).__name__}: {first}); bytes measured on the first step"
             plan.notes = plan.notes + (note,)
             warnings.warn(f"offload_transform: example_inputs= could not run the forward: {note}. Check that "
                           "example_inputs matches model(*example_inputs).", UserWarning, stacklevel=3)
