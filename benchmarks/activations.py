@@ -15,7 +15,8 @@ warm-up; activation memory is the peak allocated during a step minus the allocat
 method's output and gradients are compared bit for bit with the baseline's in one extra step under a
 bit-reproducible attention backend: the memory-efficient one for annotate_offload, the math one for
 ``save_on_cpu`` and ``OffloadActivations``, which hand back contiguous copies of strided saved tensors
-that the memory-efficient backward misreads (wrong gradients, at times an illegal memory access). Then the copy floor, the least step time any offload can reach::
+that the memory-efficient backward misreads (wrong gradients, at times an illegal memory access).
+Then the copy floor, the least step time any offload can reach::
 
     floor = max(T_fwd, bytes / BW_d2h) + max(T_bwd, bytes / BW_h2d)
 

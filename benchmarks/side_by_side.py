@@ -9,9 +9,8 @@ Cases: ``W1`` (8 x h4096 bf16 GPT blocks, 2 x 4096 tokens, 7 layers offloaded wi
 the host; mode ``exact``, ``og`` = ``offload_gradients``, ``sib`` = ``step_in_backward``,
 ``delayed`` = ``delayed_param_update``; ``torchao`` and ``torchao-og``: torchao's ``CPUOffloadOptimizer``
 over fused AdamW without and with ``offload_gradients``, run once per round, needing no ``--old``).
-Each process prints the median step (CUDA events) and the
-peak of ``torch.cuda.max_memory_allocated`` over the timed steps; the table gives every round and
-the medians. Needs a CUDA GPU; both versions must take the calls above.
+Each process prints the median step (CUDA events) and the peak of ``torch.cuda.max_memory_allocated``
+over the timed steps; the table gives every round and the medians. Needs a CUDA GPU; both versions must take the calls above.
 """
 
 from __future__ import annotations
@@ -102,8 +101,9 @@ def main() -> None:
     if bad or args.rounds < 1:
         p.error(f"unknown case {bad[0]!r}" if bad else "--rounds must be >= 1")
     versions = ("new",) if args.old is None else ("old", "new")
-    items = [("peer" if c.removeprefix("W3-") in PEER_MODES else v, c) for c in cases for v in versions
-             if v == "new" or c.removeprefix("W3-") not in PEER_MODES]
+    items = []  # (version, case); a peer case runs once per round, with this checkout on the path
+    for c in cases:
+        items += [("peer", c)] if c.removeprefix("W3-") in PEER_MODES else [(v, c) for v in versions]
     rows: dict = {}
     for r in range(args.rounds):
         for version, case in items[r % len(items):] + items[:r % len(items)]:

@@ -235,7 +235,7 @@ class HostPipeline:
         staged = [i for i, s in enumerate(slots) if mdt[i] != s.local.dtype]  # bf16 staging of fp32 masters
         masters = carve(numels + [numels[i] for i in staged], mdt + [slots[i].local.dtype for i in staged],
                         pin=opts["pin_cpu_params"] and side.can_pin, what="host masters")
-        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(1 + self.delayed)]
+        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(2 if self.delayed else 1)]
         with torch.no_grad():
             for i, s in enumerate(slots):
                 s.inner = s.master = masters[i].view(s.local.shape)
