@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,6 +91,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--time-limit", type=float, metavar="S",
+                   help="start no round that would end after S seconds (by the mean process so far); print what ran")
     p.add_argument("--one", nargs=2, metavar=("CHECKOUT", "CASE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -98,25 +101,32 @@ def main() -> None:
         return
     cases = [c for c in args.cases.split(",") if c]
     bad = [c for c in cases if c not in ("W1", "W2") and c.removeprefix("W3-") not in {**W3_MODES, **PEER_MODES}]
-    if bad or args.rounds < 1:
-        p.error(f"unknown case {bad[0]!r}" if bad else "--rounds must be >= 1")
+    if bad or args.rounds < 1 or (args.time_limit is not None and args.time_limit <= 0):
+        p.error(f"unknown case {bad[0]!r}" if bad else "--rounds must be >= 1" if args.rounds < 1
+                else "--time-limit must be > 0 (seconds)")
     versions = ("new",) if args.old is None else ("old", "new")
     items = []  # (version, case); a peer case runs once per round, with this checkout on the path
     for c in cases:
         items += [("peer", c)] if c.removeprefix("W3-") in PEER_MODES else [(v, c) for v in versions]
     rows: dict = {}
-    for r in range(args.rounds):
-        for version, case in items[r % len(items):] + items[:r % len(items)]:
-            checkout = os.path.abspath(args.new if version == "peer" else getattr(args, version))
-            out = subprocess.run([sys.executable, __file__, "--one", checkout, case,
-                                  "--warmup", str(args.warmup), "--steps", str(args.steps)],
-                                 capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": os.pathsep.join([checkout, HERE, os.environ.get("PYTHONPATH", "")])})
-            lines = out.stdout.strip().splitlines()
-            rows.setdefault((case, version), []).append(json.loads(lines[-1]) if out.returncode == 0 and lines
-                                                        else {"error": out.stderr.strip().splitlines()[-1:]})
-            print(case, version, rows[(case, version)][-1], file=sys.stderr, flush=True)
-    print(f"| case | version | rounds: step ms / peak GiB | median step ms | max peak GiB |\n|---|---|---|---:|---:|")
+    start, runs = time.monotonic(), 0
+    for version, case in (v for r in range(args.rounds) for v in items[r % len(items):] + items[:r % len(items)]):
+        spent = time.monotonic() - start  # whole rounds only: stop where the next round would not end in time
+        if args.time_limit is not None and runs and runs % len(items) == 0 \
+                and spent * (runs + len(items)) / runs > args.time_limit:
+            print(f"time limit: {runs // len(items)} of {args.rounds} rounds ran", file=sys.stderr)
+            break
+        runs += 1
+        checkout = os.path.abspath(args.new if version == "peer" else getattr(args, version))
+        out = subprocess.run([sys.executable, __file__, "--one", checkout, case,
+                              "--warmup", str(args.warmup), "--steps", str(args.steps)],
+                             capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join([checkout, HERE, os.environ.get("PYTHONPATH", "")])})
+        lines = out.stdout.strip().splitlines()
+        rows.setdefault((case, version), []).append(json.loads(lines[-1]) if out.returncode == 0 and lines
+                                                    else {"error": out.stderr.strip().splitlines()[-1:]})
+        print(case, version, rows[(case, version)][-1], file=sys.stderr, flush=True)
+    print("| case | version | rounds: step ms / peak GiB | median step ms | max peak GiB |\n|---|---|---|---:|---:|")
     for (case, version), got in rows.items():
         ok = [g for g in got if "step_ms" in g]
         cells = ", ".join(f"{g['step_ms']:.1f} / {g['peak_gib']:.2f}" if "step_ms" in g else "failed" for g in got)
