@@ -17,6 +17,7 @@ message (users search for it), then names the field, its value and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -119,23 +120,14 @@ def check_offload_num_layers(cpu_offloading_num_layers: int, num_layers: Optiona
         ValueError: ``N`` outside ``[0, L)``; the text starts with Megatron's
             "CPU offloading can be done only for layers less than L".
     """
-    if num_layers is None:
-        if cpu_offloading_num_layers < 0:
-            raise _fail(
-                "CPU offloading can be done only for layers less than num_layers",
-                "model.cpu_offloading_num_layers",
-                cpu_offloading_num_layers,
-                "choose 0 <= model.cpu_offloading_num_layers < num_layers (the first N layers are offloaded).",
-            )
+    if 0 <= cpu_offloading_num_layers and (num_layers is None or cpu_offloading_num_layers < num_layers):
         return
-    if not 0 <= cpu_offloading_num_layers < num_layers:
-        raise _fail(
-            f"CPU offloading can be done only for layers less than {num_layers}",
-            "model.cpu_offloading_num_layers",
-            cpu_offloading_num_layers,
-            f"choose 0 <= model.cpu_offloading_num_layers <= {num_layers - 1} "
-            f"(the first N of the {num_layers} layers are offloaded; the last one never is).",
-        )
+    bound = "num_layers" if num_layers is None else num_layers
+    fix = ("choose 0 <= model.cpu_offloading_num_layers < num_layers (the first N layers are offloaded)."
+           if num_layers is None else f"choose 0 <= model.cpu_offloading_num_layers <= {num_layers - 1} "
+           f"(the first N of the {num_layers} layers are offloaded; the last one never is).")
+    raise _fail(f"CPU offloading can be done only for layers less than {bound}", "model.cpu_offloading_num_layers",
+                cpu_offloading_num_layers, fix)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -288,13 +280,12 @@ class ModelConfig:
                 raise _fail("memory_budget lets the planner choose the layers", "model.recompute", self.recompute,
                             "set model.recompute=False with a memory budget, or model.memory_budget=None for a "
                             "fixed plan.")
-        if self.cpu_offloading_num_layers is not None and self.cpu_offloading_num_layers < 0:
+        n = self.cpu_offloading_num_layers
+        if n is not None and (self.cpu_offloading or n < 0):
             # Megatron checks this only with cpu_offloading on; a negative count is never meaningful.
-            check_offload_num_layers(self.cpu_offloading_num_layers, self.num_layers)
+            check_offload_num_layers(n, self.num_layers)
         if not self.cpu_offloading:
             return
-        if self.cpu_offloading_num_layers is not None:
-            check_offload_num_layers(self.cpu_offloading_num_layers, self.num_layers)
         if self.pipeline_model_parallel_size > 1:
             raise _fail(
                 "Currently there is no support for Pipeline parallelism with CPU offloading",
@@ -476,9 +467,7 @@ def _parse_scalar(text: str, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if type(None) in args and text.strip().lower() in _NONE:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        for arg in (a for a in args if a is not type(None)):
             try:
                 return _parse_scalar(text, arg, key)
             except ValueError:
@@ -486,22 +475,16 @@ def _parse_scalar(text: str, tp: Any, key: str) -> Any:
         raise ValueError(f"override {key}={text!r}: expected {_type_name(tp)}.")
     s = text.strip()
     if tp is bool:
-        if s.lower() in _TRUE:
-            return True
-        if s.lower() in _FALSE:
-            return False
+        if s.lower() in _TRUE | _FALSE:
+            return s.lower() in _TRUE
         raise ValueError(f"override {key}={text!r}: expected a bool (True/False).")
     if tp is int:
-        try:
+        with contextlib.suppress(ValueError):
             return int(s, 10)
-        except ValueError:
-            try:
-                as_float = float(s)
-            except ValueError:
-                as_float = None
-            if as_float is not None and as_float.is_integer() and "e" in s.lower():
-                return int(as_float)  # 1e3 is a common way to write 1000
-            raise ValueError(f"override {key}={text!r}: expected an int.") from None
+        with contextlib.suppress(ValueError):
+            if "e" in s.lower() and float(s).is_integer():
+                return int(float(s))  # 1e3 is a common way to write 1000
+        raise ValueError(f"override {key}={text!r}: expected an int.")
     if tp is float:
         try:
             return float(s)
@@ -545,17 +528,15 @@ def _closest(name: str, valid: Iterable[str]) -> str:
 
 def _closest_key(section: str, name: str) -> str:
     """Suggest the nearest ``section.field``: same section first, then a field of another section."""
-    own = [f.name for f in dataclasses.fields(_SECTIONS[section])]
     for other, cls in _SECTIONS.items():
         if name in {f.name for f in dataclasses.fields(cls)}:
             return f"did you mean '{other}.{name}'?"
-    match = difflib.get_close_matches(name, own, n=1, cutoff=0.6)
-    if match:
-        return f"did you mean '{section}.{match[0]}'?"
+    own = {f.name: f"{section}.{f.name}" for f in dataclasses.fields(_SECTIONS[section])}
     others = {f.name: f"{s}.{f.name}" for s, cls in _SECTIONS.items() if s != section for f in dataclasses.fields(cls)}
-    match = difflib.get_close_matches(name, list(others), n=1, cutoff=0.6)
-    if match:
-        return f"did you mean '{others[match[0]]}'?"
+    for keys in (own, others):
+        match = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)
+        if match:
+            return f"did you mean '{keys[match[0]]}'?"
     return f"valid {section} keys: {', '.join(sorted(own))}."
 
 
