@@ -63,29 +63,17 @@ _OPTIMIZER_CHOICES = ("adam",)
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "None"
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
+    if typing.get_origin(tp) in (Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
 def _matches(value: Any, tp: Any) -> bool:
     """True when ``value`` is an instance of the annotation ``tp`` (bool is not an int here)."""
-    if tp is Any:
-        return True
-    if tp is type(None):
-        return value is None
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
+    if typing.get_origin(tp) in (Union, types.UnionType):
         return any(_matches(value, a) for a in typing.get_args(tp))
-    if origin is typing.Literal:
-        return value in typing.get_args(tp)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if tp in (int, float):  # an int is a float here, as in Python's numeric tower
+        return isinstance(value, (int, tp)) and not isinstance(value, bool)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return isinstance(value, tp) or value in {m.value for m in tp}
     return isinstance(value, tp)
