@@ -168,8 +168,7 @@ _MiB = 1 << 20
 
 def _stats(model: nn.Module):
     """The runtime's ``OffloadStats`` of a transformed model's current step, or ``None``."""
-    plan = getattr(model, "offload_plan", None)
-    return None if plan is None else plan.stats
+    return getattr(getattr(model, "offload_plan", None), "stats", None)
 
 
 def _runtime_held(stats) -> int:
@@ -482,11 +481,6 @@ class Report:
         return max(abs(a - b) for a, b in zip(run.losses, self.baseline.losses))
 
     @property
-    def max_delta(self) -> Optional[float]:
-        """``max |loss_offload - loss_baseline|`` over the steps both completed, or ``None``."""
-        return self.delta(self.offload)
-
-    @property
     def ok(self) -> bool:
         return self.verdict.startswith("PASS")
 
@@ -501,7 +495,7 @@ class Report:
             return "PASS (no baseline: --no-compare-baseline)"
         if self.baseline.failure:
             return f"PASS (baseline: {self.baseline.failure}; the offloaded run completed)"
-        delta = self.max_delta
+        delta = self.delta(self.offload)
         if self.exact:
             return ("PASS: identical losses" if self.offload.losses == self.baseline.losses else
                     f"FAIL: losses differ (max |Δloss| = {delta:.3g}); activation offload must be a bit-exact copy")
@@ -550,7 +544,7 @@ class Report:
             return max((v for v in values if v is not None), default=None)
 
         base = self.step_ms("baseline") if "baseline" in rounds else math.nan
-        delta = self.max_delta
+        delta = self.delta(self.offload)
         crit = "identical losses (activation offload only)" if self.exact else "< 0.001 (optimizer offload)"
         steps = "median, first step excluded" + (f"; median of {n_rounds} rounds, order rotated" if n_rounds > 1 else "")
         lines += ["", "| | " + " | ".join(rounds) + " |", "|---|" + "---:|" * len(rounds),
