@@ -106,9 +106,7 @@ def _allowed(i: int, n: int, k: int, keep: frozenset) -> tuple[str, ...]:
 
 def _families(n: int, k: int, keep: frozenset) -> list[tuple]:
     offloadable = [i for i in range(n) if "offload" in _allowed(i, n, k, keep)]
-    plans = []
-    for m in range(n + 1):
-        plans.append(tuple("recompute" if i < m else "keep" for i in range(n)))
+    plans = [tuple("recompute" if i < m else "keep" for i in range(n)) for m in range(n + 1)]
     for m in range(len(offloadable) + 1):
         first = set(offloadable[:m])
         plans.append(tuple("recompute_offload" if i in first else "keep" for i in range(n)))
