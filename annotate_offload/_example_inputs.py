@@ -70,9 +70,7 @@ def for_training(model: nn.Module, kwargs: dict) -> dict:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # a forward without a signature (C++ / builtins)
         return kwargs
-    if "use_cache" in params:
-        return {**kwargs, "use_cache": False}
-    passes_through = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if passes_through and getattr(getattr(model, "config", None), "use_cache", None) is not None:
+    if "use_cache" in params or (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+                                 and getattr(getattr(model, "config", None), "use_cache", None) is not None):
         return {**kwargs, "use_cache": False}
     return kwargs

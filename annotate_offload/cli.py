@@ -20,6 +20,8 @@ before anything runs or is written.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -56,8 +58,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``annotate-offload`` (subcommands ``train``, ``plan``)."""
     parser = _Parser(prog=PROG, description="Activation and optimizer offloading to host memory: train, plan.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,plan}", parser_class=_Parser)
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="{train,plan}", parser_class=_Parser, required=True)
     recipes = "\n".join(f"  {r.name:<11} {r.summary}" for r in RECIPES.values())
     train = sub.add_parser("train", help="train a recipe with offloading and compare with a baseline",
                            formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -118,9 +119,6 @@ def _load_config(args: argparse.Namespace, *, train: bool = True) -> tuple[objec
 def _check_plot_target(path: Optional[str]) -> None:
     if path is None:
         return
-    import importlib.util
-    import os
-
     if importlib.util.find_spec("matplotlib") is None:
         raise _UsageError("--plot needs matplotlib; pip install 'annotate-offload[cli]', or drop --plot.")
     parent = os.path.dirname(os.path.abspath(path))
