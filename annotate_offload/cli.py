@@ -181,9 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         int: exit status: ``0`` success, ``1`` parity failure (or the offloaded run failed),
         ``2`` bad input (nothing was run or written).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # None: sys.argv[1:]
         return _cmd_train(args) if args.command == "train" else _cmd_plan(args)
     except _UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

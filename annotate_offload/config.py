@@ -565,8 +565,7 @@ def from_overrides(overrides: Iterable[str], *, base: Optional[Config] = None) -
         section, _, name = key.partition(".")
         if section not in _SECTIONS:
             raise ValueError(f"override {item!r}: unknown section {section!r}; {_closest(section, _SECTIONS)}")
-        cls = _SECTIONS[section]
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(_SECTIONS[section])
         if name not in hints:
             raise ValueError(f"override {item!r}: unknown key {key!r}; {_closest_key(section, name)}")
         try:
@@ -576,7 +575,6 @@ def from_overrides(overrides: Iterable[str], *, base: Optional[Config] = None) -
             if not example:
                 raise
             raise ValueError(f"{str(exc).rstrip('.')}; {example}.") from None
-    sections = {name: dataclasses.replace(getattr(base, name), **updates[name]) if updates[name]
-                else getattr(base, name) for name in _SECTIONS}
-    return Config(**sections)
+    return Config(**{name: dataclasses.replace(getattr(base, name), **updates[name]) if updates[name]
+                     else getattr(base, name) for name in _SECTIONS})
 
