@@ -631,9 +631,8 @@ def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
     state with and without offloading. Nothing is trained. With ``model.memory_budget`` the planner
     measures the layers on ``device`` and the plan shows its predicted step time and peak per layer.
 
-    A recipe that trains only on CUDA is planned elsewhere from a model built on the meta device and
-    given uninitialised storage (``nn.Module.to_empty``): only shapes and dtypes are read, so a memory
-    budget (which needs measured layers) is not planned there."""
+    A CUDA-only recipe is planned elsewhere from a meta-device model given uninitialised storage
+    (``nn.Module.to_empty``): shapes and dtypes only, so no memory budget (it needs measured layers)."""
     lines = [f"annotate-offload plan: recipe {recipe.name} on {device.type} ({recipe.summary})"]
     elsewhere = recipe.needs_cuda and device.type != "cuda"
     if elsewhere:

@@ -3,14 +3,10 @@
 ``train --recipe NAME [section.field=value ...]`` trains a real architecture on real text with
 offloading, then (by default) the same steps without it, from the same seed and data, and prints
 a table: loss per step for both runs, max ``|Δloss|``, peak device memory, step time and bytes
-offloaded per step. With ``model.memory_budget`` (``llama-1b``'s default: ``20GiB``; an extension of
-Megatron Bridge's names) the planner chooses the plan, and the table adds the predicted peak and step
-time beside the measured ones and the plan per layer, predicted and measured;
-``--compare-strategies`` adds full activation checkpointing and offload-only at the same budget and
-``--rounds N`` repeats every method in rotated order. Parity (exit status 1 when it fails): with
-activation offload only, the losses must be identical; with optimizer offload, ``|Δloss| < 0.001``
-(Megatron Bridge's criterion).
-A baseline that runs out of memory is reported in the table, not raised.
+offloaded per step, and with ``model.memory_budget`` the planner's predictions and plan per layer.
+Parity (exit status 1 when it fails): with activation offload only, the losses must be identical;
+with optimizer offload, ``|Δloss| < 0.001`` (Megatron Bridge's criterion). A baseline that runs out
+of memory is reported in the table, not raised.
 
 Bad input (unknown recipe, override key or value, missing or empty data file, a recipe that
 cannot run here) prints one line saying what is wrong and what is valid, and exits with status 2

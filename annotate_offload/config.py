@@ -1,13 +1,9 @@
 """Configuration: frozen dataclasses with Megatron Bridge field names, their rules, dotted overrides.
 
-Three sections, as in Megatron Bridge's ``ConfigContainer``:
-
-- :class:`ModelConfig` (``model.*``): activation offload fields and the context the rules need;
-- :class:`OptimizerConfig` (``optimizer.*``): optimizer offload fields and Adam hyper-parameters;
-- :class:`TrainConfig` (``train.*``): iterations, batch size and seed of ``annotate-offload train``.
-
-:class:`Config` holds one of each. Every section validates itself in ``__post_init__``, so an
-invalid object never exists and nothing downstream (a model, an optimizer) is touched first.
+:class:`Config` holds three sections, as Megatron Bridge's ``ConfigContainer`` does: :class:`ModelConfig`
+(``model.*``), :class:`OptimizerConfig` (``optimizer.*``) and :class:`TrainConfig` (``train.*``). Every
+section validates itself in ``__post_init__``, so an invalid object never exists and nothing downstream
+(a model, an optimizer) is touched first.
 Each rule that mirrors Megatron raises a ``ValueError`` whose text starts with Megatron's own
 message (users search for it), then names the field, its value and the fix.
 
