@@ -240,13 +240,11 @@ class ModelConfig:
         if self.min_offload_numel < 0:
             raise _fail("min_offload_numel must be >= 0", "model.min_offload_numel", self.min_offload_numel,
                         "use 0 to offload every eligible tensor, or the default 262144 (TE's threshold).")
-        if self.release_lag is not None and self.release_lag < 0:
-            raise _fail("release_lag must be None or >= 0", "model.release_lag", self.release_lag,
-                        "use None (start at 1, tuned from the link at the first CUDA step) or a lag k >= 0 in layers.")
-        if self.prefetch_layers is not None and self.prefetch_layers < 1:
-            raise _fail("prefetch_layers must be None or >= 1", "model.prefetch_layers", self.prefetch_layers,
-                        "use None (start at 1, tuned from the link at the first CUDA step) or k >= 1 layers of "
-                        "look-ahead.")
+        for name, low, use in (("release_lag", 0, "a lag k >= 0 in layers"),
+                               ("prefetch_layers", 1, "k >= 1 layers of look-ahead")):
+            if getattr(self, name) is not None and getattr(self, name) < low:
+                raise _fail(f"{name} must be None or >= {low}", f"model.{name}", getattr(self, name),
+                            f"use None (start at 1, tuned from the link at the first CUDA step) or {use}.")
         if self.seq_length < 1:
             raise _fail("seq_length must be positive", "model.seq_length", self.seq_length,
                         "use e.g. model.seq_length=128.")
@@ -256,14 +254,11 @@ class ModelConfig:
             except ValueError as exc:
                 raise _fail("memory_budget must be a positive size", "model.memory_budget", self.memory_budget,
                             str(exc).split("; ", 1)[-1].rstrip(".") + ", or None.") from None
-            if self.cpu_offloading_num_layers is not None:  # 0 too
-                raise _fail("memory_budget lets the planner choose the layers", "model.cpu_offloading_num_layers",
-                            self.cpu_offloading_num_layers, "set model.cpu_offloading_num_layers=None with a memory "
-                            "budget, or model.memory_budget=None for a fixed plan.")
-            if self.recompute:
-                raise _fail("memory_budget lets the planner choose the layers", "model.recompute", self.recompute,
-                            "set model.recompute=False with a memory budget, or model.memory_budget=None for a "
-                            "fixed plan.")
+            for name, unset in (("cpu_offloading_num_layers", None), ("recompute", False)):
+                if getattr(self, name) is not unset:  # a count of 0 too
+                    raise _fail("memory_budget lets the planner choose the layers", f"model.{name}",
+                                getattr(self, name), f"set model.{name}={unset} with a memory budget, or "
+                                "model.memory_budget=None for a fixed plan.")
         n = self.cpu_offloading_num_layers
         if n is not None and (self.cpu_offloading or n < 0):
             # Megatron checks this only with cpu_offloading on; a negative count is never meaningful.
@@ -493,10 +488,8 @@ def _example(key: str, tp: Any, current: Any) -> str:
     for arg in args:
         if arg is bool:
             values += ["True", "False"]
-        elif arg is int:
-            values.append(str(current) if type(current) is int else "2")
-        elif arg is float:
-            values.append(str(current) if type(current) is float else "0.5")
+        elif arg in (int, float):
+            values.append(str(current) if type(current) is arg else {int: "2", float: "0.5"}[arg])
     if not values:
         return ""
     if type(None) in args:
