@@ -465,10 +465,9 @@ def _parse_scalar(text: str, tp: Any, key: str) -> Any:
                 return int(float(s))  # 1e3 is a common way to write 1000
         raise ValueError(f"override {key}={text!r}: expected an int.")
     if tp is float:
-        try:
+        with contextlib.suppress(ValueError):
             return float(s)
-        except ValueError:
-            raise ValueError(f"override {key}={text!r}: expected a float.") from None
+        raise ValueError(f"override {key}={text!r}: expected a float.")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         choices = [m.value for m in tp]
         if s not in choices:
