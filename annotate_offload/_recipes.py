@@ -509,8 +509,7 @@ class Report:
 
     def table(self) -> str:
         """The report printed by ``annotate-offload train`` (markdown tables)."""
-        c, rounds = self.cfg, self.rounds
-        m = c.model
+        c, m, rounds = self.cfg, self.cfg.model, self.rounds
         if not m.cpu_offloading:
             acts = "activations: off"
         elif m.memory_budget is not None:
@@ -560,8 +559,7 @@ class Report:
         if math.isfinite(base):
             lines += [f"| step / baseline | {cells(lambda label, _: f'{self.step_ms(label) / base:.2f}x')} |",
                       f"| max abs Δloss vs baseline | {cells(lambda _, r: f'{self.delta(r[0]):.3g}')} |"]
-        singles = {k: self.step_ms(k) for k in ("full recompute", "offload only") if k in rounds}
-        singles = {k: v for k, v in singles.items() if math.isfinite(v)}
+        singles = {k: v for k in ("full recompute", "offload only") if math.isfinite(v := self.step_ms(k))}
         if singles:
             best = min(singles, key=singles.get)
             lines.append(f"\nthe plan is {(1 - self.step_ms('offload') / singles[best]) * 100:.1f}% faster than the "

@@ -76,8 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CUDA attention kernel (default: efficient). 'efficient' (memory-efficient) and "
                             "'math' are bit-reproducible; 'default' lets torch pick, usually flash or cuDNN, "
                             "which are not, so the loss parity check needs one of the first two")
-    plan = sub.add_parser("plan", help="print the offload plan and predicted memory without training")
-    _add_common(plan)
+    _add_common(sub.add_parser("plan", help="print the offload plan and predicted memory without training"))
     return parser
 
 
@@ -162,8 +161,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    recipe, cfg, device = _load_config(args, train=False)  # a plan trains nothing: any device will do
-    print(_train.plan_text(recipe, cfg, device))
+    print(_train.plan_text(*_load_config(args, train=False)))  # a plan trains nothing: any device will do
     return 0
 
 
