@@ -22,6 +22,8 @@ import torch.nn as nn
 
 __all__: list[str] = []
 
+_FIX = "pass one training step's inputs, e.g. example_inputs=(x,) or example_inputs={'input_ids': ids}."
+
 
 def split(example_inputs: Any, who: str) -> tuple[tuple, dict]:
     """``(args, kwargs)`` for ``model(*args, **kwargs)``.
@@ -37,10 +39,7 @@ def split(example_inputs: Any, who: str) -> tuple[tuple, dict]:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, (tuple, list, dict)) and len(example_inputs) == 0:
-        raise ValueError(
-            f"{who}: example_inputs={example_inputs!r} is empty; pass one training step's inputs, e.g. "
-            "example_inputs=(x,) or example_inputs={'input_ids': ids}."
-        )
+        raise ValueError(f"{who}: example_inputs={example_inputs!r} is empty; {_FIX}")
     if isinstance(example_inputs, dict):
         bad = next((k for k in example_inputs if not isinstance(k, str)), None)
         if bad is not None:
@@ -52,11 +51,8 @@ def split(example_inputs: Any, who: str) -> tuple[tuple, dict]:
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
-    raise TypeError(
-        f"{who}: example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword inputs "
-        f"(str keys), got {type(example_inputs).__name__}; pass one training step's inputs, e.g. "
-        "example_inputs=(x,) or example_inputs={'input_ids': ids}."
-    )
+    raise TypeError(f"{who}: example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword "
+                    f"inputs (str keys), got {type(example_inputs).__name__}; {_FIX}")
 
 
 def for_training(model: nn.Module, kwargs: dict) -> dict:
@@ -70,9 +66,7 @@ def for_training(model: nn.Module, kwargs: dict) -> dict:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # a forward without a signature (C++ / builtins)
         return kwargs
-    if "use_cache" in params:
-        return {**kwargs, "use_cache": False}
-    passes_through = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if passes_through and getattr(getattr(model, "config", None), "use_cache", None) is not None:
+    if "use_cache" in params or (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+                                 and getattr(getattr(model, "config", None), "use_cache", None) is not None):
         return {**kwargs, "use_cache": False}
     return kwargs

@@ -168,8 +168,7 @@ _MiB = 1 << 20
 
 def _stats(model: nn.Module):
     """The runtime's ``OffloadStats`` of a transformed model's current step, or ``None``."""
-    plan = getattr(model, "offload_plan", None)
-    return None if plan is None else plan.stats
+    return getattr(getattr(model, "offload_plan", None), "stats", None)
 
 
 def _runtime_held(stats) -> int:
@@ -482,11 +481,6 @@ class Report:
         return max(abs(a - b) for a, b in zip(run.losses, self.baseline.losses))
 
     @property
-    def max_delta(self) -> Optional[float]:
-        """``max |loss_offload - loss_baseline|`` over the steps both completed, or ``None``."""
-        return self.delta(self.offload)
-
-    @property
     def ok(self) -> bool:
         return self.verdict.startswith("PASS")
 
@@ -501,7 +495,7 @@ class Report:
             return "PASS (no baseline: --no-compare-baseline)"
         if self.baseline.failure:
             return f"PASS (baseline: {self.baseline.failure}; the offloaded run completed)"
-        delta = self.max_delta
+        delta = self.delta(self.offload)
         if self.exact:
             return ("PASS: identical losses" if self.offload.losses == self.baseline.losses else
                     f"FAIL: losses differ (max |Δloss| = {delta:.3g}); activation offload must be a bit-exact copy")
@@ -515,8 +509,7 @@ class Report:
 
     def table(self) -> str:
         """The report printed by ``annotate-offload train`` (markdown tables)."""
-        c, rounds = self.cfg, self.rounds
-        m = c.model
+        c, m, rounds = self.cfg, self.cfg.model, self.rounds
         if not m.cpu_offloading:
             acts = "activations: off"
         elif m.memory_budget is not None:
@@ -550,7 +543,7 @@ class Report:
             return max((v for v in values if v is not None), default=None)
 
         base = self.step_ms("baseline") if "baseline" in rounds else math.nan
-        delta = self.max_delta
+        delta = self.delta(self.offload)
         crit = "identical losses (activation offload only)" if self.exact else "< 0.001 (optimizer offload)"
         steps = "median, first step excluded" + (f"; median of {n_rounds} rounds, order rotated" if n_rounds > 1 else "")
         lines += ["", "| | " + " | ".join(rounds) + " |", "|---|" + "---:|" * len(rounds),
@@ -566,8 +559,7 @@ class Report:
         if math.isfinite(base):
             lines += [f"| step / baseline | {cells(lambda label, _: f'{self.step_ms(label) / base:.2f}x')} |",
                       f"| max abs Δloss vs baseline | {cells(lambda _, r: f'{self.delta(r[0]):.3g}')} |"]
-        singles = {k: self.step_ms(k) for k in ("full recompute", "offload only") if k in rounds}
-        singles = {k: v for k, v in singles.items() if math.isfinite(v)}
+        singles = {k: v for k in ("full recompute", "offload only") if math.isfinite(v := self.step_ms(k))}
         if singles:
             best = min(singles, key=singles.get)
             lines.append(f"\nthe plan is {(1 - self.step_ms('offload') / singles[best]) * 100:.1f}% faster than the "
@@ -637,9 +629,8 @@ def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
     state with and without offloading. Nothing is trained. With ``model.memory_budget`` the planner
     measures the layers on ``device`` and the plan shows its predicted step time and peak per layer.
 
-    A recipe that trains only on CUDA is planned elsewhere from a model built on the meta device and
-    given uninitialised storage (``nn.Module.to_empty``): only shapes and dtypes are read, so a memory
-    budget (which needs measured layers) is not planned there."""
+    A CUDA-only recipe is planned elsewhere from a meta-device model given uninitialised storage
+    (``nn.Module.to_empty``): shapes and dtypes only, so no memory budget (it needs measured layers)."""
     lines = [f"annotate-offload plan: recipe {recipe.name} on {device.type} ({recipe.summary})"]
     elsewhere = recipe.needs_cuda and device.type != "cuda"
     if elsewhere:

@@ -3,14 +3,10 @@
 ``train --recipe NAME [section.field=value ...]`` trains a real architecture on real text with
 offloading, then (by default) the same steps without it, from the same seed and data, and prints
 a table: loss per step for both runs, max ``|Δloss|``, peak device memory, step time and bytes
-offloaded per step. With ``model.memory_budget`` (``llama-1b``'s default: ``20GiB``; an extension of
-Megatron Bridge's names) the planner chooses the plan, and the table adds the predicted peak and step
-time beside the measured ones and the plan per layer, predicted and measured;
-``--compare-strategies`` adds full activation checkpointing and offload-only at the same budget and
-``--rounds N`` repeats every method in rotated order. Parity (exit status 1 when it fails): with
-activation offload only, the losses must be identical; with optimizer offload, ``|Δloss| < 0.001``
-(Megatron Bridge's criterion).
-A baseline that runs out of memory is reported in the table, not raised.
+offloaded per step, and with ``model.memory_budget`` the planner's predictions and plan per layer.
+Parity (exit status 1 when it fails): with activation offload only, the losses must be identical;
+with optimizer offload, ``|Δloss| < 0.001`` (Megatron Bridge's criterion). A baseline that runs out
+of memory is reported in the table, not raised.
 
 Bad input (unknown recipe, override key or value, missing or empty data file, a recipe that
 cannot run here) prints one line saying what is wrong and what is valid, and exits with status 2
@@ -20,6 +16,8 @@ before anything runs or is written.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -56,8 +54,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``annotate-offload`` (subcommands ``train``, ``plan``)."""
     parser = _Parser(prog=PROG, description="Activation and optimizer offloading to host memory: train, plan.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,plan}", parser_class=_Parser)
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="{train,plan}", parser_class=_Parser, required=True)
     recipes = "\n".join(f"  {r.name:<11} {r.summary}" for r in RECIPES.values())
     train = sub.add_parser("train", help="train a recipe with offloading and compare with a baseline",
                            formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,8 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CUDA attention kernel (default: efficient). 'efficient' (memory-efficient) and "
                             "'math' are bit-reproducible; 'default' lets torch pick, usually flash or cuDNN, "
                             "which are not, so the loss parity check needs one of the first two")
-    plan = sub.add_parser("plan", help="print the offload plan and predicted memory without training")
-    _add_common(plan)
+    _add_common(sub.add_parser("plan", help="print the offload plan and predicted memory without training"))
     return parser
 
 
@@ -118,9 +114,6 @@ def _load_config(args: argparse.Namespace, *, train: bool = True) -> tuple[objec
 def _check_plot_target(path: Optional[str]) -> None:
     if path is None:
         return
-    import importlib.util
-    import os
-
     if importlib.util.find_spec("matplotlib") is None:
         raise _UsageError("--plot needs matplotlib; pip install 'annotate-offload[cli]', or drop --plot.")
     parent = os.path.dirname(os.path.abspath(path))
@@ -168,8 +161,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    recipe, cfg, device = _load_config(args, train=False)  # a plan trains nothing: any device will do
-    print(_train.plan_text(recipe, cfg, device))
+    print(_train.plan_text(*_load_config(args, train=False)))  # a plan trains nothing: any device will do
     return 0
 
 
@@ -183,9 +175,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         int: exit status: ``0`` success, ``1`` parity failure (or the offloaded run failed),
         ``2`` bad input (nothing was run or written).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # None: sys.argv[1:]
         return _cmd_train(args) if args.command == "train" else _cmd_plan(args)
     except _UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

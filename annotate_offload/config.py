@@ -1,13 +1,9 @@
 """Configuration: frozen dataclasses with Megatron Bridge field names, their rules, dotted overrides.
 
-Three sections, as in Megatron Bridge's ``ConfigContainer``:
-
-- :class:`ModelConfig` (``model.*``): activation offload fields and the context the rules need;
-- :class:`OptimizerConfig` (``optimizer.*``): optimizer offload fields and Adam hyper-parameters;
-- :class:`TrainConfig` (``train.*``): iterations, batch size and seed of ``annotate-offload train``.
-
-:class:`Config` holds one of each. Every section validates itself in ``__post_init__``, so an
-invalid object never exists and nothing downstream (a model, an optimizer) is touched first.
+:class:`Config` holds three sections, as Megatron Bridge's ``ConfigContainer`` does: :class:`ModelConfig`
+(``model.*``), :class:`OptimizerConfig` (``optimizer.*``) and :class:`TrainConfig` (``train.*``). Every
+section validates itself in ``__post_init__``, so an invalid object never exists and nothing downstream
+(a model, an optimizer) is touched first.
 Each rule that mirrors Megatron raises a ``ValueError`` whose text starts with Megatron's own
 message (users search for it), then names the field, its value and the fix.
 
@@ -17,6 +13,7 @@ message (users search for it), then names the field, its value and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -62,29 +59,17 @@ _OPTIMIZER_CHOICES = ("adam",)
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "None"
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
+    if typing.get_origin(tp) in (Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
 def _matches(value: Any, tp: Any) -> bool:
     """True when ``value`` is an instance of the annotation ``tp`` (bool is not an int here)."""
-    if tp is Any:
-        return True
-    if tp is type(None):
-        return value is None
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
+    if typing.get_origin(tp) in (Union, types.UnionType):
         return any(_matches(value, a) for a in typing.get_args(tp))
-    if origin is typing.Literal:
-        return value in typing.get_args(tp)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if tp in (int, float):  # an int is a float here, as in Python's numeric tower
+        return isinstance(value, (int, tp)) and not isinstance(value, bool)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return isinstance(value, tp) or value in {m.value for m in tp}
     return isinstance(value, tp)
@@ -119,23 +104,14 @@ def check_offload_num_layers(cpu_offloading_num_layers: int, num_layers: Optiona
         ValueError: ``N`` outside ``[0, L)``; the text starts with Megatron's
             "CPU offloading can be done only for layers less than L".
     """
-    if num_layers is None:
-        if cpu_offloading_num_layers < 0:
-            raise _fail(
-                "CPU offloading can be done only for layers less than num_layers",
-                "model.cpu_offloading_num_layers",
-                cpu_offloading_num_layers,
-                "choose 0 <= model.cpu_offloading_num_layers < num_layers (the first N layers are offloaded).",
-            )
+    if 0 <= cpu_offloading_num_layers and (num_layers is None or cpu_offloading_num_layers < num_layers):
         return
-    if not 0 <= cpu_offloading_num_layers < num_layers:
-        raise _fail(
-            f"CPU offloading can be done only for layers less than {num_layers}",
-            "model.cpu_offloading_num_layers",
-            cpu_offloading_num_layers,
-            f"choose 0 <= model.cpu_offloading_num_layers <= {num_layers - 1} "
-            f"(the first N of the {num_layers} layers are offloaded; the last one never is).",
-        )
+    bound = "num_layers" if num_layers is None else num_layers
+    fix = ("choose 0 <= model.cpu_offloading_num_layers < num_layers (the first N layers are offloaded)."
+           if num_layers is None else f"choose 0 <= model.cpu_offloading_num_layers <= {num_layers - 1} "
+           f"(the first N of the {num_layers} layers are offloaded; the last one never is).")
+    raise _fail(f"CPU offloading can be done only for layers less than {bound}", "model.cpu_offloading_num_layers",
+                cpu_offloading_num_layers, fix)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -264,13 +240,11 @@ class ModelConfig:
         if self.min_offload_numel < 0:
             raise _fail("min_offload_numel must be >= 0", "model.min_offload_numel", self.min_offload_numel,
                         "use 0 to offload every eligible tensor, or the default 262144 (TE's threshold).")
-        if self.release_lag is not None and self.release_lag < 0:
-            raise _fail("release_lag must be None or >= 0", "model.release_lag", self.release_lag,
-                        "use None (start at 1, tuned from the link at the first CUDA step) or a lag k >= 0 in layers.")
-        if self.prefetch_layers is not None and self.prefetch_layers < 1:
-            raise _fail("prefetch_layers must be None or >= 1", "model.prefetch_layers", self.prefetch_layers,
-                        "use None (start at 1, tuned from the link at the first CUDA step) or k >= 1 layers of "
-                        "look-ahead.")
+        for name, low, use in (("release_lag", 0, "a lag k >= 0 in layers"),
+                               ("prefetch_layers", 1, "k >= 1 layers of look-ahead")):
+            if getattr(self, name) is not None and getattr(self, name) < low:
+                raise _fail(f"{name} must be None or >= {low}", f"model.{name}", getattr(self, name),
+                            f"use None (start at 1, tuned from the link at the first CUDA step) or {use}.")
         if self.seq_length < 1:
             raise _fail("seq_length must be positive", "model.seq_length", self.seq_length,
                         "use e.g. model.seq_length=128.")
@@ -280,21 +254,17 @@ class ModelConfig:
             except ValueError as exc:
                 raise _fail("memory_budget must be a positive size", "model.memory_budget", self.memory_budget,
                             str(exc).split("; ", 1)[-1].rstrip(".") + ", or None.") from None
-            if self.cpu_offloading_num_layers is not None:  # 0 too
-                raise _fail("memory_budget lets the planner choose the layers", "model.cpu_offloading_num_layers",
-                            self.cpu_offloading_num_layers, "set model.cpu_offloading_num_layers=None with a memory "
-                            "budget, or model.memory_budget=None for a fixed plan.")
-            if self.recompute:
-                raise _fail("memory_budget lets the planner choose the layers", "model.recompute", self.recompute,
-                            "set model.recompute=False with a memory budget, or model.memory_budget=None for a "
-                            "fixed plan.")
-        if self.cpu_offloading_num_layers is not None and self.cpu_offloading_num_layers < 0:
+            for name, unset in (("cpu_offloading_num_layers", None), ("recompute", False)):
+                if getattr(self, name) is not unset:  # a count of 0 too
+                    raise _fail("memory_budget lets the planner choose the layers", f"model.{name}",
+                                getattr(self, name), f"set model.{name}={unset} with a memory budget, or "
+                                "model.memory_budget=None for a fixed plan.")
+        n = self.cpu_offloading_num_layers
+        if n is not None and (self.cpu_offloading or n < 0):
             # Megatron checks this only with cpu_offloading on; a negative count is never meaningful.
-            check_offload_num_layers(self.cpu_offloading_num_layers, self.num_layers)
+            check_offload_num_layers(n, self.num_layers)
         if not self.cpu_offloading:
             return
-        if self.cpu_offloading_num_layers is not None:
-            check_offload_num_layers(self.cpu_offloading_num_layers, self.num_layers)
         if self.pipeline_model_parallel_size > 1:
             raise _fail(
                 "Currently there is no support for Pipeline parallelism with CPU offloading",
@@ -476,9 +446,7 @@ def _parse_scalar(text: str, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if type(None) in args and text.strip().lower() in _NONE:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        for arg in (a for a in args if a is not type(None)):
             try:
                 return _parse_scalar(text, arg, key)
             except ValueError:
@@ -486,27 +454,20 @@ def _parse_scalar(text: str, tp: Any, key: str) -> Any:
         raise ValueError(f"override {key}={text!r}: expected {_type_name(tp)}.")
     s = text.strip()
     if tp is bool:
-        if s.lower() in _TRUE:
-            return True
-        if s.lower() in _FALSE:
-            return False
+        if s.lower() in _TRUE | _FALSE:
+            return s.lower() in _TRUE
         raise ValueError(f"override {key}={text!r}: expected a bool (True/False).")
     if tp is int:
-        try:
+        with contextlib.suppress(ValueError):
             return int(s, 10)
-        except ValueError:
-            try:
-                as_float = float(s)
-            except ValueError:
-                as_float = None
-            if as_float is not None and as_float.is_integer() and "e" in s.lower():
-                return int(as_float)  # 1e3 is a common way to write 1000
-            raise ValueError(f"override {key}={text!r}: expected an int.") from None
+        with contextlib.suppress(ValueError):
+            if "e" in s.lower() and float(s).is_integer():
+                return int(float(s))  # 1e3 is a common way to write 1000
+        raise ValueError(f"override {key}={text!r}: expected an int.")
     if tp is float:
-        try:
+        with contextlib.suppress(ValueError):
             return float(s)
-        except ValueError:
-            raise ValueError(f"override {key}={text!r}: expected a float.") from None
+        raise ValueError(f"override {key}={text!r}: expected a float.")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         choices = [m.value for m in tp]
         if s not in choices:
@@ -526,10 +487,8 @@ def _example(key: str, tp: Any, current: Any) -> str:
     for arg in args:
         if arg is bool:
             values += ["True", "False"]
-        elif arg is int:
-            values.append(str(current) if type(current) is int else "2")
-        elif arg is float:
-            values.append(str(current) if type(current) is float else "0.5")
+        elif arg in (int, float):
+            values.append(str(current) if type(current) is arg else {int: "2", float: "0.5"}[arg])
     if not values:
         return ""
     if type(None) in args:
@@ -545,17 +504,15 @@ def _closest(name: str, valid: Iterable[str]) -> str:
 
 def _closest_key(section: str, name: str) -> str:
     """Suggest the nearest ``section.field``: same section first, then a field of another section."""
-    own = [f.name for f in dataclasses.fields(_SECTIONS[section])]
     for other, cls in _SECTIONS.items():
         if name in {f.name for f in dataclasses.fields(cls)}:
             return f"did you mean '{other}.{name}'?"
-    match = difflib.get_close_matches(name, own, n=1, cutoff=0.6)
-    if match:
-        return f"did you mean '{section}.{match[0]}'?"
+    own = {f.name: f"{section}.{f.name}" for f in dataclasses.fields(_SECTIONS[section])}
     others = {f.name: f"{s}.{f.name}" for s, cls in _SECTIONS.items() if s != section for f in dataclasses.fields(cls)}
-    match = difflib.get_close_matches(name, list(others), n=1, cutoff=0.6)
-    if match:
-        return f"did you mean '{others[match[0]]}'?"
+    for keys in (own, others):
+        match = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)
+        if match:
+            return f"did you mean '{keys[match[0]]}'?"
     return f"valid {section} keys: {', '.join(sorted(own))}."
 
 
@@ -596,8 +553,7 @@ def from_overrides(overrides: Iterable[str], *, base: Optional[Config] = None) -
         section, _, name = key.partition(".")
         if section not in _SECTIONS:
             raise ValueError(f"override {item!r}: unknown section {section!r}; {_closest(section, _SECTIONS)}")
-        cls = _SECTIONS[section]
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(_SECTIONS[section])
         if name not in hints:
             raise ValueError(f"override {item!r}: unknown key {key!r}; {_closest_key(section, name)}")
         try:
@@ -607,7 +563,6 @@ def from_overrides(overrides: Iterable[str], *, base: Optional[Config] = None) -
             if not example:
                 raise
             raise ValueError(f"{str(exc).rstrip('.')}; {example}.") from None
-    sections = {name: dataclasses.replace(getattr(base, name), **updates[name]) if updates[name]
-                else getattr(base, name) for name in _SECTIONS}
-    return Config(**sections)
+    return Config(**{name: dataclasses.replace(getattr(base, name), **updates[name]) if updates[name]
+                     else getattr(base, name) for name in _SECTIONS})
 

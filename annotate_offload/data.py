@@ -104,8 +104,7 @@ class ByteBatches:
         """``(input, target)``, each ``(micro_batch_size, seq_length)`` int64 on the CPU."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         starts = torch.randint(0, self.tokens.numel() - self.seq_length, (self.micro_batch_size,), generator=gen)
-        window = starts[:, None] + torch.arange(self.seq_length + 1)
-        chunk = self.tokens[window]
+        chunk = self.tokens[starts[:, None] + torch.arange(self.seq_length + 1)]
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
     def __repr__(self) -> str:

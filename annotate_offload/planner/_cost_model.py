@@ -83,6 +83,7 @@ bound when the layer also saves its input); optimizer transients are not counted
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -228,9 +229,7 @@ class StepMeasurement:
         """The fewest leading parameters whose state moved to the host frees ``excess`` bytes (``None``: none do)."""
         if excess <= 0:
             return 0
-        cumulative = [0]
-        for b in self.param_state_bytes:
-            cumulative.append(cumulative[-1] + b)
+        cumulative = list(itertools.accumulate(self.param_state_bytes, initial=0))
         m = bisect.bisect_left(cumulative, excess)
         return m if m < len(cumulative) else None
 
@@ -291,9 +290,7 @@ def allowed_choices(layer: int, num_layers: int, release_lag: int) -> tuple[str,
 
     Offloading needs the release point ``layer + 1 + release_lag`` to be at most the last layer.
     """
-    if layer + 1 + release_lag <= num_layers - 1:
-        return CHOICES
-    return ("keep", "recompute")
+    return CHOICES if layer + 1 + release_lag <= num_layers - 1 else ("keep", "recompute")
 
 
 def check_schedule(who: str, release_lag: Any, prefetch_layers: Any) -> None:
@@ -355,9 +352,8 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
         layer_ms[j] += t - start
 
     # --- memory (Note [Planner memory model]) ---
-    grads_above = [0] * (n + 1)  # grads_above[j] = sum of g_i over i >= j
-    for i in range(n - 1, -1, -1):
-        grads_above[i] = grads_above[i + 1] + layers[i].grad_bytes
+    # grads_above[j] = sum of g_i over i >= j
+    grads_above = list(itertools.accumulate((m.grad_bytes for m in reversed(layers)), initial=0))[::-1]
     held_before = cached_before = 0  # sums over i < j of what layer i holds once released, and of casts
     peaks = []
     for j, m in enumerate(layers):

@@ -111,11 +111,9 @@ class PlannerResult:
         ])
 
     def __str__(self) -> str:
-        lines = [self.summary(), f"  {'layer':<24} {'choice':<17} {'pred. ms':>9} {'pred. peak':>11}"]
-        for m, c, ms, peak in zip(self.measurements, self.choices, self.prediction.layer_ms,
-                                  self.prediction.layer_peak_bytes):
-            lines.append(f"  {m.name[:24]:<24} {c:<17} {ms:>9.2f} {format_bytes(peak):>11}")
-        return "\n".join(lines)
+        rows = [f"  {m.name[:24]:<24} {c:<17} {ms:>9.2f} {format_bytes(peak):>11}" for m, c, ms, peak in
+                zip(self.measurements, self.choices, self.prediction.layer_ms, self.prediction.layer_peak_bytes)]
+        return "\n".join([self.summary(), f"  {'layer':<24} {'choice':<17} {'pred. ms':>9} {'pred. peak':>11}", *rows])
 
 
 def plan_offload(

@@ -106,9 +106,7 @@ def _allowed(i: int, n: int, k: int, keep: frozenset) -> tuple[str, ...]:
 
 def _families(n: int, k: int, keep: frozenset) -> list[tuple]:
     offloadable = [i for i in range(n) if "offload" in _allowed(i, n, k, keep)]
-    plans = []
-    for m in range(n + 1):
-        plans.append(tuple("recompute" if i < m else "keep" for i in range(n)))
+    plans = [tuple("recompute" if i < m else "keep" for i in range(n)) for m in range(n + 1)]
     for m in range(len(offloadable) + 1):
         first = set(offloadable[:m])
         plans.append(tuple("recompute_offload" if i in first else "keep" for i in range(n)))
@@ -176,10 +174,9 @@ def _candidates(layers, bandwidth, step, schedules, plans, keep, exhaustive_limi
 
     options = {s: [_allowed(i, n, s[0], keep) for i in range(n)] for s in schedules}
     if plans is not None:
-        for s in schedules:
-            for plan in plans:
-                if all(c in options[s][i] for i, c in enumerate(plan)):
-                    add(s, plan)
+        for s, plan in itertools.product(schedules, plans):
+            if all(c in options[s][i] for i, c in enumerate(plan)):
+                add(s, plan)
         return out, "given plans"
     if sum(math.prod(len(o) for o in opts) for opts in options.values()) <= exhaustive_limit:
         for s in schedules:
@@ -236,8 +233,7 @@ def search(
     all_host = len(step.param_numels) if host_optimizer else 0
     total_state = sum(step.param_state_bytes)
     faster_on_host = step.host_ms < step.device_ms
-    best = None
-    smallest = math.inf
+    best, smallest = None, math.inf
     most = all_host if offload_fraction is None else step.host_tensors(offload_fraction)
     for (schedule, plan), sim in found.items():
         smallest = min(smallest, sim[1] + step.optimizer(most)[0])
