@@ -9,25 +9,34 @@ side streams, events, pinned pool, prefetch schedule, statistics)::
 
     forward                                          backward
     step = begin(key, first, last)   step of this call   r = reach(token, m, after)   backward reached layer m
-    token = save(x, step, i)         D2H of x, at save   u = load(tokens, [r], ...)    reload a unit, or wait
-    release(tokens, keep)            drop device copies  x = as_strided(u, ...)        a tensor of the unit
+    token = save(x, step, i)         D2H of x, at save   u = load(tokens, after, ...)  take a unit's reload
+    release(tokens, keep)            drop device copies  t = ready(u, tokens, after)   wait for it (mutates u)
+                                                         x = as_strided(u, ...)        a tensor of the unit
 
 The forward returns the token (an empty tensor on ``x``'s device carrying the runtime's record as a
 Python attribute) in place of ``x``: the graph drops ``x`` after ``release``, and the runtime holds the
 host copy until autograd frees the token. ``keep`` holds the released activations themselves, so the
 compiler cannot reuse their buffers while a D2H may still read them, and tensors that exist only
-from the release point on, so it cannot run earlier. ``after`` does the same for the backward ops.
-Data dependencies are the only ordering a compiler keeps, so every op has them.
+from the release point on, so it cannot run earlier. ``after`` does the same for the backward ops:
+``reach`` follows the gradients its layer's backward starts from; ``load`` follows the point where the
+runtime's schedule starts its layer's reload (``reach``, or for a paced one also the ``ready`` tokens up
+to half of the layer above, Note [Paced prefetch]), so the compiler counts the reload as alive from
+where the runtime allocates it; ``ready`` follows the gradients of its unit's first use, so it waits no
+earlier than that, and as it mutates the unit every read of the unit's views follows it. Data
+dependencies are the only ordering a compiler keeps, so every op has them.
 
 On CUDA the ops run where the compiled code calls them, on its stream: ``save`` records a ready event
 on the compute stream after the kernel that wrote ``x`` was launched and enqueues the D2H on the side
 stream behind it; ``release`` makes the compute stream wait for the layer's D2H before the graph may
 free ``x`` (no ``record_stream``: the allocator reuses ``x``'s block in compute-stream order, after the
-wait); ``load`` allocates the reload on the compute stream and makes it wait for the H2D. ``load``
-returns one storage unit (Note [Storage units]) whole, and the graph takes its tensors as views: a
-load per tensor would have to copy each tensor of a shared unit out of the reload, since what an op
-returns is 16-byte aligned and owned by the graph alone (inductor may write its outputs into it),
-and the copy of q in a fused qkv buffer spans nearly the whole buffer. Tokens live on the device:
+wait); ``load`` returns the reload the runtime allocated on the compute stream when it enqueued the H2D
+(on demand: now), and ``ready`` makes the compute stream wait for that H2D and counts the unit as used
+(Note [Paced prefetch]). No kernel reads the unit before its ``ready`` and the graph frees it no
+earlier, so its block is reused in compute-stream order after the wait; the host buffer returns to
+the pool with the H2D's event. ``load`` returns one storage unit (Note [Storage units]) whole, and the
+graph takes its tensors as views: a load per tensor would have to copy each tensor of a shared unit
+out of the reload, since what an op returns is 16-byte aligned and owned by the graph alone (inductor
+may write its outputs into it), and the copy of q in a fused qkv buffer spans nearly the whole buffer. Tokens live on the device:
 inductor takes a CPU input of a CUDA graph for unaligned memory, and the outputs of an op with an
 unaligned input for unaligned too, so the kernels that read the reloads would lose their vectorised
 loads. Each op but the markers does host work per call, so none may be captured in a CUDA graph
@@ -151,6 +160,13 @@ def _load_fake(tokens: list[torch.Tensor], after: list[torch.Tensor], offsets: l
     return torch.empty(numel, dtype=dtype, device=device)
 
 
+@torch.library.custom_op("annotate_offload::ready", mutates_args=("unit",), tags=_UNSAFE)
+def ready(unit: torch.Tensor, tokens: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
+    sync, _ = _record(tokens[0])
+    sync.graph_ready([_record(token)[1] for token in tokens], unit.nbytes)
+    return torch.empty(0, dtype=torch.uint8, device=unit.device)
+
+
 @torch.library.custom_op("annotate_offload::mark", mutates_args=())
 def mark(x: torch.Tensor, offload: bool) -> None:
     """``mark_not_offload`` (``offload=False``) or ``mark_activation_offload`` (``True``) in a traced
@@ -160,7 +176,8 @@ def mark(x: torch.Tensor, offload: bool) -> None:
 begin.register_fake(lambda key, first, last: torch.empty(0, dtype=torch.uint8))
 save.register_fake(lambda x, step, index: torch.empty(0, dtype=torch.uint8, device=x.device))
 reach.register_fake(lambda token, index, after: torch.empty(0, dtype=torch.uint8, device=token.device))
+ready.register_fake(lambda unit, tokens, after: torch.empty(0, dtype=torch.uint8, device=unit.device))
 for _op in (release, mark):
     _op.register_fake(lambda *args: None)
-for _name in ("layer", "release", "reach", "mark"):
+for _name in ("layer", "release", "reach", "ready", "mark"):
     has_side_effect(getattr(torch.ops.annotate_offload, _name).default)

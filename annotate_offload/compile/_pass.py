@@ -31,9 +31,10 @@ its layer's ``release`` (with the activation in ``keep``) after the first tensor
 saves from the point where the runtime's schedule releases that layer on (the entry of layer
 ``i + 1 + release_lag``, or the end of the last layer), or after the user outputs when that point
 is not in this graph. Backward: for each layer, ``reach`` after the inputs of its first node that
-depend on the backward; for each storage unit, one ``load`` of its tensors' tokens after that ``reach``,
-before the first use of any of them, and each tensor an ``as_strided`` view of what it returns, so the
-unit crosses once and the compiler knows the tensors alias (q, k and v of one fused buffer).
+depend on the backward; for each storage unit, one ``load`` of its tensors' tokens where the runtime's
+schedule starts its layer's reload (or before the first use of any of them, where nothing in this graph
+starts it), a ``ready`` before that first use, and each tensor an ``as_strided`` view of what ``load``
+returns, so the unit crosses once and the compiler knows the tensors alias (q, k and v of one fused buffer).
 The ``layer`` markers and ``mark`` ops are removed. Reported bytes count storage units as the runtime
 does (Note [Storage units]), so they equal the runtime's ``bytes_offloaded`` per step.
 """
@@ -333,7 +334,8 @@ def _forward(fg: fx.Graph, moved: list, entries: dict, runtimes: dict, saved: li
 
 
 def _backward(bg: fx.Graph, moved: list, runtimes: dict, backward_inputs: dict) -> None:
-    """Per layer: ``reach`` once its backward has started, then ``load`` of its tokens before their first use."""
+    """Per layer: ``reach`` once its backward has started; per unit: ``load`` where the runtime starts its
+    reload, ``ready`` before its first use."""
     grads = set(n for n in bg.find_nodes(op="placeholder") if n.name.startswith("tangents"))
     starts: dict = {}  # (key, layer) -> (first node of the layer that takes a gradient, those gradients)
     for n in bg.nodes:
@@ -354,8 +356,12 @@ def _backward(bg: fx.Graph, moved: list, runtimes: dict, backward_inputs: dict) 
             reached[tag] = _insert(bg, bg.inserting_before(start), _OPS.reach.default, (token[tag[0]], tag[1], after),
                                    _fake_token(token[tag[0]]), f"reach_layer_{tag[1]}")
     order = {n: i for i, n in enumerate(bg.nodes)}
-    ours = (_OPS.reach.default, _OPS.load.default)
+    ours = (_OPS.reach.default, _OPS.load.default, _OPS.ready.default)
+    loads: dict = {}  # (key, layer) -> its loads
+    readies: dict = {}  # (key, layer) -> [(bytes, ready)] of its units
+    totals: dict = {}  # (key, layer) -> bytes of its units
     for tag, _, lo, hi, members in _units(moved):
+        totals[tag] = totals.get(tag, 0) + hi - lo
         for dtype in dict.fromkeys(_val(n).dtype for n in members):
             nodes = [n for n in members if _val(n).dtype == dtype]
             # a unit made by a tensor of another dtype that does not divide it: each tensor its own span
@@ -374,7 +380,44 @@ def _backward(bg: fx.Graph, moved: list, runtimes: dict, backward_inputs: dict) 
                 unit = _insert(bg, bg.inserting_before(first), _OPS.load.default,
                                (holders, after, offsets, unit_val.numel(), dtype, vals[0].device), unit_val,
                                f"reload_{group[0].name}")
+                ready = _insert(bg, bg.inserting_before(first), _OPS.ready.default,
+                                (unit, holders, [g for g in first.all_input_nodes if g in grads] or after),
+                                _fake_token(unit), f"ready_{group[0].name}")
+                loads.setdefault(tag, []).append(unit)
+                readies.setdefault(tag, []).append((b - a, ready))
                 for holder, v, o, view in zip(holders, vals, offsets, views):
                     node = _insert(bg, bg.inserting_before(first), torch.ops.aten.as_strided.default,
                                    (unit, list(v.shape), list(v.stride()), o), view, f"reloaded_{holder.name}")
                     holder.replace_all_uses_with(node, delete_user_cb=lambda u: u.target not in ours)
+    # the loads of a layer go where the runtime's schedule starts its reloads, so that the compiler counts
+    # them from there (it plans its buffers by the memory it sees alive)
+    order = {n: i for i, n in enumerate(bg.nodes)}
+    for (key, j), mine in loads.items():
+        point, after = _reload_point(runtimes[key], key, j, reached, readies, totals, order)
+        cursor = point
+        for unit in mine if point is not None else ():
+            if order[point] < order[unit]:  # a load used before the point stays: the runtime reloads on demand
+                unit.update_arg(1, after)
+                cursor.append(unit)
+                cursor = unit
+
+
+def _reload_point(sync: Any, key: int, j: int, reached: dict, readies: dict, totals: dict, order: dict) -> tuple:
+    """The node after which the runtime starts layer ``j``'s reload in this backward (Note [Default
+    schedule], Note [Paced prefetch] in ``runtime/_synchronizer.py``), and what it depends on: the first
+    ``reach`` of a layer ``m`` with ``m - k <= j <= m``, or with ``k = 1`` below an offloaded ``m``,
+    the ``ready`` at which half of ``m``'s reloaded bytes are used, after ``reach(m)`` and every
+    ``ready`` of ``m`` before it. ``None`` where nothing in this graph starts it."""
+    k = getattr(sync, "prefetch_layers", -1)  # -1: the user starts reloads (manual mode)
+    point = min([reached[(key, m)] for m in range(j, j + 1 + k) if (key, m) in reached], key=order.get, default=None)
+    if k != 1 or point is None or point is not reached.get((key, j + 1)) or (key, j + 1) not in readies:
+        return point, [point]
+    after, used, below = [point], 0, reached.get((key, j))  # reaching layer j starts what is not started
+    for nbytes, ready in sorted(readies[(key, j + 1)], key=lambda r: order[r[1]]):
+        if below is not None and order[below] < order[ready]:
+            break
+        used += nbytes
+        after.append(ready)
+        if 2 * used >= totals[(key, j + 1)]:
+            return ready, after
+    return below, [below]

@@ -393,7 +393,7 @@ class _LayerState:
             if src is not None:  # never copied (manual mode without start_offload_layer)
                 self._drop(unit)
 
-    def unpack(self, handle: _Packed, allow_on_demand: bool = True) -> torch.Tensor:
+    def unpack(self, handle: _Packed, allow_on_demand: bool = True, wait: bool = True) -> torch.Tensor:
         aux = self.fwd_gpu_tensor_group.aux
         unit, meta = aux["unit_index"][handle], aux["metas"][handle]
         root, stale = handle.root(), self.stale[unit]
@@ -423,15 +423,23 @@ class _LayerState:
                 else:  # a handle served before is unpacked again: only its unit
                     self._reload([(self, unit)])
                 pending = self.pending[unit]
-            self.backend.current_stream().wait_event(bwd.events[unit])
+            if wait:
+                self.backend.current_stream().wait_event(bwd.events[unit])
             flat = bwd.tensor_list[unit]
             pending.discard(handle)
             if not pending:
                 # every handle was served: autograd holds what it still needs, and frees it after use
                 bwd.tensor_list[unit] = None
                 self.stats._resident(-flat.numel())
-                self.pacer.use(flat.numel())
+                if wait:
+                    self.pacer.use(flat.numel())
         return _rebuild(flat, meta)
+
+    def wait(self, handle: _Packed) -> None:
+        """The compute stream waits for the H2D of ``handle``'s unit, taken with ``unpack(wait=False)``."""
+        event = self.bwd_gpu_tensor_group.events[self.fwd_gpu_tensor_group.aux["unit_index"][handle]]
+        if event is not None:
+            self.backend.current_stream().wait_event(event)
 
     def served(self, handle: _Packed) -> bool:
         """Whether this layer no longer holds any device bytes of ``handle``'s unit (a reload of it

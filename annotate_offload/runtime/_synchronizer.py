@@ -28,12 +28,12 @@ layers), at most ``k + 1`` in backward (about 1.5 with ``k = 1``).
 
 Note [Paced prefetch]. With a look-ahead of one layer, the reload of layer ``m - 1`` starts once
 half of the bytes layer ``m`` holds for backward have been used: its reloaded units (counted when
-each is dropped) or, for a kept layer ``m`` above an offloaded one (the last layer at
-``N = L - 1``), its saved activations (counted at their first unpack). Starting it at ``m``'s first
-backward node would hold both layers whole on the device; starting it at the half keeps about 1.5
-layers there while the H2D stream still runs ahead of compute (``m``'s second half is left to
-consume). If the half is never reached, the pre-hook of ``m - 1`` (or its first unpack) starts the
-reload; reaching another layer disarms the pending start.
+each is dropped; in a compiled graph at its ``ready``) or, for a kept layer ``m`` above an offloaded
+one (the last layer at ``N = L - 1``), its saved activations (counted at their first unpack). Starting
+it at ``m``'s first backward node would hold both layers whole on the device; starting it at the half
+keeps about 1.5 layers there while the H2D stream still runs ahead of compute (``m``'s second half is
+left to consume). If the half is never reached, the pre-hook of ``m - 1`` (or its first unpack)
+starts the reload; reaching another layer disarms the pending start.
 
 Note [Scopes inside a checkpoint]. A layer scope opened while autograd runs a backward is the
 recompute of a ``torch.utils.checkpoint`` around it (or a forward run by a backward hook). The
@@ -409,12 +409,12 @@ class OffloadSynchronizer:
                 handle.layer.release_forward()
 
     def graph_unpack(self, records: list, offsets: list, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """One storage unit of a compiled backward, reloaded (or waited for) on the compute stream:
-        ``numel`` elements of ``dtype`` that hold the records' tensors at ``offsets`` (elements), which
-        the graph takes as views. A compiled graph may write into what an op returns, and takes it for
-        16-byte aligned: it gets the reload itself when that is exactly this unit and the runtime has
-        handed out every tensor it holds, else a new tensor with the tensors' bytes."""
-        views = [self.pop_tensor(handle) for handle, _ in records]
+        """One storage unit of a compiled backward, reloaded on the compute stream, whose H2D may still run
+        until :meth:`graph_ready`: ``numel`` elements of ``dtype`` that hold the records' tensors at
+        ``offsets`` (elements), which the graph takes as views. A compiled graph may write into what an op
+        returns, and takes it for 16-byte aligned: it gets the reload itself when that is exactly this unit
+        and the runtime has handed out every tensor it holds, else a new tensor with the tensors' bytes."""
+        views = [h.layer.unpack(h, not self._manual, wait=False) if type(h) is _Packed else h for h, _ in records]
         first = views[0]
         storage = first.untyped_storage()
         own = all(type(h) is _Packed and h.layer.served(h) for h, _ in records) and storage.data_ptr() % 16 == 0
@@ -422,10 +422,20 @@ class OffloadSynchronizer:
             v.untyped_storage()._cdata == storage._cdata and v.storage_offset() == o for v, o in zip(views, offsets)
         ):
             return first.as_strided((numel,), (1,), 0)
+        self.graph_ready(records, 0)  # the copy reads the reload
         unit = torch.empty(numel, dtype=dtype, device=first.device)
         for view, offset in zip(views, offsets):
             unit.as_strided(view.shape, view.stride(), offset).copy_(view)
         return unit
+
+    def graph_ready(self, records: list, nbytes: int) -> None:
+        """The compute stream waits for the H2D of the unit :meth:`graph_unpack` returned for these records
+        (all of one layer); its ``nbytes`` count as used (Note [Paced prefetch])."""
+        packed = [h for h, _ in records if type(h) is _Packed]
+        for h in packed:
+            h.layer.wait(h)
+        if packed:
+            packed[0].layer.pacer.use(nbytes)
 
     def graph_reach(self, record: tuple, index: int) -> None:
         """A compiled backward reached layer ``index`` of the step ``record`` belongs to."""
