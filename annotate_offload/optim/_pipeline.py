@@ -407,9 +407,11 @@ class HostPipeline:
             scale_(buf, s.local.dtype, coef)
         s.scales = []
 
-    def _collect(self, stream: Any) -> None:
-        """At ``step()``: copy the gradients the hooks did not copy or that changed since."""
-        todo = []
+    def _collect(self, stream: Any) -> list[int]:
+        """At ``step()``: copy the gradients the hooks did not copy or that changed since; return the chunks
+        with gradients to step, in the order their last D2H was issued (Note [Host chunk order]: chunks are
+        independent, so any order gives the same bits)."""
+        todo, last = [], {}
         for s in self.slots:
             g = local_grad(s.param)
             if not self._steps(s.chunk):
@@ -427,8 +429,12 @@ class HostPipeline:
                 raise _sparse(s, g)
             elif not s.copied(g):
                 todo.append((s, g))
+            if s.state is S.COPIED:
+                last[s.chunk] = max(last.get(s.chunk, -1), s.seq)
         if todo:  # Note [Tiny gradients at step()]: one stream switch and one event for all
             self._copy(todo, stream)
+            last.update((s.chunk, s.seq) for s, _ in todo)  # the newest copies, in increasing order
+        return sorted(last, key=last.__getitem__)
 
     # ------------------------------------------------------------------ the step
     def step(self, device_step: Callable[[Optional[AmpStep]], None], amp_begin: Callable[[], Any]) -> None:
@@ -447,12 +453,11 @@ class HostPipeline:
             self._prepare()
             if self.amp is None or not self.amp.skip:  # Note [GradScaler]: an inf/NaN step steps nothing
                 with _label("HybridDeviceOptimizer.d2h"):
-                    self._collect(self.d2h if self.overlap else cur)
+                    order = self._collect(self.d2h if self.overlap else cur)
                 if not self.device_done:
                     with _label("HybridDeviceOptimizer.device_step"):
                         device_step(self.amp)
                     self.device_done = True
-                order = self._landing_order()
                 if self._worker is not None:
                     for ci in order:
                         self._submit(ci)
@@ -505,15 +510,6 @@ class HostPipeline:
                 c.landed = 0
         self._begun, self.amp = False, None
 
-    def _landing_order(self) -> list[int]:
-        """Chunks with gradients to step, in the order their last D2H was issued (Note [Host chunk order]:
-        chunks are independent, so any order gives the same bits)."""
-        seq: dict[int, int] = {}
-        for s in self.slots:
-            if s.state is S.COPIED and self._steps(s.chunk):
-                seq[s.chunk] = max(seq.get(s.chunk, -1), s.seq)
-        return sorted(seq, key=seq.__getitem__)
-
     def _plan(self, ci: int) -> tuple[list[Slot], Any, list]:
         """What chunk ``ci`` steps, captured now: its slots with a gradient, the D2H event of the last one
         copied (Note [One D2H stream]), and the clip coefficients pending per slot."""
@@ -540,8 +536,7 @@ class HostPipeline:
         gradient hook, Note [H2D ordering])."""
         side, c = self.side, self.chunks[ci]
         slots, ev, scales = plan
-        if self.delayed:
-            side.synchronize(c.h2d_ev)  # the last update's H2D reads the masters and staging
+        side.synchronize(c.h2d_ev)  # delayed mode: the last update's H2D reads the masters and staging
         side.synchronize(ev)
         if len(slots) != len(c.slots):  # torch steps the tensors that have a .grad
             for s in c.slots:
@@ -556,10 +551,9 @@ class HostPipeline:
         if amp is not None and takes_scale(c.opt, amp) is False:
             for s in slots:
                 scale_(s.bufs[buf], s.local.dtype, amp.host_inv)  # Note [GradScaler]: unscale_'s multiply
-        if slots:
-            with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL, \
-                    handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
-                c.opt.step()
+        with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL, \
+                handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
+            c.opt.step()
         for s in slots:
             if s.staging is not None:
                 s.staging.copy_(s.master)
@@ -697,8 +691,6 @@ class HostPipeline:
                 if (everything or s.param._version != s.p_ver) and self._steps(s.chunk):
                     s.master.copy_(s.local)
                     s.p_ver = s.param._version
-                    if s in self.chunks[s.chunk].pending:
-                        self.chunks[s.chunk].pending.remove(s)
 
     def note_written(self) -> None:
         """The current values of the host parameters are no user's load (e.g. broadcast from their owner):
