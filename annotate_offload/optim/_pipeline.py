@@ -241,7 +241,6 @@ class HostPipeline:
                 s.inner = s.master = masters[i].view(s.local.shape)
                 s.bufs = [b[i].view(s.local.shape) for b in bufs]
                 s.master.copy_(s.local)
-                s.p_ver = s.param._version
             for j, i in enumerate(staged):
                 slots[i].staging = masters[len(slots) + j].view(slots[i].local.shape)
         impl, split = impl_for(cls, impl, host=True)
@@ -378,8 +377,7 @@ class HostPipeline:
                     if s.scratch is None:
                         s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin_grads)
                     s.scratch.copy_(g, non_blocking=True)
-                    side.synchronize(side.record(stream))
-                    side.synchronize(s.d2h_ev)
+                    side.synchronize(side.record(stream))  # also the earlier copy (Note [One D2H stream])
                     self._apply_scales(s, buf)  # each micro-batch keeps its own clip coefficient: c*g0 + g1
                     buf.add_(s.scratch) if buf.dtype == g.dtype else buf.copy_(buf.to(g.dtype).add_(s.scratch))
                 else:
@@ -390,7 +388,7 @@ class HostPipeline:
         for s, g in todo:
             s.to(S.COPIED, "copy", (S.EMPTY, S.COPIED, S.CONSUMED))
             s.d2h_ev, s.seq, self._seq = ev, self._seq, self._seq + 1
-            s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
+            s.grad_ref = weakref.ref(s.param.grad)
             s.grad_ver, s.grad_ptr = g._version, g.data_ptr()
             if self.offload_grads:
                 # Note [Gradient residency]: the copy may be in flight when g is freed here; record_stream keeps
@@ -443,10 +441,9 @@ class HostPipeline:
         cur = side.current_stream()
         self._applied.clear()
         try:
-            if self.overlap:
-                start = side.record(cur)
-                side.wait_event(self.d2h, start)
-                side.wait_event(self.h2d, start)
+            start = side.record(cur) if self.overlap else None
+            side.wait_event(self.d2h, start)
+            side.wait_event(self.h2d, start)
             if self.delayed:
                 self._apply_previous()
             self.amp = amp_begin()
@@ -492,8 +489,7 @@ class HostPipeline:
     # Note [Consumed gradients]: with offload_gradients model.zero_grad() cannot reach the host copy,
     # so step() consumes it and the next backward starts from zero.
     def _end(self, cur: Any, *, failed: bool) -> None:
-        if self.overlap:
-            self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
+        self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
         if failed and not self.delayed:
             with contextlib.suppress(BaseException):  # the error raised is the first one
                 self._drain()
@@ -513,17 +509,12 @@ class HostPipeline:
     def _plan(self, ci: int) -> tuple[list[Slot], Any, list]:
         """What chunk ``ci`` steps, captured now: its slots with a gradient, the D2H event of the last one
         copied (Note [One D2H stream]), and the clip coefficients pending per slot."""
-        slots, ev, last = [], None, -1
-        for s in self.chunks[ci].slots:
-            if s.state is S.COPIED:
-                s.state = S.SUBMITTED
-                slots.append(s)
-                if s.seq > last:
-                    ev, last = s.d2h_ev, s.seq
-        return slots, ev, [(s, list(s.scales)) for s in slots if s.scales]
+        slots = [s for s in self.chunks[ci].slots if s.state is S.COPIED]  # one at least: why ci is stepped
+        for s in slots:
+            s.state = S.SUBMITTED
+        return slots, max(slots, key=lambda s: s.seq).d2h_ev, [(s, list(s.scales)) for s in slots if s.scales]
 
     def _submit(self, ci: int, *, in_backward: bool = False) -> None:
-        assert self._worker is not None
         args = (ci, self._plan(ci), self._buf, in_backward, self.amp)
         if self.delayed:
             self._jobs[ci] = args
@@ -585,7 +576,6 @@ class HostPipeline:
     def _apply_previous(self, skip_written: bool = True) -> None:
         """Delayed mode: put the previous step's host update into the model (finished chunks now, the
         others as the worker steps them); weights written since the last step win."""
-        assert self._worker is not None
         if skip_written:
             self._skip = frozenset(s for s in self.slots if s.param._version != s.p_ver)
         with self._lock, torch.no_grad(), self.side.use(self.h2d):
@@ -618,7 +608,7 @@ class HostPipeline:
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also put the pending update into the model."""
         if not self.delayed:
-            return self._drain() if self._worker is not None else None
+            return self._drain()
         side, cur = self.side, self.side.current_stream()
         self._applied.clear()
         side.wait_event(self.h2d, side.record(cur))
