@@ -162,14 +162,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._slots = [Slot(p, i, gi, pi, host[gi][pi], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
         self.pipeline = HostPipeline([s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl,
                                      self.defaults, side=side, threads=threads, begin=self._begin)
-        self.cpu_optimizers = self.pipeline.optimizers
+        self.cpu_optimizers = [c.opt for c in self.pipeline.chunks]
         self.gpu_optimizer: Optional[torch.optim.Optimizer] = None
-        links = list(self.pipeline.links)
         if dev := [s for s in self._slots if not s.host]:
-            self.gpu_optimizer, dev_links = sub_optimizer(gpu_cls, self.param_groups, dev,
-                                                          *impl_for(gpu_cls, self._impl, host=False))
-            links += dev_links
-        self._links = [[(sub, keys) for sub, g2, keys in links if g2 is g] for g in self.param_groups]
+            self.gpu_optimizer = sub_optimizer(gpu_cls, self.param_groups, dev,
+                                               *impl_for(gpu_cls, self._impl, host=False))
+        subs = {id(s.sub_group): s for s in self._slots}.values()  # a slot per sub-optimizer group
+        self._links = [[(s.sub_group, tuple(k for k in s.sub_group if k != "params" and k in g
+                                            and k not in STRUCTURAL_KEYS)) for s in subs if s.group == gi]
+                       for gi, g in enumerate(self.param_groups)]  # per group: what _sync_hyper copies down
         self._seen: list[list] = [[] for _ in self.param_groups]  # the group values last pushed down
         self._masters = [s for s in self._slots if not s.host and s.inner is not s.param]  # device half
         self._fresh = list(self._slots)  # slots whose state is not in self.state yet

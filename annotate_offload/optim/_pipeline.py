@@ -175,22 +175,19 @@ def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, 
 
 
 def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot], impl: dict[str, Any],
-                  split_complex: bool) -> tuple[torch.optim.Optimizer, list[tuple[dict, dict, tuple]]]:
-    """One ``cls`` over ``slots`` (a group per HDO group); sets each slot's ``opt`` and ``sub_group`` and
-    returns the links ``(sub-optimizer group, HDO group, keys copied down when they change)``."""
+                  split_complex: bool) -> torch.optim.Optimizer:
+    """One ``cls`` over ``slots`` (a group per HDO group); sets each slot's ``opt`` and ``sub_group``."""
     parts: dict[tuple[int, bool], list[Slot]] = {}  # (HDO group, complex in a group of its own) -> slots
     for s in slots:
         parts.setdefault((s.group, split_complex and s.inner.is_complex()), []).append(s)
     keys = sorted(parts)  # in HDO group order, a group's complex parameters after the others
     subs = [{**{k: v for k, v in hdo_groups[gi].items() if k != "params" and k not in STRUCTURAL_KEYS},
              **({"fused": None} if cplx else {}), "params": [s.inner for s in parts[gi, cplx]]} for gi, cplx in keys]
-    opt, links = cls(subs, **impl), []
+    opt = cls(subs, **impl)
     for sub, key in zip(opt.param_groups, keys):
-        g = hdo_groups[key[0]]
         for s in parts[key]:
             s.opt, s.sub_group = opt, sub
-        links.append((sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS)))
-    return opt, links
+    return opt
 
 
 # Note [One optimizer per parameter]: the newest pipeline over a parameter owns its hook (an older,
@@ -246,14 +243,11 @@ class HostPipeline:
         impl, split = impl_for(cls, impl, host=True)
         sizes = [s.master.numel() * s.master.element_size() for s in slots]
         self.chunks: list[Chunk] = []
-        self.links: list[tuple[dict, dict, tuple]] = []
         for ci, (idx, serial) in enumerate(split_serial(make_chunks(sizes, chunk_bytes), numels, sizes, chunk_bytes)):
             for i in idx:
                 slots[i].chunk = ci
-            opt, links = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
+            opt = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
             self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
-            self.links += links
-        self.optimizers = [c.opt for c in self.chunks]
         self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
         self.closed = self.device_done = False  # device_done: Note [Failed steps]
         self.amp: Optional[AmpStep] = None
