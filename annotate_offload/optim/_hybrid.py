@@ -295,16 +295,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         weights loaded since the last step."""
         self._sync_hyper()
         self._place_state()
-        self.pipeline.resync()
         self._reseed()
 
     def _reseed(self, everything: bool = False) -> None:
-        """Copy the weights written into the model since the last step (``everything``: all of them) into
-        the device half's masters."""
+        """Copy the weights written into the model since the last step (``everything``: all of them, after a
+        flush) into the masters of both halves (host: of the chunks this process steps)."""
+        if everything:
+            self.pipeline.flush()
         with torch.no_grad():
-            for s in self._masters:
+            for s in (*self._masters, *self.pipeline.slots):
                 if s.master is not None and (everything or s.param._version != s.p_ver):
-                    s.inner.copy_(s.local)
+                    s.master.copy_(s.local)
                     s.p_ver = s.param._version
 
     def _place_state(self) -> list[Slot]:
@@ -447,7 +448,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def reload_model_params(self) -> None:
         """Re-seed every master (host and GPU) from the model's weights: call after writing weights in a
         way that bypasses the version counter (``p.data.copy_``); ``model.load_state_dict`` is seen by itself."""
-        self.pipeline.resync(everything=True)
         self._reseed(everything=True)
 
     update_fp32_param_by_new_param = reload_model_params  # Megatron's name

@@ -224,8 +224,9 @@ class HostPipeline:
         self.in_backward, self.delayed = opts["step_in_backward"], opts["delayed_param_update"]
         self._begin = weakref.WeakMethod(begin)  # the optimizer's once-per-step preparation
         fp32, chunk_bytes, overlap = opts["param_update_in_fp32"], opts["chunk_bytes"], self.overlap
-        slots = self.slots = slots[::-1]  # backward lands the last ones first
+        slots = self.slots = slots[::-1]  # backward lands the last ones first; those stepped here (set_owner)
         self._slot = {id(s.param): s for s in slots}
+        self.params = [s.param for s in slots]  # the host-stepped parameters, in step order
         mdt = [torch.float32 if fp32 and s.local.is_floating_point() else s.local.dtype for s in slots]
         numels = [s.local.numel() for s in slots]
         self.pin_grads = opts["pin_cpu_grads"] and side.can_pin
@@ -276,11 +277,6 @@ class HostPipeline:
             weakref.finalize(self, CpuWorker.close, self._worker)
 
     # ------------------------------------------------------------------ lookups and sharding
-    @property
-    def params(self) -> list[torch.Tensor]:
-        """The host-stepped parameters, in step order."""
-        return [s.param for s in self.slots]
-
     def is_host(self, p: torch.Tensor) -> bool:
         return id(p) in self._slot
 
@@ -293,10 +289,12 @@ class HostPipeline:
         return not self.in_backward and self._slot[id(p)].local.numel() < BATCHED_NUMEL
 
     def set_owner(self, owned: list[bool]) -> None:
-        """Step only the chunks marked ``True`` in this process (another one steps the others)."""
+        """Step only the chunks marked ``True`` in this process (another one steps the others): ``slots``
+        keeps theirs."""
         if self._owned is not None:
             raise OffloadError("HybridDeviceOptimizer: its host step is already sharded (attach the optimizer once).")
         self._owned = list(owned)
+        self.slots = [s for s in self.slots if self._owned[s.chunk]]
 
     @property
     def sharded(self) -> bool:
@@ -351,8 +349,8 @@ class HostPipeline:
     def uncopied(self, skip_batched: bool = False) -> int:
         """How many host gradients this process steps ``step()`` would copy now; ``skip_batched``: not
         counting those copied there by design."""
-        return sum(1 for s in self.slots if s.param.grad is not None and self._steps(s.chunk)
-                   and not (skip_batched and self.batched(s.param)) and not s.copied(local_grad(s.param)))
+        return sum(1 for s in self.slots if s.param.grad is not None and not (skip_batched and self.batched(s.param))
+                   and not s.copied(local_grad(s.param)))
 
     def forget_copy(self, p: Optional[torch.Tensor] = None) -> None:
         """Make ``step()`` copy ``p``'s gradient (all: ``None``) again: it changed where versions do not
@@ -406,8 +404,6 @@ class HostPipeline:
         todo, last = [], {}
         for s in self.slots:
             g = local_grad(s.param)
-            if not self._steps(s.chunk):
-                continue
             if s.state is S.SUBMITTED or s.state is S.STEPPED:  # step_in_backward stepped it in backward
                 if g is not None and not s.copied(g):
                     raise OffloadError(
@@ -596,8 +592,8 @@ class HostPipeline:
         """Flat indices of the host parameters the failed call has not updated (delayed mode: whose
         weights it has not written)."""
         if self.delayed:
-            return [s.flat for s in self.slots if s.flat not in self._applied]
-        return [s.flat for s in self.slots if s.state is not S.STEPPED]
+            return [s.flat for s in self._slot.values() if s.flat not in self._applied]
+        return [s.flat for s in self._slot.values() if s.state is not S.STEPPED]
 
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also put the pending update into the model."""
@@ -623,7 +619,7 @@ class HostPipeline:
             c.landed = 0
         keep = self.offload_grads and not set_to_none
         for s in self.slots:
-            if keep and s.state is not S.EMPTY and local_grad(s.param) is None and self._steps(s.chunk):
+            if keep and s.state is not S.EMPTY and local_grad(s.param) is None:
                 self.side.synchronize(s.d2h_ev)
                 s.bufs[self._buf].zero_()
                 s.state = S.COPIED
@@ -665,17 +661,6 @@ class HostPipeline:
             s.grad_ver = local_grad(s.param)._version  # the copy and its coefficient equal the new gradient
 
     # ------------------------------------------------------------------ masters
-    def resync(self, *, everything: bool = False) -> None:
-        """Weights written into the model since the last step (version bumped) re-seed their masters
-        (``everything``: all of them, after :meth:`flush`)."""
-        if everything:
-            self.flush()
-        with torch.no_grad():
-            for s in self.slots:
-                if (everything or s.param._version != s.p_ver) and self._steps(s.chunk):
-                    s.master.copy_(s.local)
-                    s.p_ver = s.param._version
-
     def note_written(self) -> None:
         """The current values of the host parameters are no user's load (e.g. broadcast from their owner):
         their masters are not re-seeded from them."""
