@@ -152,7 +152,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         defaults.update(kwargs, **flags, offload_fraction=float(offload_fraction), cpu_threads=cpu_threads,
                         chunk_bytes=chunk_bytes, cpu_optimizer_cls=cpu_optimizer_cls, gpu_optimizer_cls=gpu_optimizer_cls)
         super().__init__(params, defaults)  # add_param_group checks each group
-        self._built = True
 
         # ---- split, host pipeline, device optimizer: one slot per parameter, both sides built from them
         flat = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
@@ -187,7 +186,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Used by the constructor for each group; refused afterwards (``OffloadError``: the split is fixed)."""
-        if getattr(self, "_built", False):
+        if hasattr(self, "pipeline"):  # the constructor's groups are in: the split is fixed
             raise OffloadError("HybridDeviceOptimizer: add_param_group after construction is not supported (the host/GPU "
                                "split and host buffers are fixed then); build a new HybridDeviceOptimizer with all groups.")
         where = f" in param group {len(self.param_groups)}"
@@ -219,9 +218,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         fp32 = self.defaults["param_update_in_fp32"]
         like = sorted({(torch.float32 if fp32 and t.is_floating_point() else t.dtype, t.device, t.dim())
                        for t in map(local_tensor, params)} or {(torch.float32, torch.device("cpu"), 1)}, key=str)
-        host_impl = impl_for(self._classes[0], self._impl, host=True)[0]
-        if "fused" not in self._impl:
-            host_impl.pop("fused", None)  # ours, not the user's: Note [Complex parameters]
+        # the host class's switches without the fused=True default, which is ours (Note [Complex parameters])
+        host_impl = {k: v for k, v in impl_for(self._classes[0], self._impl, host=True)[0].items() if k in self._impl}
         for role, cls, on, impl in (("cpu_optimizer_cls", self._classes[0], sorted({(d, "cpu", n) for d, _, n in like},
                                      key=str), host_impl), ("gpu_optimizer_cls", self._classes[1], like, self._impl)):
             sig, var_kw = _signature(cls)
@@ -308,33 +306,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     s.master.copy_(s.local)
                     s.p_ver = s.param._version
 
-    def _place_state(self) -> list[Slot]:
-        """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it; return
-        the slots whose ``master_param`` was replaced (:func:`~._state.place`)."""
-        out = []
+    def _place_state(self, adopt: bool = False) -> None:
+        """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it
+        (:func:`~._state.place`); ``adopt``: a replaced ``master_param`` is not re-seeded from the weights."""
         for p, st in self.state.items():  # no tensor-keyed lookups: they hash through Python
             if st and (s := self._by_id.get(id(p))) is not None:
-                if s.master is not None and st.get("master_param", s.master) is not s.master:
-                    out.append(s)
+                if adopt and s.master is not None and st.get("master_param", s.master) is not s.master:
+                    s.p_ver = s.param._version
                 place(s, st)
-        return out
 
     def _sync_hdo_state_to_sub_optimizers(self) -> None:
         """Megatron's DistributedOptimizer calls this after writing a checkpoint into ``state[p][key]``:
         the state reaches the sub-optimizers, and a written ``master_param`` is the master from now on
         (weights loaded before it do not re-seed it)."""
-        for s in self._place_state():
-            s.p_ver = s.param._version
-
-    def _publish_state(self) -> None:
-        """``state[p]`` becomes the state the sub-optimizer created for ``p`` in its first step."""
-        if self._fresh:
-            for s in self._fresh:
-                if st := s.opt.state.get(s.inner):
-                    self.state[s.param] = s.st = st
-                    if s.master is not None:
-                        st.setdefault("master_param", s.master)
-            self._fresh = [s for s in self._fresh if s.param not in self.state]
+        self._place_state(adopt=True)
 
     def _amp_begin(self) -> Optional[AmpStep]:
         """What a GradScaler set on this optimizer for this ``step()``, or ``None`` (Note [GradScaler])."""
@@ -388,8 +373,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                          "(untouched_params: their indices in param_groups order), the others were. Call step() again "
                          "to step exactly those, once, or zero_grad() to drop them.")
             raise
-        finally:
-            self._publish_state()
+        finally:  # state[p] becomes the state its sub-optimizer created in its first step
+            for s in self._fresh:
+                if st := s.opt.state.get(s.inner):
+                    self.state[s.param] = s.st = st
+                    if s.master is not None:
+                        st.setdefault("master_param", s.master)
+            self._fresh = [s for s in self._fresh if s.param not in self.state]
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
