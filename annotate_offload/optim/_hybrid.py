@@ -2,6 +2,8 @@
 
 The optimizer is a ``torch.optim.Optimizer`` made of a device sub-optimizer and a
 :class:`~._pipeline.HostPipeline`, the host half (Note [Host step lifecycle] in ``_pipeline.py``).
+``opt.state[p]`` is the very dict the sub-optimizer keeps for ``p``'s inner tensor; ``_place_state``
+repairs what user code moved (RL frameworks move optimizer state to the host and back).
 
 Note [GradScaler]: ``GradScaler.unscale_`` rescales ``p.grad`` in place without bumping its version,
 so a host copy would look current while still scaled. The optimizer therefore declares
@@ -10,11 +12,17 @@ so a host copy would look current while still scaled. The optimizer therefore de
 sub-optimizer gets the scale as torch's fused optimizers do, or GradScaler's own unscale first when its
 class lacks the support: bit-identical to the same class under GradScaler. After ``scaler.unscale_``
 every host copy is made again. ``offload_gradients`` and ``step_in_backward`` miss the inf check: refused.
+
+Note [Validated loads]: torch's ``Optimizer.load_state_dict`` checks only counts, and a moment of the
+wrong shape reaches the fused kernel, which reads or writes out of bounds. ``_check_load`` checks
+everything against what the class itself creates (:func:`_probe`) and builds the converted state
+aside, so a refused load changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import operator
@@ -28,7 +36,6 @@ from ._device import Side
 from ._pipeline import (IMPL_KEYS, STRUCTURAL_KEYS, AmpStep, HostPipeline, Slot, handed_over, impl_for,
                         sub_optimizer, takes_scale)
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
-from ._state import check_load, detach_views, place, probe
 from ._threads import thread_budget
 
 __all__ = ["HybridDeviceOptimizer"]
@@ -209,7 +216,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, params: list[torch.Tensor], hyper: dict[str, Any], where: str) -> None:
         """Let each torch class judge the hyper-parameters it takes: build it over tensors like those it would
-        step for ``params`` (host masters; device parameters or masters) and step it once (:func:`~._state.probe`);
+        step for ``params`` (host masters; device parameters or masters) and step it once (:func:`_probe`);
         its refusal is re-raised naming the value and the fix first. Refused here, though torch takes them: a
         non-bool switch, a non-finite ``lr``."""
         lr = hyper.get("lr")
@@ -229,12 +236,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                                 (k in IMPL_KEYS and v is not None)):
                     raise TypeError(f"HybridDeviceOptimizer: {k}={v!r}{where}: pass True or False"
                                     f"{' or None' if k in IMPL_KEYS else ''}; {_name(cls)} takes a bool.")
-            if (err := probe(cls, kw, on)[1]) is None:
+            if (err := _probe(cls, kw, on)[1]) is None:
                 continue
-            if (base := probe(cls, {}, on)[1]) is not None:
+            if (base := _probe(cls, {}, on)[1]) is not None:
                 raise TypeError(f"HybridDeviceOptimizer: {role}={_name(cls)}: pass a class that can step these parameters "
                                 f"with step() and no closure, as HybridDeviceOptimizer steps it ({base}).") from None
-            k = next((k for k in kw if probe(cls, {j: v for j, v in kw.items() if j != k}, on)[1] is None), None)
+            k = next((k for k in kw if _probe(cls, {j: v for j, v in kw.items() if j != k}, on)[1] is None), None)
             what = f"{k}={kw[k]!r}" if k is not None else ", ".join(f"{k}={v!r}" for k, v in kw.items())
             raise (TypeError if isinstance(err, TypeError) else ValueError)(
                 f"HybridDeviceOptimizer: {what}{where}: pass a value that {_name(cls)} accepts ({err}).") from None
@@ -307,13 +314,32 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     s.p_ver = s.param._version
 
     def _place_state(self, adopt: bool = False) -> None:
-        """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it
-        (:func:`~._state.place`); ``adopt``: a replaced ``master_param`` is not re-seeded from the weights."""
+        """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it, its tensors
+        where ``p`` is stepped (a replaced ``master_param`` is copied into the master; ``adopt``: not re-seeded
+        from the weights then). Runs at every step: no ``.device``, no ``.to()`` when all is in place."""
         for p, st in self.state.items():  # no tensor-keyed lookups: they hash through Python
-            if st and (s := self._by_id.get(id(p))) is not None:
-                if adopt and s.master is not None and st.get("master_param", s.master) is not s.master:
-                    s.p_ver = s.param._version
-                place(s, st)
+            if not st or (s := self._by_id.get(id(p))) is None:
+                continue
+            if adopt and s.master is not None and st.get("master_param", s.master) is not s.master:
+                s.p_ver = s.param._version
+            if s.st is not st:
+                s.opt.state[s.inner] = s.st = st
+            dev = s.inner.get_device()
+            for k, v in list(st.items()):
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if k == "master_param":
+                    if s.master is None:
+                        del st[k]
+                    elif v is not s.master:
+                        with torch.no_grad():
+                            s.master.copy_(v)
+                        st[k] = s.master
+                elif k == "step":
+                    if (nv := _step(v, s)) is not v:
+                        st[k] = nv
+                elif v.get_device() != dev:
+                    st[k] = v.to(s.inner.device)
 
     def _sync_hdo_state_to_sub_optimizers(self) -> None:
         """Megatron's DistributedOptimizer calls this after writing a checkpoint into ``state[p][key]``:
@@ -470,7 +496,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                "on every rank, or attach with shard_host_step=False.")
         self.flush()
         sd = super().state_dict()
-        sd["state"] = {k: detach_views(v) for k, v in sd["state"].items()}
+        # a view of a larger storage (a pinned slab) is cloned, so that torch.save writes it, not its slab
+        sd["state"] = {i: {k: v.clone() if torch.is_tensor(v) and v.untyped_storage().nbytes() > v.nbytes else v
+                           for k, v in st.items()} for i, st in sd["state"].items()}
         for packed, links in zip(sd["param_groups"], self._links):
             for k in IMPL_KEYS:
                 vals = [sub.get(k, KeyError) for sub, _ in links]
@@ -481,7 +509,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the state dict of a ``HybridDeviceOptimizer`` (any fraction) or torch optimizer of the same class.
 
-        Everything is checked first (Note [Validated loads] in ``_state.py``): a refused load
+        Everything is checked first (Note [Validated loads]): a refused load
         (``ValueError``/``TypeError`` naming parameter, key, expected and found) changes nothing.
         Note [Loading masters]: a ``master_param`` wider than its parameter is loaded and reaches the
         model at the next step; one of the model's dtype is re-seeded from the model, so loading an
@@ -491,14 +519,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         self.flush()
-        hypers, states = check_load(state_dict, self._slots, self.param_groups, lambda gi, hyper: self._check_group(
-            self.param_groups[gi]["params"], self._hyper(hyper), f" in param group {gi} of the state dict"))
+        hypers, states = _check_load(self, state_dict)
         delayed = self.defaults["delayed_param_update"]
         for g, h in zip(self.param_groups, hypers):
             g.update(h)
         with torch.no_grad():
             for s in self._slots:
-                st = states[s.flat]
+                st = states.get(s.flat, {})
                 saved = st.pop("master_param", None)
                 if s.master is not None:
                     wide = s.master.dtype != s.local.dtype or (delayed and s.host)
@@ -538,3 +565,94 @@ def _same(a: Any, b: Any) -> bool:
         return a is b or bool(a == b)
     except Exception:  # e.g. a multi-element tensor
         return False
+
+
+def _check_load(opt: HybridDeviceOptimizer, sd: Any) -> tuple[list[dict[str, Any]], dict[int, dict]]:
+    """Validate ``sd`` against ``opt`` and convert it (Note [Validated loads]); applies nothing.
+    Returns ``(hyper-parameters per group, non-empty state per flat index)``."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"HybridDeviceOptimizer.load_state_dict: {what}; nothing was loaded. Load a state dict "
+                          "saved by an optimizer over this model, with the same param groups.")
+
+    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
+        raise bad(f"expected an optimizer state_dict() (a 'state' dict and a 'param_groups' list), found {_desc(sd)}")
+    saved = sd["param_groups"]
+    if len(saved) != len(opt.param_groups):
+        raise bad(f"the state dict has {len(saved)} param groups, this optimizer {len(opt.param_groups)}")
+    hypers = []
+    for gi, (sg, g) in enumerate(zip(saved, opt.param_groups)):
+        ids = sg.get("params") if isinstance(sg, dict) else None
+        if not isinstance(ids, (list, tuple)) or len(ids) != len(g["params"]):
+            raise bad(f"param group {gi} holds {len(ids) if isinstance(ids, (list, tuple)) else _desc(sg)} parameters "
+                      f"in the state dict and {len(g['params'])} here")
+        hypers.append({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", *STRUCTURAL_KEYS, *IMPL_KEYS)})
+        opt._check_group(g["params"], opt._hyper(hypers[-1]), f" in param group {gi} of the state dict")
+    cache: dict = {}
+    states: dict[int, dict] = {}
+    for e in opt._slots:
+        sg = saved[e.group]
+        names = sg.get("param_names") or ()
+        where = (f"parameter {e.flat}{f' {names[e.index]!r}' if len(names) > e.index else ''} (param group {e.group}, "
+                 f"index {e.index}, shape {tuple(e.local.shape)})")
+        try:
+            st = sd["state"].get(sg["params"][e.index], {})
+        except TypeError:  # an unhashable id
+            st = None
+        if not isinstance(st, dict):
+            raise bad(f"{where}: expected a dict of state tensors, found {_desc(st)}")
+        if st:  # what the class creates, with the loaded hyper-parameters
+            kw = {k: v for k, v in e.sub_group.items() if k != "params"}
+            kw.update({k: v for k, v in hypers[e.group].items() if k in kw})
+            key = (type(e.opt), repr(sorted(kw.items())), e.inner.dtype, e.inner.device, e.inner.dim())
+            tmpl = cache[key] if key in cache else cache.setdefault(key, _probe(type(e.opt), kw, [key[2:]], group=True)[0] or {})
+            if missing := [k for k in tmpl if k not in st]:
+                raise bad(f"{where}, state {missing[0]!r}: expected the keys {sorted(tmpl)}, found {sorted(st)}")
+            states[e.flat] = {k: _convert(e, k, v, e.master if k == "master_param" else tmpl.get(k),
+                                          lambda want, k=k, v=v: bad(f"{where}, state {k!r}: expected {want}, found {_desc(v)}"))
+                              for k, v in st.items()}
+    return hypers, states
+
+
+def _step(v: torch.Tensor, e: Slot) -> torch.Tensor:
+    """``step`` where torch keeps it: fp32 on the parameter's device for fused/capturable groups, else the CPU."""
+    if e.sub_group.get("fused") or e.sub_group.get("capturable"):
+        return v if v.dtype == torch.float32 and v.get_device() == e.inner.get_device() else v.to(e.inner.device, torch.float32)
+    return v if v.get_device() < 0 else v.to("cpu")
+
+
+def _probe(cls: type, kw: dict[str, Any], like: list[tuple[torch.dtype, Any, int]], *,
+           group: bool = False) -> tuple[Optional[dict[str, Any]], Optional[Exception]]:
+    """Step ``cls`` once, on zero gradients, over one tensor of side 2 per ``(dtype, device, ndim)`` of
+    ``like``, with ``kw`` as constructor keywords (checked by the constructor) or as the group's values
+    (``group``). Returns the state it created for the first tensor, or the error it raised."""
+    try:
+        ps = [torch.zeros((2,) * n, dtype=d, device=dev) for d, dev, n in like]
+        for p in ps:
+            p.grad = torch.zeros_like(p)
+        opt = cls([{**kw, "params": ps}]) if group else cls(ps, **kw)
+        opt.step()
+        return dict(opt.state.get(ps[0], {})), None
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError) as err:
+        return None, err
+
+
+def _desc(v: Any) -> str:
+    return f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}" if torch.is_tensor(v) else f"{type(v).__name__} {v!r:.80}"
+
+
+def _convert(e: Slot, k: str, v: Any, t: Any, bad: Callable[[str], ValueError]) -> Any:
+    """``v`` loaded as state ``k`` of ``e``, cast and moved as torch does; ``t``: what the class creates."""
+    if not torch.is_tensor(t):  # a key the class does not create: kept, cast and moved as torch keeps it
+        if torch.is_tensor(v) and k != "master_param":
+            return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
+        return copy.deepcopy(v)
+    shape = () if t.dim() == 0 else tuple(e.local.shape) if k == "master_param" or t.shape == (2,) * e.inner.dim() else None
+    kind = "complex" if t.is_complex() else "floating-point" if t.is_floating_point() else str(t.dtype)
+    if not torch.is_tensor(v) and shape == () and type(v) in (int, float) and math.isfinite(v):
+        v = torch.tensor(float(v))
+    if (not torch.is_tensor(v) or (shape == () and v.numel() != 1) or (shape and tuple(v.shape) != shape)
+            or (shape != () and (v.is_complex(), v.is_floating_point()) != (t.is_complex(), t.is_floating_point()))):
+        raise bad(f"a {kind} tensor" + (f" of shape {shape}" if shape is not None else ""))
+    if k in ("master_param", "step"):
+        return v if k == "master_param" else _step(v.detach().reshape(()).clone(), e)
+    return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
