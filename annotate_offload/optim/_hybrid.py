@@ -2,8 +2,6 @@
 
 The optimizer is a ``torch.optim.Optimizer`` made of a device sub-optimizer and a
 :class:`~._pipeline.HostPipeline`, the host half (Note [Host step lifecycle] in ``_pipeline.py``).
-``opt.state[p]`` is the very dict the sub-optimizer keeps for ``p``'s inner tensor; ``_place_state``
-repairs what user code moved (RL frameworks move optimizer state to the host and back).
 
 Note [GradScaler]: ``GradScaler.unscale_`` rescales ``p.grad`` in place without bumping its version,
 so a host copy would look current while still scaled. The optimizer therefore declares
@@ -163,9 +161,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # ---- split, host pipeline, device optimizer: one slot per parameter, both sides built from them
         flat = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         side = Side([local_tensor(p) for _, _, p in flat])
-        host = choose_offloaded([g["params"] for g in self.param_groups], float(offload_fraction),
-                                lambda p: side.owns(local_tensor(p)))
-        self._slots = [Slot(p, i, gi, pi, host[gi][pi], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
+        host = choose_offloaded([p for _, _, p in flat], float(offload_fraction), lambda p: side.owns(local_tensor(p)))
+        self._slots = [Slot(p, i, gi, pi, host[i], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
         self.pipeline = HostPipeline([s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl,
                                      self.defaults, side=side, threads=threads, begin=self._begin)
         self.cpu_optimizers = [c.opt for c in self.pipeline.chunks]

@@ -338,7 +338,7 @@ class HostPipeline:
                 c = self.chunks[s.chunk]
                 c.landed += 1
                 if c.landed == c.trainable:
-                    self._submit(s.chunk, in_backward=True)
+                    self._submit(s.chunk)
         return True
 
     def grad_copied(self, p: torch.Tensor) -> bool:
@@ -455,7 +455,7 @@ class HostPipeline:
                         side.synchronize(side.record(cur))
                     with num_threads(self.threads), side.use(self.h2d):  # Note [H2D ordering]
                         for ci in order:
-                            self._run(ci, self._plan(ci), self._buf, False, self.amp)
+                            self._run(ci, self._plan(ci), self._buf, self.amp)
         except BaseException:
             self._end(cur, failed=True)
             raise
@@ -504,17 +504,15 @@ class HostPipeline:
             s.state = S.SUBMITTED
         return slots, max(slots, key=lambda s: s.seq).d2h_ev, [(s, list(s.scales)) for s in slots if s.scales]
 
-    def _submit(self, ci: int, *, in_backward: bool = False) -> None:
-        args = (ci, self._plan(ci), self._buf, in_backward, self.amp)
+    def _submit(self, ci: int) -> None:
+        args = (ci, self._plan(ci), self._buf, self.amp)
         if self.delayed:
             self._jobs[ci] = args
         self._worker.submit(functools.partial(self._run, *args))
 
-    def _run(self, ci: int, plan: tuple[list[Slot], Any, list], buf: int, in_backward: bool,
-             amp: Optional[AmpStep]) -> None:
+    def _run(self, ci: int, plan: tuple[list[Slot], Any, list], buf: int, amp: Optional[AmpStep]) -> None:
         """Host step of chunk ``ci`` with gradient buffer ``buf``, grad mode off and the H2D stream current
-        (the training thread in the default mode, else the worker; ``in_backward``: submitted by a
-        gradient hook, Note [H2D ordering])."""
+        (the training thread in the default mode, else the worker)."""
         side, c = self.side, self.chunks[ci]
         slots, ev, scales = plan
         side.synchronize(c.h2d_ev)  # delayed mode: the last update's H2D reads the masters and staging
@@ -541,7 +539,7 @@ class HostPipeline:
         if not self.delayed:
             for s in slots:
                 s.to(S.STEPPED, "step", (S.SUBMITTED,))
-            return self._h2d(c, slots, in_backward)
+            return self._h2d(c, slots)
         self._jobs.pop(ci, None)
         with self._lock:
             if self._applying:  # step() has begun (backward is over): the weights may change now
@@ -549,13 +547,13 @@ class HostPipeline:
             else:
                 c.pending = slots
 
-    def _h2d(self, c: Chunk, slots: list[Slot], in_backward: bool = False) -> None:
+    def _h2d(self, c: Chunk, slots: list[Slot]) -> None:
         """Enqueue the H2D of ``slots`` on the current stream, the H2D stream (Note [H2D ordering]: an H2D must
-        follow the parameter's last use: step() makes the H2D stream wait at its entry; a chunk stepped in
-        backward waits on each gradient-ready event instead)."""
+        follow the parameter's last use: step() makes the H2D stream wait at its entry; with step_in_backward,
+        whose chunks may step during backward, it also waits on each gradient-ready event)."""
         for s in slots:
             if s not in self._skip:
-                if in_backward:
+                if self.in_backward:
                     self.side.wait_event(self.h2d, s.ready_ev)
                 s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
                 s.p_ver = s.param._version
