@@ -450,11 +450,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 return torch.tensor(0.0)
             total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            by_dev: dict[torch.device, list[torch.Tensor]] = {}
-            for g in (local_grad(p) for p in params if p.grad is not None):
-                by_dev.setdefault(g.device, []).append(g)
+            dev = [local_grad(p) for p in params if p.grad is not None]
             with self.pipeline.scaling(coef):
-                for d, gs in by_dev.items():
+                for (d, _), ([gs], _) in (_group_tensors_by_device_and_dtype([dev]) if dev else {}).items():
                     torch._foreach_mul_(gs, coef.to(d))
         return total.to(params[0].device)
 

@@ -374,8 +374,7 @@ class HostPipeline:
                     buf.add_(s.scratch) if buf.dtype == g.dtype else buf.copy_(buf.to(g.dtype).add_(s.scratch))
                 else:
                     buf.copy_(g, non_blocking=True)
-                    if s.scales:  # the buffer holds g alone: coefficients already in g are not applied again
-                        s.scales = []
+                    s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
             ev = side.record(stream)
         for s, g in todo:
             s.to(S.COPIED, "copy", (S.EMPTY, S.COPIED, S.CONSUMED))
@@ -486,9 +485,7 @@ class HostPipeline:
         elif not failed:
             for s in self.slots:
                 if s.state is not S.EMPTY:
-                    s.state, s.grad_ref = S.CONSUMED, None
-                    if s.scales:
-                        s.scales = []
+                    s.state, s.grad_ref, s.scales = S.CONSUMED, None, []
             self.device_done = False
             self._buf ^= self.delayed
         if self.in_backward:
@@ -623,9 +620,7 @@ class HostPipeline:
                 s.state = S.COPIED
             else:
                 s.state = S.EMPTY
-            s.grad_ref = None
-            if s.scales:
-                s.scales = []
+            s.grad_ref, s.scales = None, []
 
     # ------------------------------------------------------------------ clipping
     def held_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
