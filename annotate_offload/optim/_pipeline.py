@@ -488,9 +488,8 @@ class HostPipeline:
                     s.state, s.grad_ref, s.scales = S.CONSUMED, None, []
             self.device_done = False
             self._buf ^= self.delayed
-        if self.in_backward:
-            for c in self.chunks:
-                c.landed = 0
+        for c in self.chunks:  # step_in_backward's count of landed gradients
+            c.landed = 0
         self._begun, self.amp = False, None
 
     def _plan(self, ci: int) -> tuple[list[Slot], Any, list]:
@@ -610,7 +609,7 @@ class HostPipeline:
                                "backward, so this step cannot be skipped. Call step() to finish it, or use "
                                "step_in_backward=False in a loop that skips steps.")
         self.device_done = False
-        for c in self.chunks if self.in_backward else ():
+        for c in self.chunks:
             c.landed = 0
         keep = self.offload_grads and not set_to_none
         for s in self.slots:
