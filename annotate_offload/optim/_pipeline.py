@@ -302,10 +302,7 @@ class HostPipeline:
 
     def steps_here(self, p: torch.Tensor) -> bool:
         """True when this process steps host parameter ``p``."""
-        return self._steps(self._slot[id(p)].chunk)
-
-    def _steps(self, ci: int) -> bool:
-        return self._owned is None or self._owned[ci]
+        return self._owned is None or self._owned[self._slot[id(p)].chunk]
 
     # ------------------------------------------------------------------ gradients
     def remove_grad_hooks(self) -> None:
@@ -319,7 +316,7 @@ class HostPipeline:
         False when there is none or another process steps ``p``."""
         s = self._slot[id(p)]
         g = local_grad(p)
-        if g is None or not self._steps(s.chunk):
+        if g is None or not self.steps_here(p):
             return False
         if g.layout is not torch.strided:  # raised in backward, not in the worker
             raise _sparse(s, g)
@@ -663,7 +660,7 @@ class HostPipeline:
         """Delayed mode: write every host master into the model now (after a load)."""
         with torch.no_grad():
             for ci, c in enumerate(self.chunks):
-                c.pending = list(c.slots) if self._steps(ci) else []
+                c.pending = list(c.slots) if self._owned is None or self._owned[ci] else []
                 for s in c.pending:
                     if s.staging is not None:
                         s.staging.copy_(s.master)
