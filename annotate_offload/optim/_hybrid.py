@@ -10,11 +10,17 @@ so a host copy would look current while still scaled. The optimizer therefore de
 sub-optimizer gets the scale as torch's fused optimizers do, or GradScaler's own unscale first when its
 class lacks the support: bit-identical to the same class under GradScaler. After ``scaler.unscale_``
 every host copy is made again. ``offload_gradients`` and ``step_in_backward`` miss the inf check: refused.
+
+Note [Validated loads]: torch's ``Optimizer.load_state_dict`` checks only counts, and a moment of the
+wrong shape reaches the fused kernel, which reads or writes out of bounds. ``_check_load`` checks
+everything against what the class itself creates (:func:`_probe`) and builds the converted state
+aside, so a refused load changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import operator
@@ -28,7 +34,6 @@ from ._device import Side
 from ._pipeline import (IMPL_KEYS, STRUCTURAL_KEYS, AmpStep, HostPipeline, Slot, handed_over, impl_for,
                         sub_optimizer, takes_scale)
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
-from ._state import check_load, detach_views, place, probe
 from ._threads import thread_budget
 
 __all__ = ["HybridDeviceOptimizer"]
@@ -152,24 +157,23 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         defaults.update(kwargs, **flags, offload_fraction=float(offload_fraction), cpu_threads=cpu_threads,
                         chunk_bytes=chunk_bytes, cpu_optimizer_cls=cpu_optimizer_cls, gpu_optimizer_cls=gpu_optimizer_cls)
         super().__init__(params, defaults)  # add_param_group checks each group
-        self._built = True
 
         # ---- split, host pipeline, device optimizer: one slot per parameter, both sides built from them
         flat = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         side = Side([local_tensor(p) for _, _, p in flat])
-        host = choose_offloaded([g["params"] for g in self.param_groups], float(offload_fraction),
-                                lambda p: side.owns(local_tensor(p)))
-        self._slots = [Slot(p, i, gi, pi, host[gi][pi], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
+        host = choose_offloaded([p for _, _, p in flat], float(offload_fraction), lambda p: side.owns(local_tensor(p)))
+        self._slots = [Slot(p, i, gi, pi, host[i], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
         self.pipeline = HostPipeline([s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl,
                                      self.defaults, side=side, threads=threads, begin=self._begin)
-        self.cpu_optimizers = self.pipeline.optimizers
+        self.cpu_optimizers = [c.opt for c in self.pipeline.chunks]
         self.gpu_optimizer: Optional[torch.optim.Optimizer] = None
-        links = list(self.pipeline.links)
         if dev := [s for s in self._slots if not s.host]:
-            self.gpu_optimizer, dev_links = sub_optimizer(gpu_cls, self.param_groups, dev,
-                                                          *impl_for(gpu_cls, self._impl, host=False))
-            links += dev_links
-        self._links = [[(sub, keys) for sub, g2, keys in links if g2 is g] for g in self.param_groups]
+            self.gpu_optimizer = sub_optimizer(gpu_cls, self.param_groups, dev,
+                                               *impl_for(gpu_cls, self._impl, host=False))
+        subs = {id(s.sub_group): s for s in self._slots}.values()  # a slot per sub-optimizer group
+        self._links = [[(s.sub_group, tuple(k for k in s.sub_group if k != "params" and k in g
+                                            and k not in STRUCTURAL_KEYS)) for s in subs if s.group == gi]
+                       for gi, g in enumerate(self.param_groups)]  # per group: what _sync_hyper copies down
         self._seen: list[list] = [[] for _ in self.param_groups]  # the group values last pushed down
         self._masters = [s for s in self._slots if not s.host and s.inner is not s.param]  # device half
         self._fresh = list(self._slots)  # slots whose state is not in self.state yet
@@ -186,7 +190,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Used by the constructor for each group; refused afterwards (``OffloadError``: the split is fixed)."""
-        if getattr(self, "_built", False):
+        if hasattr(self, "pipeline"):  # the constructor's groups are in: the split is fixed
             raise OffloadError("HybridDeviceOptimizer: add_param_group after construction is not supported (the host/GPU "
                                "split and host buffers are fixed then); build a new HybridDeviceOptimizer with all groups.")
         where = f" in param group {len(self.param_groups)}"
@@ -209,7 +213,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, params: list[torch.Tensor], hyper: dict[str, Any], where: str) -> None:
         """Let each torch class judge the hyper-parameters it takes: build it over tensors like those it would
-        step for ``params`` (host masters; device parameters or masters) and step it once (:func:`~._state.probe`);
+        step for ``params`` (host masters; device parameters or masters) and step it once (:func:`_probe`);
         its refusal is re-raised naming the value and the fix first. Refused here, though torch takes them: a
         non-bool switch, a non-finite ``lr``."""
         lr = hyper.get("lr")
@@ -218,9 +222,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         fp32 = self.defaults["param_update_in_fp32"]
         like = sorted({(torch.float32 if fp32 and t.is_floating_point() else t.dtype, t.device, t.dim())
                        for t in map(local_tensor, params)} or {(torch.float32, torch.device("cpu"), 1)}, key=str)
-        host_impl = impl_for(self._classes[0], self._impl, host=True)[0]
-        if "fused" not in self._impl:
-            host_impl.pop("fused", None)  # ours, not the user's: Note [Complex parameters]
+        # the host class's switches without the fused=True default, which is ours (Note [Complex parameters])
+        host_impl = {k: v for k, v in impl_for(self._classes[0], self._impl, host=True)[0].items() if k in self._impl}
         for role, cls, on, impl in (("cpu_optimizer_cls", self._classes[0], sorted({(d, "cpu", n) for d, _, n in like},
                                      key=str), host_impl), ("gpu_optimizer_cls", self._classes[1], like, self._impl)):
             sig, var_kw = _signature(cls)
@@ -230,12 +233,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                                 (k in IMPL_KEYS and v is not None)):
                     raise TypeError(f"HybridDeviceOptimizer: {k}={v!r}{where}: pass True or False"
                                     f"{' or None' if k in IMPL_KEYS else ''}; {_name(cls)} takes a bool.")
-            if (err := probe(cls, kw, on)[1]) is None:
+            if (err := _probe(cls, kw, on)[1]) is None:
                 continue
-            if (base := probe(cls, {}, on)[1]) is not None:
+            if (base := _probe(cls, {}, on)[1]) is not None:
                 raise TypeError(f"HybridDeviceOptimizer: {role}={_name(cls)}: pass a class that can step these parameters "
                                 f"with step() and no closure, as HybridDeviceOptimizer steps it ({base}).") from None
-            k = next((k for k in kw if probe(cls, {j: v for j, v in kw.items() if j != k}, on)[1] is None), None)
+            k = next((k for k in kw if _probe(cls, {j: v for j, v in kw.items() if j != k}, on)[1] is None), None)
             what = f"{k}={kw[k]!r}" if k is not None else ", ".join(f"{k}={v!r}" for k, v in kw.items())
             raise (TypeError if isinstance(err, TypeError) else ValueError)(
                 f"HybridDeviceOptimizer: {what}{where}: pass a value that {_name(cls)} accepts ({err}).") from None
@@ -294,45 +297,52 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         weights loaded since the last step."""
         self._sync_hyper()
         self._place_state()
-        self.pipeline.resync()
         self._reseed()
 
     def _reseed(self, everything: bool = False) -> None:
-        """Copy the weights written into the model since the last step (``everything``: all of them) into
-        the device half's masters."""
+        """Copy the weights written into the model since the last step (``everything``: all of them, after a
+        flush) into the masters of both halves (host: of the chunks this process steps)."""
+        if everything:
+            self.pipeline.flush()
         with torch.no_grad():
-            for s in self._masters:
+            for s in (*self._masters, *self.pipeline.slots):
                 if s.master is not None and (everything or s.param._version != s.p_ver):
-                    s.inner.copy_(s.local)
+                    s.master.copy_(s.local)
                     s.p_ver = s.param._version
 
-    def _place_state(self) -> list[Slot]:
-        """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it; return
-        the slots whose ``master_param`` was replaced (:func:`~._state.place`)."""
-        out = []
+    def _place_state(self, adopt: bool = False) -> None:
+        """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it, its tensors
+        where ``p`` is stepped (a replaced ``master_param`` is copied into the master; ``adopt``: not re-seeded
+        from the weights then). Runs at every step: no ``.device``, no ``.to()`` when all is in place."""
         for p, st in self.state.items():  # no tensor-keyed lookups: they hash through Python
-            if st and (s := self._by_id.get(id(p))) is not None:
-                if s.master is not None and st.get("master_param", s.master) is not s.master:
-                    out.append(s)
-                place(s, st)
-        return out
+            if not st or (s := self._by_id.get(id(p))) is None:
+                continue
+            if adopt and s.master is not None and st.get("master_param", s.master) is not s.master:
+                s.p_ver = s.param._version
+            if s.st is not st:
+                s.opt.state[s.inner] = s.st = st
+            dev = s.inner.get_device()
+            for k, v in list(st.items()):
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if k == "master_param":
+                    if s.master is None:
+                        del st[k]
+                    elif v is not s.master:
+                        with torch.no_grad():
+                            s.master.copy_(v)
+                        st[k] = s.master
+                elif k == "step":
+                    if (nv := _step(v, s)) is not v:
+                        st[k] = nv
+                elif v.get_device() != dev:
+                    st[k] = v.to(s.inner.device)
 
     def _sync_hdo_state_to_sub_optimizers(self) -> None:
         """Megatron's DistributedOptimizer calls this after writing a checkpoint into ``state[p][key]``:
         the state reaches the sub-optimizers, and a written ``master_param`` is the master from now on
         (weights loaded before it do not re-seed it)."""
-        for s in self._place_state():
-            s.p_ver = s.param._version
-
-    def _publish_state(self) -> None:
-        """``state[p]`` becomes the state the sub-optimizer created for ``p`` in its first step."""
-        if self._fresh:
-            for s in self._fresh:
-                if st := s.opt.state.get(s.inner):
-                    self.state[s.param] = s.st = st
-                    if s.master is not None:
-                        st.setdefault("master_param", s.master)
-            self._fresh = [s for s in self._fresh if s.param not in self.state]
+        self._place_state(adopt=True)
 
     def _amp_begin(self) -> Optional[AmpStep]:
         """What a GradScaler set on this optimizer for this ``step()``, or ``None`` (Note [GradScaler])."""
@@ -386,8 +396,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                          "(untouched_params: their indices in param_groups order), the others were. Call step() again "
                          "to step exactly those, once, or zero_grad() to drop them.")
             raise
-        finally:
-            self._publish_state()
+        finally:  # state[p] becomes the state its sub-optimizer created in its first step
+            for s in self._fresh:
+                if st := s.opt.state.get(s.inner):
+                    self.state[s.param] = s.st = st
+                    if s.master is not None:
+                        st.setdefault("master_param", s.master)
+            self._fresh = [s for s in self._fresh if s.param not in self.state]
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -435,18 +450,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 return torch.tensor(0.0)
             total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            by_dev: dict[torch.device, list[torch.Tensor]] = {}
-            for g in (local_grad(p) for p in params if p.grad is not None):
-                by_dev.setdefault(g.device, []).append(g)
+            dev = [local_grad(p) for p in params if p.grad is not None]
             with self.pipeline.scaling(coef):
-                for d, gs in by_dev.items():
+                for (d, _), ([gs], _) in (_group_tensors_by_device_and_dtype([dev]) if dev else {}).items():
                     torch._foreach_mul_(gs, coef.to(d))
         return total.to(params[0].device)
 
     def reload_model_params(self) -> None:
         """Re-seed every master (host and GPU) from the model's weights: call after writing weights in a
         way that bypasses the version counter (``p.data.copy_``); ``model.load_state_dict`` is seen by itself."""
-        self.pipeline.resync(everything=True)
         self._reseed(everything=True)
 
     update_fp32_param_by_new_param = reload_model_params  # Megatron's name
@@ -479,7 +491,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                "on every rank, or attach with shard_host_step=False.")
         self.flush()
         sd = super().state_dict()
-        sd["state"] = {k: detach_views(v) for k, v in sd["state"].items()}
+        # a view of a larger storage (a pinned slab) is cloned, so that torch.save writes it, not its slab
+        sd["state"] = {i: {k: v.clone() if torch.is_tensor(v) and v.untyped_storage().nbytes() > v.nbytes else v
+                           for k, v in st.items()} for i, st in sd["state"].items()}
         for packed, links in zip(sd["param_groups"], self._links):
             for k in IMPL_KEYS:
                 vals = [sub.get(k, KeyError) for sub, _ in links]
@@ -490,7 +504,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the state dict of a ``HybridDeviceOptimizer`` (any fraction) or torch optimizer of the same class.
 
-        Everything is checked first (Note [Validated loads] in ``_state.py``): a refused load
+        Everything is checked first (Note [Validated loads]): a refused load
         (``ValueError``/``TypeError`` naming parameter, key, expected and found) changes nothing.
         Note [Loading masters]: a ``master_param`` wider than its parameter is loaded and reaches the
         model at the next step; one of the model's dtype is re-seeded from the model, so loading an
@@ -500,14 +514,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         self.flush()
-        hypers, states = check_load(state_dict, self._slots, self.param_groups, lambda gi, hyper: self._check_group(
-            self.param_groups[gi]["params"], self._hyper(hyper), f" in param group {gi} of the state dict"))
+        hypers, states = _check_load(self, state_dict)
         delayed = self.defaults["delayed_param_update"]
         for g, h in zip(self.param_groups, hypers):
             g.update(h)
         with torch.no_grad():
             for s in self._slots:
-                st = states[s.flat]
+                st = states.get(s.flat, {})
                 saved = st.pop("master_param", None)
                 if s.master is not None:
                     wide = s.master.dtype != s.local.dtype or (delayed and s.host)
@@ -547,3 +560,94 @@ def _same(a: Any, b: Any) -> bool:
         return a is b or bool(a == b)
     except Exception:  # e.g. a multi-element tensor
         return False
+
+
+def _check_load(opt: HybridDeviceOptimizer, sd: Any) -> tuple[list[dict[str, Any]], dict[int, dict]]:
+    """Validate ``sd`` against ``opt`` and convert it (Note [Validated loads]); applies nothing.
+    Returns ``(hyper-parameters per group, non-empty state per flat index)``."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"HybridDeviceOptimizer.load_state_dict: {what}; nothing was loaded. Load a state dict "
+                          "saved by an optimizer over this model, with the same param groups.")
+
+    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
+        raise bad(f"expected an optimizer state_dict() (a 'state' dict and a 'param_groups' list), found {_desc(sd)}")
+    saved = sd["param_groups"]
+    if len(saved) != len(opt.param_groups):
+        raise bad(f"the state dict has {len(saved)} param groups, this optimizer {len(opt.param_groups)}")
+    hypers = []
+    for gi, (sg, g) in enumerate(zip(saved, opt.param_groups)):
+        ids = sg.get("params") if isinstance(sg, dict) else None
+        if not isinstance(ids, (list, tuple)) or len(ids) != len(g["params"]):
+            raise bad(f"param group {gi} holds {len(ids) if isinstance(ids, (list, tuple)) else _desc(sg)} parameters "
+                      f"in the state dict and {len(g['params'])} here")
+        hypers.append({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", *STRUCTURAL_KEYS, *IMPL_KEYS)})
+        opt._check_group(g["params"], opt._hyper(hypers[-1]), f" in param group {gi} of the state dict")
+    cache: dict = {}
+    states: dict[int, dict] = {}
+    for e in opt._slots:
+        sg = saved[e.group]
+        names = sg.get("param_names") or ()
+        where = (f"parameter {e.flat}{f' {names[e.index]!r}' if len(names) > e.index else ''} (param group {e.group}, "
+                 f"index {e.index}, shape {tuple(e.local.shape)})")
+        try:
+            st = sd["state"].get(sg["params"][e.index], {})
+        except TypeError:  # an unhashable id
+            st = None
+        if not isinstance(st, dict):
+            raise bad(f"{where}: expected a dict of state tensors, found {_desc(st)}")
+        if st:  # what the class creates, with the loaded hyper-parameters
+            kw = {k: v for k, v in e.sub_group.items() if k != "params"}
+            kw.update({k: v for k, v in hypers[e.group].items() if k in kw})
+            key = (type(e.opt), repr(sorted(kw.items())), e.inner.dtype, e.inner.device, e.inner.dim())
+            tmpl = cache[key] if key in cache else cache.setdefault(key, _probe(type(e.opt), kw, [key[2:]], group=True)[0] or {})
+            if missing := [k for k in tmpl if k not in st]:
+                raise bad(f"{where}, state {missing[0]!r}: expected the keys {sorted(tmpl)}, found {sorted(st)}")
+            states[e.flat] = {k: _convert(e, k, v, e.master if k == "master_param" else tmpl.get(k),
+                                          lambda want, k=k, v=v: bad(f"{where}, state {k!r}: expected {want}, found {_desc(v)}"))
+                              for k, v in st.items()}
+    return hypers, states
+
+
+def _step(v: torch.Tensor, e: Slot) -> torch.Tensor:
+    """``step`` where torch keeps it: fp32 on the parameter's device for fused/capturable groups, else the CPU."""
+    if e.sub_group.get("fused") or e.sub_group.get("capturable"):
+        return v if v.dtype == torch.float32 and v.get_device() == e.inner.get_device() else v.to(e.inner.device, torch.float32)
+    return v if v.get_device() < 0 else v.to("cpu")
+
+
+def _probe(cls: type, kw: dict[str, Any], like: list[tuple[torch.dtype, Any, int]], *,
+           group: bool = False) -> tuple[Optional[dict[str, Any]], Optional[Exception]]:
+    """Step ``cls`` once, on zero gradients, over one tensor of side 2 per ``(dtype, device, ndim)`` of
+    ``like``, with ``kw`` as constructor keywords (checked by the constructor) or as the group's values
+    (``group``). Returns the state it created for the first tensor, or the error it raised."""
+    try:
+        ps = [torch.zeros((2,) * n, dtype=d, device=dev) for d, dev, n in like]
+        for p in ps:
+            p.grad = torch.zeros_like(p)
+        opt = cls([{**kw, "params": ps}]) if group else cls(ps, **kw)
+        opt.step()
+        return dict(opt.state.get(ps[0], {})), None
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError) as err:
+        return None, err
+
+
+def _desc(v: Any) -> str:
+    return f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}" if torch.is_tensor(v) else f"{type(v).__name__} {v!r:.80}"
+
+
+def _convert(e: Slot, k: str, v: Any, t: Any, bad: Callable[[str], ValueError]) -> Any:
+    """``v`` loaded as state ``k`` of ``e``, cast and moved as torch does; ``t``: what the class creates."""
+    if not torch.is_tensor(t):  # a key the class does not create: kept, cast and moved as torch keeps it
+        if torch.is_tensor(v) and k != "master_param":
+            return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
+        return copy.deepcopy(v)
+    shape = () if t.dim() == 0 else tuple(e.local.shape) if k == "master_param" or t.shape == (2,) * e.inner.dim() else None
+    kind = "complex" if t.is_complex() else "floating-point" if t.is_floating_point() else str(t.dtype)
+    if not torch.is_tensor(v) and shape == () and type(v) in (int, float) and math.isfinite(v):
+        v = torch.tensor(float(v))
+    if (not torch.is_tensor(v) or (shape == () and v.numel() != 1) or (shape and tuple(v.shape) != shape)
+            or (shape != () and (v.is_complex(), v.is_floating_point()) != (t.is_complex(), t.is_floating_point()))):
+        raise bad(f"a {kind} tensor" + (f" of shape {shape}" if shape is not None else ""))
+    if k in ("master_param", "step"):
+        return v if k == "master_param" else _step(v.detach().reshape(()).clone(), e)
+    return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)

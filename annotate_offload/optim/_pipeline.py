@@ -175,22 +175,19 @@ def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, 
 
 
 def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot], impl: dict[str, Any],
-                  split_complex: bool) -> tuple[torch.optim.Optimizer, list[tuple[dict, dict, tuple]]]:
-    """One ``cls`` over ``slots`` (a group per HDO group); sets each slot's ``opt`` and ``sub_group`` and
-    returns the links ``(sub-optimizer group, HDO group, keys copied down when they change)``."""
+                  split_complex: bool) -> torch.optim.Optimizer:
+    """One ``cls`` over ``slots`` (a group per HDO group); sets each slot's ``opt`` and ``sub_group``."""
     parts: dict[tuple[int, bool], list[Slot]] = {}  # (HDO group, complex in a group of its own) -> slots
     for s in slots:
         parts.setdefault((s.group, split_complex and s.inner.is_complex()), []).append(s)
     keys = sorted(parts)  # in HDO group order, a group's complex parameters after the others
     subs = [{**{k: v for k, v in hdo_groups[gi].items() if k != "params" and k not in STRUCTURAL_KEYS},
              **({"fused": None} if cplx else {}), "params": [s.inner for s in parts[gi, cplx]]} for gi, cplx in keys]
-    opt, links = cls(subs, **impl), []
+    opt = cls(subs, **impl)
     for sub, key in zip(opt.param_groups, keys):
-        g = hdo_groups[key[0]]
         for s in parts[key]:
             s.opt, s.sub_group = opt, sub
-        links.append((sub, g, tuple(k for k in sub if k != "params" and k in g and k not in STRUCTURAL_KEYS)))
-    return opt, links
+    return opt
 
 
 # Note [One optimizer per parameter]: the newest pipeline over a parameter owns its hook (an older,
@@ -227,8 +224,9 @@ class HostPipeline:
         self.in_backward, self.delayed = opts["step_in_backward"], opts["delayed_param_update"]
         self._begin = weakref.WeakMethod(begin)  # the optimizer's once-per-step preparation
         fp32, chunk_bytes, overlap = opts["param_update_in_fp32"], opts["chunk_bytes"], self.overlap
-        slots = self.slots = slots[::-1]  # backward lands the last ones first
+        slots = self.slots = slots[::-1]  # backward lands the last ones first; those stepped here (set_owner)
         self._slot = {id(s.param): s for s in slots}
+        self.params = [s.param for s in slots]  # the host-stepped parameters, in step order
         mdt = [torch.float32 if fp32 and s.local.is_floating_point() else s.local.dtype for s in slots]
         numels = [s.local.numel() for s in slots]
         self.pin_grads = opts["pin_cpu_grads"] and side.can_pin
@@ -241,20 +239,16 @@ class HostPipeline:
                 s.inner = s.master = masters[i].view(s.local.shape)
                 s.bufs = [b[i].view(s.local.shape) for b in bufs]
                 s.master.copy_(s.local)
-                s.p_ver = s.param._version
             for j, i in enumerate(staged):
                 slots[i].staging = masters[len(slots) + j].view(slots[i].local.shape)
         impl, split = impl_for(cls, impl, host=True)
         sizes = [s.master.numel() * s.master.element_size() for s in slots]
         self.chunks: list[Chunk] = []
-        self.links: list[tuple[dict, dict, tuple]] = []
         for ci, (idx, serial) in enumerate(split_serial(make_chunks(sizes, chunk_bytes), numels, sizes, chunk_bytes)):
             for i in idx:
                 slots[i].chunk = ci
-            opt, links = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
+            opt = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
             self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
-            self.links += links
-        self.optimizers = [c.opt for c in self.chunks]
         self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
         self.closed = self.device_done = False  # device_done: Note [Failed steps]
         self.amp: Optional[AmpStep] = None
@@ -283,11 +277,6 @@ class HostPipeline:
             weakref.finalize(self, CpuWorker.close, self._worker)
 
     # ------------------------------------------------------------------ lookups and sharding
-    @property
-    def params(self) -> list[torch.Tensor]:
-        """The host-stepped parameters, in step order."""
-        return [s.param for s in self.slots]
-
     def is_host(self, p: torch.Tensor) -> bool:
         return id(p) in self._slot
 
@@ -300,10 +289,12 @@ class HostPipeline:
         return not self.in_backward and self._slot[id(p)].local.numel() < BATCHED_NUMEL
 
     def set_owner(self, owned: list[bool]) -> None:
-        """Step only the chunks marked ``True`` in this process (another one steps the others)."""
+        """Step only the chunks marked ``True`` in this process (another one steps the others): ``slots``
+        keeps theirs."""
         if self._owned is not None:
             raise OffloadError("HybridDeviceOptimizer: its host step is already sharded (attach the optimizer once).")
         self._owned = list(owned)
+        self.slots = [s for s in self.slots if self._owned[s.chunk]]
 
     @property
     def sharded(self) -> bool:
@@ -311,10 +302,7 @@ class HostPipeline:
 
     def steps_here(self, p: torch.Tensor) -> bool:
         """True when this process steps host parameter ``p``."""
-        return self._steps(self._slot[id(p)].chunk)
-
-    def _steps(self, ci: int) -> bool:
-        return self._owned is None or self._owned[ci]
+        return self._owned is None or self._owned[self._slot[id(p)].chunk]
 
     # ------------------------------------------------------------------ gradients
     def remove_grad_hooks(self) -> None:
@@ -328,7 +316,7 @@ class HostPipeline:
         False when there is none or another process steps ``p``."""
         s = self._slot[id(p)]
         g = local_grad(p)
-        if g is None or not self._steps(s.chunk):
+        if g is None or not self.steps_here(p):
             return False
         if g.layout is not torch.strided:  # raised in backward, not in the worker
             raise _sparse(s, g)
@@ -347,7 +335,7 @@ class HostPipeline:
                 c = self.chunks[s.chunk]
                 c.landed += 1
                 if c.landed == c.trainable:
-                    self._submit(s.chunk, in_backward=True)
+                    self._submit(s.chunk)
         return True
 
     def grad_copied(self, p: torch.Tensor) -> bool:
@@ -358,8 +346,8 @@ class HostPipeline:
     def uncopied(self, skip_batched: bool = False) -> int:
         """How many host gradients this process steps ``step()`` would copy now; ``skip_batched``: not
         counting those copied there by design."""
-        return sum(1 for s in self.slots if s.param.grad is not None and self._steps(s.chunk)
-                   and not (skip_batched and self.batched(s.param)) and not s.copied(local_grad(s.param)))
+        return sum(1 for s in self.slots if s.param.grad is not None and not (skip_batched and self.batched(s.param))
+                   and not s.copied(local_grad(s.param)))
 
     def forget_copy(self, p: Optional[torch.Tensor] = None) -> None:
         """Make ``step()`` copy ``p``'s gradient (all: ``None``) again: it changed where versions do not
@@ -378,19 +366,17 @@ class HostPipeline:
                     if s.scratch is None:
                         s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin_grads)
                     s.scratch.copy_(g, non_blocking=True)
-                    side.synchronize(side.record(stream))
-                    side.synchronize(s.d2h_ev)
+                    side.synchronize(side.record(stream))  # also the earlier copy (Note [One D2H stream])
                     self._apply_scales(s, buf)  # each micro-batch keeps its own clip coefficient: c*g0 + g1
                     buf.add_(s.scratch) if buf.dtype == g.dtype else buf.copy_(buf.to(g.dtype).add_(s.scratch))
                 else:
                     buf.copy_(g, non_blocking=True)
-                    if s.scales:  # the buffer holds g alone: coefficients already in g are not applied again
-                        s.scales = []
+                    s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
             ev = side.record(stream)
         for s, g in todo:
             s.to(S.COPIED, "copy", (S.EMPTY, S.COPIED, S.CONSUMED))
             s.d2h_ev, s.seq, self._seq = ev, self._seq, self._seq + 1
-            s.grad_ref = weakref.ref(s.param.grad) if s.param.grad is not None else None
+            s.grad_ref = weakref.ref(s.param.grad)
             s.grad_ver, s.grad_ptr = g._version, g.data_ptr()
             if self.offload_grads:
                 # Note [Gradient residency]: the copy may be in flight when g is freed here; record_stream keeps
@@ -407,13 +393,13 @@ class HostPipeline:
             scale_(buf, s.local.dtype, coef)
         s.scales = []
 
-    def _collect(self, stream: Any) -> None:
-        """At ``step()``: copy the gradients the hooks did not copy or that changed since."""
-        todo = []
+    def _collect(self, stream: Any) -> list[int]:
+        """At ``step()``: copy the gradients the hooks did not copy or that changed since; return the chunks
+        with gradients to step, in the order their last D2H was issued (Note [Host chunk order]: chunks are
+        independent, so any order gives the same bits)."""
+        todo, last = [], {}
         for s in self.slots:
             g = local_grad(s.param)
-            if not self._steps(s.chunk):
-                continue
             if s.state is S.SUBMITTED or s.state is S.STEPPED:  # step_in_backward stepped it in backward
                 if g is not None and not s.copied(g):
                     raise OffloadError(
@@ -427,8 +413,12 @@ class HostPipeline:
                 raise _sparse(s, g)
             elif not s.copied(g):
                 todo.append((s, g))
+            if s.state is S.COPIED:
+                last[s.chunk] = max(last.get(s.chunk, -1), s.seq)
         if todo:  # Note [Tiny gradients at step()]: one stream switch and one event for all
             self._copy(todo, stream)
+            last.update((s.chunk, s.seq) for s, _ in todo)  # the newest copies, in increasing order
+        return sorted(last, key=last.__getitem__)
 
     # ------------------------------------------------------------------ the step
     def step(self, device_step: Callable[[Optional[AmpStep]], None], amp_begin: Callable[[], Any]) -> None:
@@ -437,22 +427,20 @@ class HostPipeline:
         cur = side.current_stream()
         self._applied.clear()
         try:
-            if self.overlap:
-                start = side.record(cur)
-                side.wait_event(self.d2h, start)
-                side.wait_event(self.h2d, start)
+            start = side.record(cur) if self.overlap else None
+            side.wait_event(self.d2h, start)
+            side.wait_event(self.h2d, start)
             if self.delayed:
                 self._apply_previous()
             self.amp = amp_begin()
             self._prepare()
             if self.amp is None or not self.amp.skip:  # Note [GradScaler]: an inf/NaN step steps nothing
                 with _label("HybridDeviceOptimizer.d2h"):
-                    self._collect(self.d2h if self.overlap else cur)
+                    order = self._collect(self.d2h if self.overlap else cur)
                 if not self.device_done:
                     with _label("HybridDeviceOptimizer.device_step"):
                         device_step(self.amp)
                     self.device_done = True
-                order = self._landing_order()
                 if self._worker is not None:
                     for ci in order:
                         self._submit(ci)
@@ -463,7 +451,7 @@ class HostPipeline:
                         side.synchronize(side.record(cur))
                     with num_threads(self.threads), side.use(self.h2d):  # Note [H2D ordering]
                         for ci in order:
-                            self._run(ci, self._plan(ci), self._buf, False, self.amp)
+                            self._run(ci, self._plan(ci), self._buf, self.amp)
         except BaseException:
             self._end(cur, failed=True)
             raise
@@ -487,61 +475,40 @@ class HostPipeline:
     # Note [Consumed gradients]: with offload_gradients model.zero_grad() cannot reach the host copy,
     # so step() consumes it and the next backward starts from zero.
     def _end(self, cur: Any, *, failed: bool) -> None:
-        if self.overlap:
-            self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
+        self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
         if failed and not self.delayed:
             with contextlib.suppress(BaseException):  # the error raised is the first one
                 self._drain()
         elif not failed:
             for s in self.slots:
                 if s.state is not S.EMPTY:
-                    s.state, s.grad_ref = S.CONSUMED, None
-                    if s.scales:
-                        s.scales = []
+                    s.state, s.grad_ref, s.scales = S.CONSUMED, None, []
             self.device_done = False
             self._buf ^= self.delayed
-        if self.in_backward:
-            for c in self.chunks:
-                c.landed = 0
+        for c in self.chunks:  # step_in_backward's count of landed gradients
+            c.landed = 0
         self._begun, self.amp = False, None
-
-    def _landing_order(self) -> list[int]:
-        """Chunks with gradients to step, in the order their last D2H was issued (Note [Host chunk order]:
-        chunks are independent, so any order gives the same bits)."""
-        seq: dict[int, int] = {}
-        for s in self.slots:
-            if s.state is S.COPIED and self._steps(s.chunk):
-                seq[s.chunk] = max(seq.get(s.chunk, -1), s.seq)
-        return sorted(seq, key=seq.__getitem__)
 
     def _plan(self, ci: int) -> tuple[list[Slot], Any, list]:
         """What chunk ``ci`` steps, captured now: its slots with a gradient, the D2H event of the last one
         copied (Note [One D2H stream]), and the clip coefficients pending per slot."""
-        slots, ev, last = [], None, -1
-        for s in self.chunks[ci].slots:
-            if s.state is S.COPIED:
-                s.state = S.SUBMITTED
-                slots.append(s)
-                if s.seq > last:
-                    ev, last = s.d2h_ev, s.seq
-        return slots, ev, [(s, list(s.scales)) for s in slots if s.scales]
+        slots = [s for s in self.chunks[ci].slots if s.state is S.COPIED]  # one at least: why ci is stepped
+        for s in slots:
+            s.state = S.SUBMITTED
+        return slots, max(slots, key=lambda s: s.seq).d2h_ev, [(s, list(s.scales)) for s in slots if s.scales]
 
-    def _submit(self, ci: int, *, in_backward: bool = False) -> None:
-        assert self._worker is not None
-        args = (ci, self._plan(ci), self._buf, in_backward, self.amp)
+    def _submit(self, ci: int) -> None:
+        args = (ci, self._plan(ci), self._buf, self.amp)
         if self.delayed:
             self._jobs[ci] = args
         self._worker.submit(functools.partial(self._run, *args))
 
-    def _run(self, ci: int, plan: tuple[list[Slot], Any, list], buf: int, in_backward: bool,
-             amp: Optional[AmpStep]) -> None:
+    def _run(self, ci: int, plan: tuple[list[Slot], Any, list], buf: int, amp: Optional[AmpStep]) -> None:
         """Host step of chunk ``ci`` with gradient buffer ``buf``, grad mode off and the H2D stream current
-        (the training thread in the default mode, else the worker; ``in_backward``: submitted by a
-        gradient hook, Note [H2D ordering])."""
+        (the training thread in the default mode, else the worker)."""
         side, c = self.side, self.chunks[ci]
         slots, ev, scales = plan
-        if self.delayed:
-            side.synchronize(c.h2d_ev)  # the last update's H2D reads the masters and staging
+        side.synchronize(c.h2d_ev)  # delayed mode: the last update's H2D reads the masters and staging
         side.synchronize(ev)
         if len(slots) != len(c.slots):  # torch steps the tensors that have a .grad
             for s in c.slots:
@@ -556,17 +523,16 @@ class HostPipeline:
         if amp is not None and takes_scale(c.opt, amp) is False:
             for s in slots:
                 scale_(s.bufs[buf], s.local.dtype, amp.host_inv)  # Note [GradScaler]: unscale_'s multiply
-        if slots:
-            with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL, \
-                    handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
-                c.opt.step()
+        with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL, \
+                handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
+            c.opt.step()
         for s in slots:
             if s.staging is not None:
                 s.staging.copy_(s.master)
         if not self.delayed:
             for s in slots:
                 s.to(S.STEPPED, "step", (S.SUBMITTED,))
-            return self._h2d(c, slots, in_backward)
+            return self._h2d(c, slots)
         self._jobs.pop(ci, None)
         with self._lock:
             if self._applying:  # step() has begun (backward is over): the weights may change now
@@ -574,13 +540,13 @@ class HostPipeline:
             else:
                 c.pending = slots
 
-    def _h2d(self, c: Chunk, slots: list[Slot], in_backward: bool = False) -> None:
+    def _h2d(self, c: Chunk, slots: list[Slot]) -> None:
         """Enqueue the H2D of ``slots`` on the current stream, the H2D stream (Note [H2D ordering]: an H2D must
-        follow the parameter's last use: step() makes the H2D stream wait at its entry; a chunk stepped in
-        backward waits on each gradient-ready event instead)."""
+        follow the parameter's last use: step() makes the H2D stream wait at its entry; with step_in_backward,
+        whose chunks may step during backward, it also waits on each gradient-ready event)."""
         for s in slots:
             if s not in self._skip:
-                if in_backward:
+                if self.in_backward:
                     self.side.wait_event(self.h2d, s.ready_ev)
                 s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
                 s.p_ver = s.param._version
@@ -591,7 +557,6 @@ class HostPipeline:
     def _apply_previous(self, skip_written: bool = True) -> None:
         """Delayed mode: put the previous step's host update into the model (finished chunks now, the
         others as the worker steps them); weights written since the last step win."""
-        assert self._worker is not None
         if skip_written:
             self._skip = frozenset(s for s in self.slots if s.param._version != s.p_ver)
         with self._lock, torch.no_grad(), self.side.use(self.h2d):
@@ -618,13 +583,13 @@ class HostPipeline:
         """Flat indices of the host parameters the failed call has not updated (delayed mode: whose
         weights it has not written)."""
         if self.delayed:
-            return [s.flat for s in self.slots if s.flat not in self._applied]
-        return [s.flat for s in self.slots if s.state is not S.STEPPED]
+            return [s.flat for s in self._slot.values() if s.flat not in self._applied]
+        return [s.flat for s in self._slot.values() if s.state is not S.STEPPED]
 
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also put the pending update into the model."""
         if not self.delayed:
-            return self._drain() if self._worker is not None else None
+            return self._drain()
         side, cur = self.side, self.side.current_stream()
         self._applied.clear()
         side.wait_event(self.h2d, side.record(cur))
@@ -641,19 +606,17 @@ class HostPipeline:
                                "backward, so this step cannot be skipped. Call step() to finish it, or use "
                                "step_in_backward=False in a loop that skips steps.")
         self.device_done = False
-        for c in self.chunks if self.in_backward else ():
+        for c in self.chunks:
             c.landed = 0
         keep = self.offload_grads and not set_to_none
         for s in self.slots:
-            if keep and s.state is not S.EMPTY and local_grad(s.param) is None and self._steps(s.chunk):
+            if keep and s.state is not S.EMPTY and local_grad(s.param) is None:
                 self.side.synchronize(s.d2h_ev)
                 s.bufs[self._buf].zero_()
                 s.state = S.COPIED
             else:
                 s.state = S.EMPTY
-            s.grad_ref = None
-            if s.scales:
-                s.scales = []
+            s.grad_ref, s.scales = None, []
 
     # ------------------------------------------------------------------ clipping
     def held_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -687,19 +650,6 @@ class HostPipeline:
             s.grad_ver = local_grad(s.param)._version  # the copy and its coefficient equal the new gradient
 
     # ------------------------------------------------------------------ masters
-    def resync(self, *, everything: bool = False) -> None:
-        """Weights written into the model since the last step (version bumped) re-seed their masters
-        (``everything``: all of them, after :meth:`flush`)."""
-        if everything:
-            self.flush()
-        with torch.no_grad():
-            for s in self.slots:
-                if (everything or s.param._version != s.p_ver) and self._steps(s.chunk):
-                    s.master.copy_(s.local)
-                    s.p_ver = s.param._version
-                    if s in self.chunks[s.chunk].pending:
-                        self.chunks[s.chunk].pending.remove(s)
-
     def note_written(self) -> None:
         """The current values of the host parameters are no user's load (e.g. broadcast from their owner):
         their masters are not re-seeded from them."""
@@ -710,7 +660,7 @@ class HostPipeline:
         """Delayed mode: write every host master into the model now (after a load)."""
         with torch.no_grad():
             for ci, c in enumerate(self.chunks):
-                c.pending = list(c.slots) if self._steps(ci) else []
+                c.pending = list(c.slots) if self._owned is None or self._owned[ci] else []
                 for s in c.pending:
                     if s.staging is not None:
                         s.staging.copy_(s.master)

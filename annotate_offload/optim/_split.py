@@ -38,19 +38,15 @@ class Placement(NamedTuple):
     chunk: int  # host chunk (and index in cpu_optimizers), -1 on the device side
 
 
-def choose_offloaded(groups: list[list[torch.Tensor]], fraction: float,
-                     on_device: Callable[[torch.Tensor], bool]) -> list[list[bool]]:
-    """Per group, per parameter: ``True`` where it is stepped on the host."""
-    budget = fraction * sum(local_tensor(p).numel() for g in groups for p in g if p.requires_grad and on_device(p))
+def choose_offloaded(params: list[torch.Tensor], fraction: float,
+                     on_device: Callable[[torch.Tensor], bool]) -> list[bool]:
+    """Per parameter, in param-group order: ``True`` where it is stepped on the host."""
+    budget = fraction * sum(local_tensor(p).numel() for p in params if p.requires_grad and on_device(p))
     done, out = 0, []
-    for g in groups:
-        row = []
-        for p in g:
-            host = p.requires_grad and (not on_device(p) or done < budget)
-            if host and on_device(p):
-                done += local_tensor(p).numel()
-            row.append(host)
-        out.append(row)
+    for p in params:
+        out.append(p.requires_grad and (not on_device(p) or done < budget))
+        if out[-1] and on_device(p):
+            done += local_tensor(p).numel()
     return out
 
 
