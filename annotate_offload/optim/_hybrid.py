@@ -395,6 +395,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             exc.add_note(f"HybridDeviceOptimizer: {len(idx)} of {len(self._slots)} parameters were not updated "
                          "(untouched_params: their indices in param_groups order), the others were. Call step() again "
                          "to step exactly those, once, or zero_grad() to drop them.")
+            for name in ("grad_scale", "found_inf"):  # GradScaler's hand-over, deleted only after a step that
+                self.__dict__.pop(name, None)  # returned: left here, its retry would multiply the scale in twice
             raise
         finally:  # state[p] becomes the state its sub-optimizer created in its first step
             for s in self._fresh:

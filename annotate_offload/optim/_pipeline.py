@@ -15,7 +15,9 @@ Note [Host step lifecycle] (one host-stepped parameter, overlap on):
 Note [Failed steps]: a unit of work (the device optimizer, one host chunk) completes or leaves its
 parameters untouched. After an exception ``step()`` keeps what it did (``device_done``, STEPPED
 slots) and the gradients of the rest (SUBMITTED -> COPIED), so a retried ``step()`` steps each
-untouched parameter once. In delayed mode a chunk of step ``t`` runs during step ``t + 1``; a failed
+untouched parameter once. A gradient buffer is multiplied once per gradient: a chunk empties the
+pending clip coefficients it applied and marks GradScaler's unscale (``Slot.unscaled``), so a retry
+does not apply them again. In delayed mode a chunk of step ``t`` runs during step ``t + 1``; a failed
 one keeps its arguments, and the next ``step()`` or ``flush()`` runs it again first.
 """
 
@@ -75,7 +77,7 @@ class Slot:
 
     __slots__ = ("param", "flat", "group", "index", "local", "host", "inner", "master", "opt", "sub_group", "bufs",
                  "staging", "scratch", "chunk", "grad_ref", "grad_ver", "grad_ptr", "d2h_ev", "ready_ev", "scales",
-                 "p_ver", "seq", "state", "st")
+                 "p_ver", "seq", "state", "st", "unscaled")
 
     def __init__(self, param: torch.Tensor, flat: int, group: int, index: int, host: bool, fp32: bool) -> None:
         self.param, self.flat, self.group, self.index, self.host = param, flat, group, index, host
@@ -95,6 +97,8 @@ class Slot:
         self.grad_ref: Optional[weakref.ref] = None
         self.d2h_ev = self.ready_ev = None
         self.scales: list[tuple[torch.Tensor, Any]] = []  # clip coefficients pending for the buffer
+        self.unscaled = [False, False]  # per buffer: it holds GradScaler's unscale already (Note [Failed steps]);
+        # one flag per buffer, as the worker sets the one of step t while the training thread clears step t + 1's
         self.state = S.EMPTY
 
     def to(self, new: SlotState, func: str, allowed: tuple[SlotState, ...]) -> None:
@@ -375,6 +379,7 @@ class HostPipeline:
             ev = side.record(stream)
         for s, g in todo:
             s.to(S.COPIED, "copy", (S.EMPTY, S.COPIED, S.CONSUMED))
+            s.unscaled[self._buf] = False
             s.d2h_ev, s.seq, self._seq = ev, self._seq, self._seq + 1
             s.grad_ref = weakref.ref(s.param.grad)
             s.grad_ver, s.grad_ptr = g._version, g.data_ptr()
@@ -495,7 +500,7 @@ class HostPipeline:
         slots = [s for s in self.chunks[ci].slots if s.state is S.COPIED]  # one at least: why ci is stepped
         for s in slots:
             s.state = S.SUBMITTED
-        return slots, max(slots, key=lambda s: s.seq).d2h_ev, [(s, list(s.scales)) for s in slots if s.scales]
+        return slots, max(slots, key=lambda s: s.seq).d2h_ev, [(s, s.scales) for s in slots if s.scales]
 
     def _submit(self, ci: int) -> None:
         args = (ci, self._plan(ci), self._buf, self.amp)
@@ -516,13 +521,16 @@ class HostPipeline:
         for s in slots:  # the buffer stays the master's .grad between steps: set only when it changes
             if s.master.grad is not s.bufs[buf]:
                 s.master.grad = s.bufs[buf]
-        for s, coefs in scales:
+        for s, coefs in scales:  # the slot's pending list as _plan saw it: emptied once in the buffer
             for coef, cev in coefs:
                 side.synchronize(cev)
                 scale_(s.bufs[buf], s.local.dtype, coef)
+            coefs.clear()
         if amp is not None and takes_scale(c.opt, amp) is False:
             for s in slots:
-                scale_(s.bufs[buf], s.local.dtype, amp.host_inv)  # Note [GradScaler]: unscale_'s multiply
+                if not s.unscaled[buf]:
+                    scale_(s.bufs[buf], s.local.dtype, amp.host_inv)  # Note [GradScaler]: unscale_'s multiply
+                    s.unscaled[buf] = True
         with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL, \
                 handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
             c.opt.step()
@@ -614,6 +622,7 @@ class HostPipeline:
                 self.side.synchronize(s.d2h_ev)
                 s.bufs[self._buf].zero_()
                 s.state = S.COPIED
+                s.unscaled[self._buf] = False
             else:
                 s.state = S.EMPTY
             s.grad_ref, s.scales = None, []

@@ -1,9 +1,9 @@
 """HybridDeviceOptimizer under torch.amp.GradScaler (Note [GradScaler] in annotate_offload/optim/_hybrid.py).
 
-Fresh-user report (seventh session): GradScaler's unscale_ rescales p.grad in place without
-bumping its version, so the overlapped path stepped the host half on the hooks' still-scaled
-copies (SGD updates 65536x too large). On the CPU test backend every result must equal the same
-torch optimizer class under its own GradScaler, bit for bit, including a skipped inf step.
+GradScaler's unscale_ rescales p.grad in place without bumping its version, so the hooks' host
+copies must not be stepped still scaled. On the CPU test backend every result must equal the same
+torch optimizer class under its own GradScaler, bit for bit, including a skipped inf step and a
+step retried after a host chunk failed.
 """
 
 from __future__ import annotations
@@ -149,3 +149,45 @@ def test_gradscaler_with_no_device_gradient_steps_the_host_half():
         scaler.step(o)
     assert torch.equal(used, ref) and torch.equal(unused, before)
     opt.close()
+
+
+class _FailOnceSGD(torch.optim.SGD):
+    """SGD (unscaled by the caller, GradScaler's unscale_ path) whose instance marked ``fail_next`` raises once."""
+
+    def step(self, closure=None):
+        if getattr(self, "fail_next", False):
+            self.fail_next = False
+            raise RuntimeError("host chunk failed")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["", "delayed"])
+def test_gradscaler_step_retried_after_a_failed_chunk_unscales_once(delayed):
+    m, r = pair()
+    kw = dict(offload_fraction=1.0, chunk_bytes=128, lr=1e-2, momentum=0.9, delayed_param_update=delayed)
+    opt = HybridDeviceOptimizer(m.groups(), cpu_optimizer_cls=_FailOnceSGD, **kw)
+    twin = HybridDeviceOptimizer(r.groups(), cpu_optimizer_cls=torch.optim.SGD, **kw)
+    assert len(opt.cpu_optimizers) >= 3
+    failed = []
+    for model, o in ((m, opt), (r, twin)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        for i, x in enumerate(_xs(4)):
+            scaler.scale(loss_of(model, x)).backward()
+            if i == 1:
+                o.flush()  # delayed mode: step 0's chunks are done, so the one marked below is step 1's
+                if o is opt:
+                    opt.cpu_optimizers[-1].fail_next = True  # the last chunk: others have unscaled their buffers
+            try:
+                scaler.step(o)
+            except RuntimeError as err:  # delayed mode reports step t's chunk in step t + 1
+                assert "host chunk failed" in str(err)
+                failed.append(i)
+                scaler.step(o)  # GradScaler stays READY after a raise: the retry hands the scale again
+            scaler.update()
+            o.zero_grad()
+        o.flush()
+    assert failed == [2 if delayed else 1]
+    assert_same(m, r)
+    opt.close()
+    twin.close()
+

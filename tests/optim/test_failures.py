@@ -15,7 +15,7 @@ import torch
 
 from _hdo_util import FailOnce, assert_same, inputs, loss_of, pair
 from annotate_offload.errors import OffloadError
-from annotate_offload.optim import HybridDeviceOptimizer
+from annotate_offload.optim import HybridDeviceOptimizer, _pipeline
 
 
 MODES = {"exact": {}, "offload_gradients": {"offload_gradients": True}, "serial": {"overlap_cpu_optimizer_d2h_h2d": False},
@@ -31,14 +31,21 @@ def _build(mode, f=0.75):
     return m, r, opt, ref
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clipped"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_failed_step_is_all_or_nothing_per_parameter_and_a_retry_steps_the_rest_once(mode):
+def test_a_failed_step_is_all_or_nothing_per_parameter_and_a_retry_steps_the_rest_once(mode, clip, monkeypatch):
+    if clip and mode == "step_in_backward":
+        pytest.skip("step_in_backward refuses gradients changed after backward")
+    if clip:  # every gradient copied by its hook in backward, so clipping scales the host buffers
+        monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 1)
     m, r, opt, ref = _build(mode)
     x = inputs(1, 7)[0]
     opt.cpu_optimizers[len(opt.cpu_optimizers) // 2].fail_next = True  # before backward: step_in_backward runs it there
     before = [p.detach().clone() for p in m.parameters()]
     loss_of(m, x).backward()
     loss_of(r, x).backward()
+    if clip:  # the failed chunk's buffers hold the clipped gradient: the retry must not clip them again
+        assert torch.equal(opt.clip_grad_norm_(1e-6), torch.nn.utils.clip_grad_norm_(r.parameters(), 1e-6))
     ref.step()
     with pytest.raises(RuntimeError, match="host chunk failed") as info:
         opt.step()
@@ -59,10 +66,13 @@ def test_a_failed_step_is_all_or_nothing_per_parameter_and_a_retry_steps_the_res
     opt.close()
 
 
-def test_a_failed_host_chunk_in_delayed_mode_runs_again_before_the_next_step():
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clipped"])
+def test_a_failed_host_chunk_in_delayed_mode_runs_again_before_the_next_step(clip, monkeypatch):
     """Delayed mode: step t's host work runs during step t + 1; a chunk that failed is reported by the
     next step(), which writes only the finished chunks' weights (untouched_params: all the others),
     and runs once more when step() is called again."""
+    if clip:  # every gradient copied by its hook in backward, so clipping scales the host buffers
+        monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 1)
     m, r = pair()
     kw = dict(offload_fraction=0.75, chunk_bytes=128, lr=1e-2, fused=True, delayed_param_update=True)
     opt = HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=FailOnce, **kw)
@@ -72,6 +82,8 @@ def test_a_failed_host_chunk_in_delayed_mode_runs_again_before_the_next_step():
     for i, x in enumerate(xs):
         for model, o in ((m, opt), (r, twin)):
             loss_of(model, x).backward()
+            if clip:
+                o.clip_grad_norm_(1e-6)
             if o is opt and i == 1:
                 before = [p.detach().clone() for p in m.parameters()]
                 with pytest.raises(RuntimeError, match="host chunk failed") as info:
