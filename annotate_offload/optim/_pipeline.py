@@ -480,11 +480,11 @@ class HostPipeline:
     # Note [Consumed gradients]: with offload_gradients model.zero_grad() cannot reach the host copy,
     # so step() consumes it and the next backward starts from zero.
     def _end(self, cur: Any, *, failed: bool) -> None:
-        self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
         if failed and not self.delayed:
             with contextlib.suppress(BaseException):  # the error raised is the first one
-                self._drain()
-        elif not failed:
+                self._drain()  # first: the worker's last H2Ds are enqueued before the event below
+        self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
+        if not failed:
             for s in self.slots:
                 if s.state is not S.EMPTY:
                     s.state, s.grad_ref, s.scales = S.CONSUMED, None, []
