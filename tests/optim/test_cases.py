@@ -213,9 +213,9 @@ def test_o08_frozen_and_gradless_params(f, offload_gradients):
 
 @pytest.mark.parametrize("kw, fused, foreach", [({}, True, None), ({"foreach": True}, None, True)])
 def test_state_dict_records_the_implementation_used(kw, fused, foreach):
-    """Fresh-user report (third pass) item 5: loading our state_dict() into torch.optim.AdamW(fused=True) reset
-    its fused to None (torch takes fused/foreach from the loaded groups and ours held none), so the next
-    steps ran another kernel. The state dict now records what the sub-optimizers use."""
+    """state_dict() records the fused/foreach the sub-optimizers use: torch takes fused/foreach from the loaded
+    groups, so without them loading it into torch.optim.AdamW(fused=True) would reset its fused to None and
+    the next steps would run another kernel."""
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, lr=1e-2, **kw)
     xs = inputs(6, 2)
@@ -244,9 +244,9 @@ def test_state_dict_records_the_implementation_used(kw, fused, foreach):
 
 
 def test_gradient_changed_after_clip_grad_norm_is_clipped_once(monkeypatch):
-    """A gradient modified in place after this optimizer's clip_grad_norm_ is copied again at step();
-    the clip coefficient, already in the GPU gradient, was then applied to the new copy a second
-    time (8.7e-3 off torch after one step; found reading the seventh session's change)."""
+    """A gradient modified in place after this optimizer's clip_grad_norm_ is copied again at step() and
+    clipped once: the clip coefficient is already in the GPU gradient, and applying it to the new copy a
+    second time would put the weights 8.7e-3 off torch after one step."""
     from annotate_offload.optim import _pipeline
 
     monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # hooked copies, made in backward

@@ -57,8 +57,8 @@ def test_step_in_backward_refuses_to_skip_a_step_it_has_applied():
 
 
 def test_step_in_backward_skips_a_step_whose_chunks_had_not_all_landed():
-    # nothing was stepped yet, so zero_grad() can drop what landed; it used to keep the landed count,
-    # and the next backward stepped the chunk with the skipped step's gradient (review, eighth session)
+    # nothing was stepped yet, so zero_grad() drops what landed, its landed count included; a kept count
+    # would make the next backward step the chunk with the skipped step's gradient
     torch.manual_seed(0)
     a, b = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
     opt = HybridDeviceOptimizer([a, b], offload_fraction=1.0, lr=1e-2, step_in_backward=True,
@@ -468,7 +468,7 @@ def test_import_does_not_initialise_cuda(run_group):
 
 
 def test_offloaded_gradients_are_unreferenced_right_after_their_hook(monkeypatch):
-    """Issue 4 item 6: nothing of ours keeps a host-stepped gradient alive once it is copied.
+    """Nothing of ours keeps a host-stepped gradient alive once it is copied.
 
     A spy hook registered before the optimizer's records a weak reference to each gradient; the
     optimizer's hook runs next. Right after backward every one of them must be dead (CPU tensors die
@@ -547,9 +547,10 @@ def test_tiny_gradients_are_copied_together_at_step(monkeypatch, offload_gradien
 
 
 def test_worker_budget_does_not_leak_into_the_training_thread(run_group):
-    """Note [Thread budget]: torch.set_num_threads on the worker also set the process-wide value
-    that a thread adopts on its first parallel op, so a training thread under OMP_NUM_THREADS=1
-    read back the worker's budget (fresh-user trial, session 5). The worker keeps its budget."""
+    """Note [Thread budget]: torch.set_num_threads on the worker also sets the process-wide value
+    that a thread adopts on its first parallel op, which would hand a training thread under
+    OMP_NUM_THREADS=1 the worker's budget. The worker keeps its budget; the training thread and a
+    thread started later keep theirs."""
     import os
     import sys
 
@@ -576,10 +577,10 @@ def test_worker_budget_does_not_leak_into_the_training_thread(run_group):
 # ---------------------------------------------------------------- one optimizer per parameter
 @pytest.mark.parametrize("old_mode", [{"offload_gradients": True}, {"step_in_backward": True}, {}])
 def test_a_replaced_optimizer_that_is_still_alive_stands_aside(monkeypatch, old_mode):
-    """Fresh-user report (seventh session) item 3, Note [One optimizer per parameter]: an older
-    optimizer still referenced (an LR finder's) kept its hooks; with offload_gradients it freed p.grad
-    under the new one (weights 0.031 off after 3 steps), with step_in_backward the new one raised a
-    misleading "second gradient" error. The newest optimizer owns the hooks; building it warns."""
+    """Note [One optimizer per parameter]: when an older optimizer is still referenced (an LR finder's),
+    the newest optimizer owns the hooks and building it warns. Were the older one's hooks kept, with
+    offload_gradients it would free p.grad under the new one (weights 0.031 off after 3 steps), and with
+    step_in_backward the new one would raise a misleading "second gradient" error."""
     monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # a hook for every tensor of the tiny model
     m, r = pair()
     old = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, lr=1e-2, **old_mode)

@@ -258,7 +258,7 @@ def test_gpu_memory_falls_linearly_with_fraction(offload_gradients):
     for f in (0.25, 0.5, 1.0):
         peak, n = _peak(f, offload_gradients)
         expected = base - n * per_elem
-        # issue 4 item 6: within 5%, plus (offload_gradients) one chunk of gradients still being copied
+        # within 5% of base, plus (offload_gradients) one chunk of gradients still being copied
         slack = 0.05 * base + (CHUNK + GRAD if offload_gradients else 0)
         assert abs(peak - expected) <= slack, (f, peak, expected, base)
 
@@ -357,10 +357,10 @@ def test_failed_step_on_gpu_keeps_the_h2d_of_stepped_chunks_ordered():
 def test_gradscaler_matches_the_unscaled_run(cls, kw):
     """Note [GradScaler]: in fp32 a power-of-two loss scale is exact through backward and unscaling,
     so f=0.5 under GradScaler (with an inf step it skips) equals f=0.5 without a scaler that skips
-    that step, bit for bit (before the fix the host half stepped scaled gradients), and the same
-    torch class under its own scaler within the CPU/CUDA kernel tolerance. Not under fp16 autocast:
-    there the CPU/CUDA last-bit differences flip fp16 roundings and spread to every layer (E7 of
-    the seventh session: 31% of elements beyond TOL with no scaler at all)."""
+    that step, bit for bit (the host half steps unscaled gradients), and the same torch class
+    under its own scaler within the CPU/CUDA kernel tolerance. Not under fp16 autocast: there the
+    CPU/CUDA last-bit differences flip fp16 roundings and spread to every layer (31% of elements
+    beyond TOL with no scaler at all)."""
     torch.manual_seed(0)
     m = Wide(n=2, h=512).cuda()
     plain_m, t = copy.deepcopy(m), copy.deepcopy(m)

@@ -1,4 +1,4 @@
-"""Bit-exact parity with torch's fused AdamW/Adam on the CPU backend (issue 4, "Done when")."""
+"""Bit-exact parity with torch's fused AdamW/Adam on the CPU backend."""
 
 from __future__ import annotations
 
@@ -202,9 +202,9 @@ class _WithComplex(torch.nn.Module):
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("f", FRACTIONS)
 def test_complex_parameters_step_like_plain_adamw(f, overlap):
-    """Fresh-user report (third pass) item 3: complex parameters hit "`fused=True` requires all the params to be
-    floating point" from the fused=True we default to. Now they get torch's default path (what plain
-    torch.optim.AdamW() gives them), bit for bit, while the real parameters stay on the fused kernel."""
+    """Complex parameters do not get our fused=True default, which torch refuses with "`fused=True` requires all
+    the params to be floating point". They get torch's default path (what plain torch.optim.AdamW() gives
+    them), bit for bit, while the real parameters stay on the fused kernel."""
     import copy
 
     m = _WithComplex()

@@ -127,7 +127,8 @@ def test_mixed_classes_accept_union_and_var_kwargs_class_is_judge():
 
 
 def test_step_after_close_raises_instead_of_waiting_forever():
-    """Fresh-user report (second pass) item 1: close() stopped the worker and step() then waited on it."""
+    """step() after close() raises OffloadError instead of waiting forever on the stopped worker; close() is
+    idempotent."""
     from _hdo_util import Tiny, loss_of
 
     m = Tiny()
@@ -160,8 +161,8 @@ def test_foreach_selects_the_foreach_kernels_on_both_halves():
 
 @pytest.mark.parametrize("which", ["cpu_optimizer_cls", "gpu_optimizer_cls"])
 def test_closure_only_class_refused(which):
-    """Fresh-user report (third pass) item 1: LBFGS was accepted, then every step() raised
-    'LBFGS.step() missing 1 required positional argument: closure'."""
+    """A closure-only class (LBFGS) is refused at construction with a TypeError naming the fix, not at every
+    step() with 'LBFGS.step() missing 1 required positional argument: closure'; no hooks are left behind."""
     m = Tiny()
     with pytest.raises(TypeError, match=rf"{which}=torch.optim.LBFGS: pass a class that can step these parameters "
                                          r"with step\(\) and no closure.*missing 1 required positional argument: 'closure'"):
@@ -176,8 +177,8 @@ def test_closure_only_class_refused(which):
 
 
 def test_sparse_adam_refused_for_the_host_part():
-    """Fresh-user report (seventh session) item 8: SparseAdam was accepted, then step() failed with
-    torch's 'SparseAdam does not support dense gradients' (host gradient buffers are dense)."""
+    """SparseAdam is refused for the host part at construction with a TypeError naming the fix, not at the first
+    step() with torch's 'SparseAdam does not support dense gradients' (host gradient buffers are dense)."""
     m = Tiny()
     with pytest.raises(TypeError, match=r"cpu_optimizer_cls=torch.optim.SparseAdam: pass a class that can step these "
                                         r"parameters .*SparseAdam does not support dense gradients"):
@@ -231,13 +232,12 @@ def test_param_group_metadata_and_rebuild_still_accepted():
 
 @pytest.mark.parametrize("f", [0.0, 0.5, 1.0])
 def test_differentiable_does_not_get_the_fused_default(f):
-    """Fresh-user report (third pass) item 3: differentiable=True failed with "`fused` does not support
-    `differentiable`", a fused=True the user never asked for. It now gets torch's non-fused path, like
+    """differentiable=True does not get our fused=True default, which would fail with "`fused` does not support
+    `differentiable`" for a fused=True the user never asked for. It gets torch's non-fused path, like
     torch.optim.AdamW(differentiable=True), on the host (masters) and on the device (the parameters
     themselves, where torch's own differentiable step refuses leaves that require grad, as plain AdamW does).
-    Fresh-user report (seventh session) item 4: that refusal came at the first step(), after the host
-    half had already stepped. The device half now steps first, so its refusal (torch's own, as plain
-    AdamW(differentiable=True) raises it) leaves every parameter untouched."""
+    The device half steps first, so that refusal (torch's own, as plain AdamW(differentiable=True) raises it)
+    comes before the host half has stepped and leaves every parameter untouched."""
     from _hdo_util import loss_of
 
     m = Tiny()
@@ -289,8 +289,8 @@ def test_explicit_fused_with_unsupported_options_is_a_clear_error():
     ],
 )
 def test_sparse_gradient_is_a_type_error(rows, mode, raised_in):
-    """Fresh-user report (third pass) item 4: nn.Embedding(sparse=True) failed with an internal
-    "copy_() between dense and sparse Tensors is not implemented" from the D2H copy."""
+    """A sparse gradient (nn.Embedding(sparse=True)) raises a TypeError naming the fixes, in every mode, not an
+    internal "copy_() between dense and sparse Tensors is not implemented" from the D2H copy."""
     emb = torch.nn.Embedding(rows, 64, sparse=True)
     opt = HybridDeviceOptimizer(emb.parameters(), offload_fraction=1.0, **mode)
     match = (rf"parameter 0 of param group 0 \(shape \({rows}, 64\)\) has a sparse gradient \(layout=torch.sparse_coo\).*"
@@ -344,8 +344,8 @@ def test_sparse_gradient_of_the_device_half_is_refused_before_the_host_steps(gpu
 @pytest.mark.parametrize("key, value", [("amsgrad", "yes"), ("maximize", 1), ("nesterov", None), ("fused", "true"),
                                         ("foreach", 0)])
 def test_flags_must_be_bools(key, value):
-    """Fresh-user report (seventh session) item 5: amsgrad="yes" or maximize=1 built, then the first
-    step() failed inside torch's fused kernel ("invalid combination of arguments")."""
+    """Non-bool switches (amsgrad="yes", maximize=1), as keywords or in a group, are refused at construction
+    with a TypeError, not at the first step() inside torch's fused kernel ("invalid combination of arguments")."""
     m = Tiny()
     kw = {"momentum": 0.9} if key == "nesterov" else {}
     cls = {"cpu_optimizer_cls": torch.optim.SGD} if key == "nesterov" else {}
@@ -366,8 +366,8 @@ def test_flags_must_be_bools(key, value):
     ],
 )
 def test_hyper_parameters_torch_refuses_are_refused_here(cls, kw, match, form):
-    """Fresh-user report (eighth session) item 7: values a torch class refuses in its constructor
-    reached the sub-optimizers through the groups unchecked (RMSprop alpha=-1: NaN weights)."""
+    """Values a torch class refuses in its constructor are refused here too, as defaults or in a group,
+    rather than reaching the sub-optimizers unchecked (RMSprop alpha=-1: NaN weights)."""
     m = Tiny()
     full = rf"in param group 0: pass a value that torch.optim.{cls.__name__} accepts \({match}"
     with pytest.raises(ValueError, match=full):
@@ -386,8 +386,8 @@ def test_a_parameter_listed_twice_in_a_group_is_refused():
 
 @pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
 def test_the_optimizer_refuses_to_be_pickled_or_copied(how):
-    """Fresh-user report (eighth session) item 7: the copy built, then failed at step() with an
-    AttributeError."""
+    """Pickling or copying the optimizer raises OffloadError pointing to state_dict(), rather than building
+    a copy that then fails at step() with an AttributeError."""
     import copy
     import io
     import pickle
@@ -402,8 +402,9 @@ def test_the_optimizer_refuses_to_be_pickled_or_copied(how):
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is newer than this torch")
 def test_a_class_that_checks_parameter_shapes_still_builds():
-    """Review (eighth session): the constructor checks ran over a 1-element dummy, which Muon (2-D
-    parameters only) refused as a bad hyper-parameter."""
+    """The constructor checks step the class over tensors with the parameters' dtype, device and number of
+    dimensions, not a 1-element dummy that Muon (2-D parameters only) would refuse as a bad hyper-parameter,
+    so a Muon host half builds and steps."""
     w = torch.nn.Parameter(torch.randn(16, 16))
     opt = HybridDeviceOptimizer([w], offload_fraction=1.0, cpu_optimizer_cls=torch.optim.Muon, lr=0.02)
     w.grad = torch.randn(16, 16)
