@@ -255,8 +255,9 @@ print("done")
 
 
 def test_fuzzed_loads_never_crash_the_process(run_group):
-    """Moments cut to one row (or longer, 0-dim, empty) used to reach the fused kernel: NaN weights,
-    then ``free(): invalid size`` (exit 134). Run in a fresh process so that a crash is a test failure."""
+    """Moments cut to one row (or longer, 0-dim, empty) must be refused before they reach the fused
+    kernel, where they give NaN weights, then ``free(): invalid size`` (exit 134). Run in a fresh process
+    so that a crash is a test failure."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))

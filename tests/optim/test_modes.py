@@ -40,8 +40,8 @@ def test_step_in_backward_steps_during_backward():
 
 
 def test_step_in_backward_refuses_to_skip_a_step_it_has_applied():
-    # a skipped step (zero_grad after backward, no step) used to leave the host half updated and
-    # the GPU half not, then fail the next backward with a misleading "second gradient" error
+    # a skipped step (zero_grad after backward, no step) would leave the host half updated and the
+    # GPU half not, then fail the next backward with a misleading "second gradient" error: it is refused
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=0.5, step_in_backward=True, lr=1e-2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
@@ -615,7 +615,7 @@ def test_no_ownership_warning_after_close_or_release(recwarn):
 def test_step_retried_after_a_device_half_error_steps_the_host_half_once(offload_gradients):
     """The default mode steps the device half first; when its optimizer raises, no host chunk has
     stepped, and a retried step() must step them once with the held gradients (with
-    offload_gradients, p.grad no longer holds them: they used to be consumed by the failed step)."""
+    offload_gradients, p.grad no longer holds them: the failed step must not consume them)."""
     fail = {"on": False}
 
     class Flaky(torch.optim.AdamW):
