@@ -33,14 +33,19 @@ def inputs(n, seed):
     return [torch.randn(5, 8, generator=g) for _ in range(n)]
 
 
-class FailOnce(torch.optim.AdamW):
-    """AdamW whose instance marked ``fail_next`` raises at its next step (a host chunk that fails once)."""
+class FailsOnce:
+    """Mixin for a torch optimizer class: an instance marked ``fail_next`` raises at its next step (a host
+    chunk that fails once)."""
 
     def step(self, closure=None):
         if getattr(self, "fail_next", False):
             self.fail_next = False
             raise RuntimeError("host chunk failed")
         return super().step(closure)
+
+
+class FailOnce(FailsOnce, torch.optim.AdamW):
+    """AdamW that fails once when marked."""
 
 
 def loss_of(model, x):

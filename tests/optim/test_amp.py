@@ -14,7 +14,7 @@ import torch
 from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer, _pipeline
 
-from _hdo_util import assert_same, loss_of, pair
+from _hdo_util import FailsOnce, assert_same, loss_of, pair
 
 
 @pytest.fixture(autouse=True)
@@ -151,14 +151,8 @@ def test_gradscaler_with_no_device_gradient_steps_the_host_half():
     opt.close()
 
 
-class _FailOnceSGD(torch.optim.SGD):
-    """SGD (unscaled by the caller, GradScaler's unscale_ path) whose instance marked ``fail_next`` raises once."""
-
-    def step(self, closure=None):
-        if getattr(self, "fail_next", False):
-            self.fail_next = False
-            raise RuntimeError("host chunk failed")
-        return super().step(closure)
+class _FailOnceSGD(FailsOnce, torch.optim.SGD):
+    """SGD (unscaled by the caller, GradScaler's unscale_ path) that fails once when marked."""
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["", "delayed"])
