@@ -34,10 +34,6 @@ class Side:
         self.can_pin = self.cuda = bool(devices)
         self.device = devices.pop() if devices else torch.device("cpu")
 
-    def owns(self, t: torch.Tensor) -> bool:
-        """True for a tensor the device half would step (any tensor without CUDA)."""
-        return t.device.type == "cuda" or not self.cuda
-
     def new_stream(self) -> Any:
         return torch.cuda.Stream(device=self.device) if self.cuda else None
 

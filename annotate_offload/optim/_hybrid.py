@@ -161,7 +161,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # ---- split, host pipeline, device optimizer: one slot per parameter, both sides built from them
         flat = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         side = Side([local_tensor(p) for _, _, p in flat])
-        host = choose_offloaded([p for _, _, p in flat], float(offload_fraction), lambda p: side.owns(local_tensor(p)))
+        host = choose_offloaded([p for _, _, p in flat], float(offload_fraction),
+                                lambda p: not side.cuda or local_tensor(p).is_cuda)
         self._slots = [Slot(p, i, gi, pi, host[i], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
         self.pipeline = HostPipeline([s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl,
                                      self.defaults, side=side, threads=threads, begin=self._begin)
