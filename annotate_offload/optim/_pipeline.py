@@ -101,13 +101,6 @@ class Slot:
         # one flag per buffer, as the worker sets the one of step t while the training thread clears step t + 1's
         self.state = S.EMPTY
 
-    def to(self, new: SlotState, func: str, allowed: tuple[SlotState, ...]) -> None:
-        """Move to ``new`` from one of ``allowed`` (TransformerEngine's ``_validate_state`` idiom)."""
-        if self.state not in allowed:
-            raise OffloadError(f"HybridDeviceOptimizer.{func}: parameter {self.index} of param group {self.group} is "
-                               f"{self.state.name}, expected {'/'.join(a.name for a in allowed)}.")
-        self.state = new
-
     def copied(self, g: torch.Tensor) -> bool:
         """True if the buffer holds the local gradient ``g`` as it is now: same ``param.grad`` object
         (stable for DTensor gradients, whose ``to_local()`` is a new view per call), storage and version."""
@@ -378,7 +371,10 @@ class HostPipeline:
                     s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
             ev = side.record(stream)
         for s, g in todo:
-            s.to(S.COPIED, "copy", (S.EMPTY, S.COPIED, S.CONSUMED))
+            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # e.g. a backward after a failed step(), no zero_grad()
+                raise OffloadError(f"HybridDeviceOptimizer.copy: parameter {s.index} of param group {s.group} is "
+                                   f"{s.state.name}, expected EMPTY/COPIED/CONSUMED.")
+            s.state = S.COPIED
             s.unscaled[self._buf] = False
             s.d2h_ev, s.seq, self._seq = ev, self._seq, self._seq + 1
             s.grad_ref = weakref.ref(s.param.grad)
@@ -539,7 +535,7 @@ class HostPipeline:
                 s.staging.copy_(s.master)
         if not self.delayed:
             for s in slots:
-                s.to(S.STEPPED, "step", (S.SUBMITTED,))
+                s.state = S.STEPPED  # from SUBMITTED: nothing else moves a slot while its chunk is submitted
             return self._h2d(c, slots)
         self._jobs.pop(ci, None)
         with self._lock:
