@@ -364,7 +364,7 @@ class HostPipeline:
                         s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin_grads)
                     s.scratch.copy_(g, non_blocking=True)
                     side.synchronize(side.record(stream))  # also the earlier copy (Note [One D2H stream])
-                    self._apply_scales(s, buf)  # each micro-batch keeps its own clip coefficient: c*g0 + g1
+                    self._apply_scales(s, buf, s.scales)  # each micro-batch keeps its own clip coefficient: c*g0 + g1
                     buf.add_(s.scratch) if buf.dtype == g.dtype else buf.copy_(buf.to(g.dtype).add_(s.scratch))
                 else:
                     buf.copy_(g, non_blocking=True)
@@ -388,11 +388,12 @@ class HostPipeline:
                     g.record_stream(stream)
                 s.param.grad = None
 
-    def _apply_scales(self, s: Slot, buf: torch.Tensor) -> None:
-        for coef, ev in s.scales:
+    def _apply_scales(self, s: Slot, buf: torch.Tensor, coefs: list) -> None:
+        """Multiply ``buf`` by the clip coefficients ``coefs`` pending for ``s``, and empty that list."""
+        for coef, ev in coefs:
             self.side.synchronize(ev)
             scale_(buf, s.local.dtype, coef)
-        s.scales = []
+        coefs.clear()
 
     def _collect(self, stream: Any) -> list[int]:
         """At ``step()``: copy the gradients the hooks did not copy or that changed since; return the chunks
@@ -518,10 +519,7 @@ class HostPipeline:
             if s.master.grad is not s.bufs[buf]:
                 s.master.grad = s.bufs[buf]
         for s, coefs in scales:  # the slot's pending list as _plan saw it: emptied once in the buffer
-            for coef, cev in coefs:
-                side.synchronize(cev)
-                scale_(s.bufs[buf], s.local.dtype, coef)
-            coefs.clear()
+            self._apply_scales(s, s.bufs[buf], coefs)
         if amp is not None and takes_scale(c.opt, amp) is False:
             for s in slots:
                 if not s.unscaled[buf]:
@@ -631,7 +629,7 @@ class HostPipeline:
         if s is None or s.state is not S.COPIED or local_grad(p) is not None or not self.offload_grads:
             return None
         self.side.synchronize(s.d2h_ev)
-        self._apply_scales(s, s.bufs[self._buf])
+        self._apply_scales(s, s.bufs[self._buf], s.scales)
         return s.bufs[self._buf]
 
     @contextlib.contextmanager
