@@ -297,7 +297,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Once per step, before anything is stepped: hyper-parameters, state placement, and masters of
         weights loaded since the last step."""
         self._sync_hyper()
-        self._place_state()
+        self._sync_hdo_state_to_sub_optimizers(adopt=False)
         self._reseed()
 
     def _reseed(self, everything: bool = False) -> None:
@@ -311,10 +311,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     s.master.copy_(s.local)
                     s.p_ver = s.param._version
 
-    def _place_state(self, adopt: bool = False) -> None:
-        """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it, its tensors
-        where ``p`` is stepped (a replaced ``master_param`` is copied into the master; ``adopt``: not re-seeded
-        from the weights then). Runs at every step: no ``.device``, no ``.to()`` when all is in place."""
+    def _sync_hdo_state_to_sub_optimizers(self, adopt: bool = True) -> None:
+        """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it (Megatron's
+        DistributedOptimizer writes a checkpoint into ``state[p][key]``, then calls this), its tensors where
+        ``p`` is stepped; a replaced ``master_param`` is copied into the master (``adopt``: weights loaded
+        before it do not re-seed it). Every step runs it: no ``.device``, no ``.to()`` when all is in place."""
         for p, st in self.state.items():  # no tensor-keyed lookups: they hash through Python
             if not st or (s := self._by_id.get(id(p))) is None:
                 continue
@@ -334,16 +335,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                             s.master.copy_(v)
                         st[k] = s.master
                 elif k == "step":
-                    if (nv := _step(v, s)) is not v:
-                        st[k] = nv
+                    st[k] = _step(v, s)  # v itself when in place
                 elif v.get_device() != dev:
                     st[k] = v.to(s.inner.device)
-
-    def _sync_hdo_state_to_sub_optimizers(self) -> None:
-        """Megatron's DistributedOptimizer calls this after writing a checkpoint into ``state[p][key]``:
-        the state reaches the sub-optimizers, and a written ``master_param`` is the master from now on
-        (weights loaded before it do not re-seed it)."""
-        self._place_state(adopt=True)
 
     def _amp_begin(self) -> Optional[AmpStep]:
         """What a GradScaler set on this optimizer for this ``step()``, or ``None`` (Note [GradScaler])."""
