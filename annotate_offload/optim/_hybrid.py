@@ -31,8 +31,8 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..errors import OffloadError
 from ._device import Side
-from ._pipeline import (IMPL_KEYS, STRUCTURAL_KEYS, AmpStep, HostPipeline, Slot, handed_over, impl_for,
-                        sub_optimizer, takes_scale)
+from ._pipeline import (IMPL_KEYS, STRUCTURAL_KEYS, AmpStep, HostPipeline, Slot, amp_step, impl_for, sub_optimizer,
+                        takes_scale)
 from ._split import Placement, choose_offloaded, local_grad, local_tensor
 from ._threads import thread_budget
 
@@ -369,8 +369,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for s in self._masters:
             g = local_grad(s.param)
             s.inner.grad = None if g is None else g.to(s.inner.dtype)
-        with handed_over(opt, amp, host=False):
-            opt.step()
+        amp_step(opt, amp, host=False)
         for s in self._masters:
             if s.inner.grad is not None:
                 s.inner.grad = None

@@ -137,20 +137,18 @@ class AmpStep(NamedTuple):
 
 def takes_scale(opt: torch.optim.Optimizer, amp: Optional[AmpStep]) -> Optional[bool]:
     """Who unscales ``opt``'s gradients in this step: ``None`` nobody (no scale to undo), ``True``
-    ``opt.step()`` itself (:func:`handed_over`), ``False`` the caller first (GradScaler's ``unscale_``)."""
+    ``opt.step()`` itself (:func:`amp_step`), ``False`` the caller first (GradScaler's ``unscale_``)."""
     return None if amp is None or amp.scale is None else bool(getattr(opt, "_step_supports_amp_scaling", False))
 
 
-@contextlib.contextmanager
-def handed_over(opt: torch.optim.Optimizer, amp: Optional[AmpStep], *, host: bool) -> Iterator[None]:
-    """``grad_scale``/``found_inf`` set on ``opt`` for one ``opt.step()``, as GradScaler hands them to
+def amp_step(opt: torch.optim.Optimizer, amp: Optional[AmpStep], *, host: bool) -> None:
+    """``opt.step()``, with ``grad_scale``/``found_inf`` set on ``opt`` for it, as GradScaler hands them to
     torch's fused optimizers, when this step unscales and ``opt`` supports it."""
     if not takes_scale(opt, amp):
-        yield
-        return
+        return opt.step()
     opt.grad_scale, opt.found_inf = (amp.host_scale, amp.host_found) if host else (amp.scale, amp.found)
     try:
-        yield
+        opt.step()
     finally:
         del opt.grad_scale, opt.found_inf
 
@@ -248,7 +246,6 @@ class HostPipeline:
             self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
         self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
         self.closed = self.device_done = False  # device_done: Note [Failed steps]
-        self.amp: Optional[AmpStep] = None
         self._owned: Optional[list[bool]] = None  # per chunk, under host-step sharding (DDP)
         self._buf = self._seq = 0
         self._begun = self._applying = self._retry = False
@@ -332,7 +329,7 @@ class HostPipeline:
                 c = self.chunks[s.chunk]
                 c.landed += 1
                 if c.landed == c.trainable:
-                    self._submit(s.chunk)
+                    self._submit(s.chunk, None)
         return True
 
     def grad_copied(self, p: torch.Tensor) -> bool:
@@ -434,18 +431,18 @@ class HostPipeline:
             side.wait_event(self.h2d, start)
             if self.delayed:
                 self._apply_previous()
-            self.amp = amp_begin()
+            amp = amp_begin()
             self._prepare()
-            if self.amp is None or not self.amp.skip:  # Note [GradScaler]: an inf/NaN step steps nothing
+            if amp is None or not amp.skip:  # Note [GradScaler]: an inf/NaN step steps nothing
                 with _label("HybridDeviceOptimizer.d2h"):
                     order = self._collect(self.d2h if self.overlap else cur)
                 if not self.device_done:
                     with _label("HybridDeviceOptimizer.device_step"):
-                        device_step(self.amp)
+                        device_step(amp)
                     self.device_done = True
                 if self._worker is not None:
                     for ci in order:
-                        self._submit(ci)
+                        self._submit(ci, amp)
                     if not self.delayed:
                         self._drain()
                 else:
@@ -453,7 +450,7 @@ class HostPipeline:
                         side.synchronize(side.record(cur))
                     with num_threads(self.threads), side.use(self.h2d):  # Note [H2D ordering]
                         for ci in order:
-                            self._run(ci, self._plan(ci), self._buf, self.amp)
+                            self._run(ci, self._plan(ci), self._buf, amp)
         except BaseException:
             self._end(cur, failed=True)
             raise
@@ -489,7 +486,7 @@ class HostPipeline:
             self._buf ^= self.delayed
         for c in self.chunks:  # step_in_backward's count of landed gradients
             c.landed = 0
-        self._begun, self.amp = False, None
+        self._begun = False
 
     def _plan(self, ci: int) -> tuple[list[Slot], Any, list]:
         """What chunk ``ci`` steps, captured now: its slots with a gradient, the D2H event of the last one
@@ -499,8 +496,8 @@ class HostPipeline:
             s.state = S.SUBMITTED
         return slots, max(slots, key=lambda s: s.seq).d2h_ev, [(s, s.scales) for s in slots if s.scales]
 
-    def _submit(self, ci: int) -> None:
-        args = (ci, self._plan(ci), self._buf, self.amp)
+    def _submit(self, ci: int, amp: Optional[AmpStep]) -> None:
+        args = (ci, self._plan(ci), self._buf, amp)
         if self.delayed:
             self._jobs[ci] = args
         self._worker.submit(functools.partial(self._run, *args))
@@ -525,9 +522,8 @@ class HostPipeline:
                 if not s.unscaled[buf]:
                     scale_(s.bufs[buf], s.local.dtype, amp.host_inv)  # Note [GradScaler]: unscale_'s multiply
                     s.unscaled[buf] = True
-        with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL, \
-                handed_over(c.opt, amp, host=True) if amp is not None else _NULL:
-            c.opt.step()
+        with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL:
+            amp_step(c.opt, amp, host=True)
         for s in slots:
             if s.staging is not None:
                 s.staging.copy_(s.master)
