@@ -332,11 +332,6 @@ class HostPipeline:
                     self._submit(s.chunk, None)
         return True
 
-    def grad_copied(self, p: torch.Tensor) -> bool:
-        """True when the host buffer of ``p`` holds its current gradient (no copy at ``step()``)."""
-        g = local_grad(p)
-        return g is not None and self._slot[id(p)].copied(g)
-
     def uncopied(self, skip_batched: bool = False) -> int:
         """How many host gradients this process steps ``step()`` would copy now; ``skip_batched``: not
         counting those copied there by design."""
