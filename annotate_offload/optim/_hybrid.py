@@ -19,12 +19,11 @@ aside, so a refused load changes nothing.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import math
 import operator
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
@@ -377,12 +376,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     s.local.copy_(s.inner)
                     s.p_ver = s.param._version
 
-    @contextlib.contextmanager
-    def _outcome(self) -> Iterator[None]:
-        """Around a pipeline call: ``state[p]`` gets the state created, and an exception the parameters it
-        left untouched (Note [Failed steps] in ``_pipeline.py``)."""
+    def _outcome(self, call: Callable[..., None], *args: Any) -> None:
+        """``call(*args)``, a pipeline call: ``state[p]`` gets the state created, and an exception the
+        parameters it left untouched (Note [Failed steps] in ``_pipeline.py``)."""
         try:
-            yield
+            call(*args)
         except BaseException as exc:
             dev = [] if self.pipeline.device_done else [s.flat for s in self._slots if not s.host]
             exc.untouched_params = idx = sorted({*dev, *self.pipeline.untouched()})  # type: ignore[attr-defined]
@@ -416,15 +414,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with self._outcome():
-            self.pipeline.step(self._device_step, self._amp_begin)
+        self._outcome(self.pipeline.step, self._device_step, self._amp_begin)
         return loss
 
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also write the pending update into the model, so
         that the weights equal the host masters (cast to the model dtype)."""
-        with self._outcome():
-            self.pipeline.flush()
+        self._outcome(self.pipeline.flush)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient, host-held ones included; with ``step_in_backward`` a step whose chunks
