@@ -59,15 +59,16 @@ Note [Planner memory model]
         fwd_j    = base + sum_{i<j} (held_f(i, j) + w_i if i recomputed) + c_j + F+_j
         fwd_head = base + sum_i (held_b(i, L) + w_i if i recomputed) + out + h + H+f
         bwd_head = base + other_grads + sum_i held_b(i, L) + out + h + H+b
-        bwd_j    = base + other_grads + sum_{i>=j} g_i + sum_{i<j} held_b(i, j) + c_j + act_j + out
+        bwd_j    = base + other_grads + sum_{i>=j} g_i + sum_{i<j} held_b(i, j) + c_{j+1} + act_j + out
         opt      = base + other_grads + sum_i g_i
         held_f(i, j) = a_i (keep), c_i (recompute), moved_i + unmoved_i while j <= i + k else unmoved_i
                        (offloaded: released at the entry of layer i + 1 + k)
         held_b(i, j) = a_i (keep), c_i (recompute), unmoved_i + (moved_i while j <= min(i + p, L-1))
         act_j  = a_j + B+_j (keep, offload);  c_j + max(F+_j, a_j - s_j + B+_j) (recompute, recompute_offload)
 
-    ``c_j`` in ``fwd_j`` is the layer's input and in ``bwd_j`` the gradient of its output (a block maps
-    hidden states to hidden states of one shape). ``w_i``: a recomputed layer's weight casts, which
+    ``c_j``: the layer's tensor inputs that are not static memory (parameters, buffers and the example
+    inputs are static), and ``c_{j+1}`` in ``bwd_j`` the gradient of its output (the next layer's input;
+    ``c_{L-1}`` for the last layer). ``w_i``: a recomputed layer's weight casts, which
     autocast's cache holds to the end of the forward. ``s_j``: the part of ``a_j`` that is the layer's own
     input, which a recomputed layer's backward holds once (as ``c_j``). Gradients exist only between their
     backward and the optimizer step (``zero_grad(set_to_none=True)``), so in backward only those of layers
@@ -393,7 +394,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
         act = m.saved_bytes + m.backward_peak_bytes
         if rec[j]:
             act = m.checkpoint_input_bytes + max(m.forward_peak_bytes, act - m.input_saved_bytes)
-        bwd = (step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + m.checkpoint_input_bytes + act
+        bwd = (step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + _grad_out(layers, j) + act
                + step.output_bytes)
         peaks.append(step.static_bytes + max(fwd, bwd))
         held_before += kept[j]
@@ -404,6 +405,11 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
     opt = step.static_bytes + step.other_grad_bytes + grads_above[0]
     return (t + step.other_ms, max(peaks + [opt, step.static_bytes + max(head_fwd, head_bwd)]), tuple(layer_ms),
             tuple(peaks))
+
+
+def _grad_out(layers: Sequence[LayerMeasurement], j: int) -> int:
+    """Bytes of layer ``j``'s output gradient: the next layer's input (the last layer's own input)."""
+    return layers[min(j + 1, len(layers) - 1)].checkpoint_input_bytes
 
 
 def memory_phases(layers: Sequence[LayerMeasurement], choices: Sequence[str], step: StepMeasurement | None = None, *,
@@ -439,7 +445,7 @@ def memory_phases(layers: Sequence[LayerMeasurement], choices: Sequence[str], st
         out.append((f"bwd {j}", {**base, "grads outside": step.other_grad_bytes,
                                  "grads of layers >= j": sum(x.grad_bytes for x in layers[j:]),
                                  "held by earlier layers": sum(kept[:j]),
-                                 "in flight": sum(moved[max(0, j - p):j]), "output grad": m.checkpoint_input_bytes,
+                                 "in flight": sum(moved[max(0, j - p):j]), "output grad": _grad_out(layers, j),
                                  "layer backward": act, "outputs": step.output_bytes}))
     out.append(("opt", {**base, "grads": step.other_grad_bytes + sum(x.grad_bytes for x in layers)}))
     return out

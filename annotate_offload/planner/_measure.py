@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from annotate_offload._example_inputs import for_training, split
 
@@ -187,19 +187,26 @@ def _unmoved_bytes(saved: list, skip: set, min_numel: int, frozen: set = frozens
 
 
 def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device, min_numel: int,
-                   frozen: set) -> tuple:
+                   frozen: set, grad_flags: list | None) -> tuple:
     """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+, casts, input saved)`` of one run of
     ``layer`` (bytes; ``F+``, ``B+`` as in Note [Planner memory model]: from the CUDA allocator's peak, on a
     CPU the new saved tensors and output, and the input gradients). Autocast's cache of weight casts is
-    cleared first: a step's forward casts each weight anew."""
-    args, kwargs = captured
+    cleared first: a step's forward casts each weight anew.
+
+    An input that needs a gradient in the model's own forward (``grad_flags``, per tensor input in
+    pytree order; unknown: every floating-point input) is a fresh leaf that requires one; the others are
+    passed as captured, so a tensor of the static memory (an example input, a buffer's view) stays
+    outside the layer's bytes, and an op with a constant operand saves what it saves in the model."""
+    leaves, spec = tree_flatten(captured)
+    flags = iter(grad_flags if grad_flags is not None else [])
 
     def fresh(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.clone().requires_grad_(True)
-        return x
+        if not isinstance(x, torch.Tensor):
+            return x
+        grad = next(flags, x.is_floating_point()) and x.is_floating_point()
+        return x.detach().clone().requires_grad_(True) if grad else x
 
-    args, kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
+    args, kwargs = tree_unflatten([fresh(x) for x in leaves], spec)
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
     ckpt_bytes = _unique_storage_bytes(inputs, param_ptrs)
     ckpt_unmoved = _unmoved_bytes(inputs, param_ptrs, min_numel)
@@ -242,10 +249,11 @@ class _HeadDone(Exception):
 
 
 def _measure_head(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kwargs: dict, device: torch.device,
-                  param_ptrs: set, outside: list) -> dict:
+                  param_ptrs: set, outside: list, grad_flags: list) -> dict:
     """The head's terms of Note [Planner memory model] (``StepMeasurement`` keywords), from one forward of
     the model with every layer under non-reentrant ``torch.utils.checkpoint`` (the least memory any plan
     needs) and its backward from a gradient of ones, stopped once the last layer's output gradient is ready.
+    The same forward fills ``grad_flags[i]``: which tensor inputs of layer ``i`` require a gradient.
 
     On CUDA from the allocator: what is allocated after the forward beyond the last layer's output point
     (outputs, the head's saved tensors), the forward's peak beyond that, and the backward's peak up to
@@ -254,7 +262,7 @@ def _measure_head(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kw
     gradients as the backward's transient (the CPU convention of ``_profile_layer``).
     """
     try:
-        return _head_terms(model, layers, args, kwargs, device, param_ptrs, outside)
+        return _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_flags)
     except Exception as exc:  # a forward that cannot run its layers under checkpoint: plan without the head
         warnings.warn(f"plan_offload: could not measure the memory after the last layer ({type(exc).__name__}: "
                       f"{(str(exc).splitlines() or [''])[0][:160]}); the prediction leaves the head out.",
@@ -262,7 +270,7 @@ def _measure_head(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kw
         return {}
 
 
-def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside) -> dict:
+def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_flags) -> dict:
     from torch.utils.checkpoint import checkpoint
 
     cuda = device.type == "cuda"
@@ -288,11 +296,18 @@ def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside) -> dic
                                _bytes(p.grad for p in outside if p.grad is not None))
         raise _HeadDone
 
+    def flags(i):
+        def hook(_module, a, k):
+            if grad_flags[i] is None:
+                grad_flags[i] = [t.requires_grad for t in tree_flatten((a, k))[0] if isinstance(t, torch.Tensor)]
+        return hook
+
     originals = {}
     for layer in layers:
         originals[layer] = layer.__dict__.get("forward")
         layer.forward = (lambda fwd: lambda *a, **k: checkpoint(fwd, *a, use_reentrant=False, **k))(layer.forward)
-    handle = last.register_forward_hook(post_last)
+    handles = [last.register_forward_hook(post_last)]
+    handles += [layer.register_forward_pre_hook(flags(i), with_kwargs=True) for i, layer in enumerate(layers)]
     grads_before = [(p, p.grad) for p in model.parameters()]  # backward must not add into them
     for p, _ in grads_before:
         p.grad = None
@@ -327,7 +342,8 @@ def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside) -> dic
             del grads
         del out, outs, live
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         for layer, fwd in originals.items():
             if fwd is None:
                 layer.__dict__.pop("forward", None)
@@ -434,19 +450,21 @@ def measure(
         static = torch.cuda.memory_allocated(device) - _bytes(p.grad for p in params if p.grad is not None)
     else:
         static = _bytes([*params, *model.buffers()])
-    # parameters and buffers stay on the GPU whatever the plan: not activation memory
-    param_ptrs = {t.untyped_storage().data_ptr() for t in (*params, *model.buffers())}
+    # parameters, buffers and the example inputs stay on the GPU whatever the plan: not activation memory
+    param_ptrs = {t.untyped_storage().data_ptr() for t in (*params, *model.buffers(), *tree_flatten((args, kwargs))[0])
+                  if isinstance(t, torch.Tensor)}
     frozen = frozen_shapes(p for p in params if not p.requires_grad)
     state = _ModelState(model)
     try:
         model.train()
         captured, other_fwd_ms = _capture_inputs(model, [m for _, m in named], args, kwargs, device)
+        grad_flags: list = [None] * len(named)
         head = _measure_head(model, [m for _, m in named], args, kwargs, device, param_ptrs,
-                             [p for p in trainable if id(p) not in in_layers])
+                             [p for p in trainable if id(p) not in in_layers], grad_flags)
         result = []
-        for (name, layer), inputs in zip(named, captured):
+        for (name, layer), inputs, flags in zip(named, captured, grad_flags):
             dev = _device_of(layer, inputs)
-            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen)
+            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen, flags)
                     for _ in range(warmup + repeats)][warmup:]
             result.append(
                 LayerMeasurement(

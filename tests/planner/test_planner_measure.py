@@ -118,7 +118,7 @@ def test_adamw_speed_is_measured_once_per_device(monkeypatch):
 
 def test_views_of_one_storage_count_once():
     w = Wrapper()
-    x = torch.randn(4, 64)
+    x = torch.randn(4, 64, requires_grad=True)  # an input the model differentiates: not static memory
     m = measure_layers(w, None, (x,), warmup=0, repeats=1)
     assert m[0].saved_bytes == 4 * 64 * 4  # x, x.t() and x[:2] share one storage
 
@@ -277,3 +277,29 @@ def test_the_head_after_the_last_layer_is_measured_and_the_model_left_as_found()
     assert all("forward" not in layer.__dict__ for layer in model.layers)
     # a GPT block's first op (LayerNorm) saves its input: part of its saved bytes, counted once if recomputed
     assert all(m.input_saved_bytes == m.checkpoint_input_bytes == 4 * 64 * 32 * 4 for m in layers)
+
+
+class _Scale(nn.Module):
+    def forward(self, x, table):
+        return x * table
+
+
+class _TableModel(nn.Module):
+    """A layer that multiplies by a buffer: in the model's forward only the buffer is saved."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.register_buffer("table", torch.randn(64))
+        self.scale = _Scale()
+
+    def forward(self, x):
+        return self.scale(self.lin(x), self.table)
+
+
+def test_a_layer_input_without_gradient_in_the_model_is_profiled_without_one():
+    model = _TableModel()
+    m = measure_layers(model, [model.scale], (torch.randn(32, 64),), warmup=0, repeats=1)[0]
+    # x * table saves table (a buffer: static) and not x, whose gradient is table alone
+    assert m.saved_bytes == 0
+    assert m.checkpoint_input_bytes == 32 * 64 * 4  # lin's output; the buffer is static memory
