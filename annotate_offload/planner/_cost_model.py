@@ -53,31 +53,43 @@ Note [Planner time model]
 
 Note [Planner memory model]
     Device memory is what ``torch.cuda.max_memory_allocated`` reports over a step; the peak is the
-    largest of these ``2L + 1`` sums::
+    largest of these ``2L + 3`` sums::
 
-        base   = static + Adam state of the parameters stepped on the device (2 x the parameter's bytes)
-        fwd_j  = base + sum_{i<j} (held_f(i, j) + w_i if i recomputed) + c_j + F+_j
-        bwd_j  = base + other_grads + sum_{i>=j} g_i + sum_{i<j} held_b(i, j) + c_j + act_j
-        opt    = base + other_grads + sum_i g_i
+        base     = static + Adam state of the parameters stepped on the device (2 x the parameter's bytes)
+        fwd_j    = base + sum_{i<j} (held_f(i, j) + w_i if i recomputed) + c_j + F+_j
+        fwd_head = base + sum_i (held_b(i, L) + w_i if i recomputed) + out + h + H+f
+        bwd_head = base + other_grads + sum_i held_b(i, L) + out + h + H+b
+        bwd_j    = base + other_grads + sum_{i>=j} g_i + sum_{i<j} held_b(i, j) + c_{j+1} + act_j + out
+        opt      = base + other_grads + sum_i g_i
         held_f(i, j) = a_i (keep), c_i (recompute), moved_i + unmoved_i while j <= i + k else unmoved_i
                        (offloaded: released at the entry of layer i + 1 + k)
         held_b(i, j) = a_i (keep), c_i (recompute), unmoved_i + (moved_i while j <= min(i + p, L-1))
-        act_j  = a_j + B+_j (keep, offload);  c_j + max(F+_j, a_j + B+_j) (recompute, recompute_offload)
+        act_j  = a_j + B+_j (keep, offload);  c_j + max(F+_j, a_j - s_j + B+_j) (recompute, recompute_offload)
 
-    ``c_j`` in ``fwd_j`` is the layer's input and in ``bwd_j`` the gradient of its output (a block maps
-    hidden states to hidden states of one shape). ``w_i``: a recomputed layer's weight casts, which
-    autocast's cache holds to the end of the forward. Gradients exist only between their backward and the
-    optimizer step (``zero_grad(set_to_none=True)``), so in backward only those of layers ``>= j`` and,
-    an upper bound, of everything outside the layers. An offloaded layer must be released before the
-    last layer's forward (``i + 1 + k <= L-1``), else its copy frees nothing where the peak is: such
-    layers may only be kept or recomputed (:func:`allowed_choices`).
+    ``c_j``: the layer's tensor inputs that are not static memory (parameters, buffers and the example
+    inputs are static), and ``c_{j+1}`` in ``bwd_j`` the gradient of its output (the next layer's input;
+    ``c_{L-1}`` for the last layer). ``w_i``: a recomputed layer's weight casts, which
+    autocast's cache holds to the end of the forward. ``s_j``: the part of ``a_j`` that is the layer's own
+    input, which a recomputed layer's backward holds once (as ``c_j``). Gradients exist only between their
+    backward and the optimizer step (``zero_grad(set_to_none=True)``), so in backward only those of layers
+    ``>= j`` and, an upper bound, of everything outside the layers. An offloaded layer must be released
+    before the last layer's forward (``i + 1 + k <= L-1``), else its copy frees nothing where the peak is:
+    such layers may only be kept or recomputed (:func:`allowed_choices`).
+
+    The head (everything the forward runs after the last layer: final norm, LM head) is measured on the
+    device in one forward and backward of the model with every layer recomputed (``_measure.py``): ``out``
+    the model's outputs, which the training loop holds to the end of the backward; ``h`` what the head
+    saves for backward; ``H+f``/``H+b`` its forward transient and the start of the backward's (the output
+    gradient, the head's backward) beyond those. With a large vocabulary these are the step's largest
+    tensors, and the keep-everything peak sits at ``bwd_head``, not in a layer.
 
 Assumptions (the error bars): saved bytes are produced evenly over a layer's forward; the runtime
 also releases a layer early when its D2H is done and paces a one-layer prefetch by half a layer, which
 only lowers the real peak; copies do not slow compute (they use copy engines, but also HBM bandwidth);
-a layer measured alone behaves as in the model; tensors saved outside the layers (embedding, head,
-loss) are not counted; the checkpoint input is counted apart from the recomputed activations (an upper
-bound when the layer also saves its input); optimizer transients are not counted.
+a layer measured alone behaves as in the model; the loss is not the planner's to run: the head is
+measured with a gradient of ones for the outputs, so a loss's own temporaries (a float32 copy of the
+logits, its softmax) are not counted; the embedding before the first layer saves nothing beyond the
+first layer's input; optimizer transients are not counted (torch's fused AdamW steps in place).
 """
 
 from __future__ import annotations
@@ -89,7 +101,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 __all__ = ["CHOICES", "LayerMeasurement", "StepMeasurement", "LinkBandwidth", "Prediction", "allowed_choices",
-           "predict"]
+           "predict", "memory_phases"]
 
 #: The per-layer choices, in the order used for tie-breaking (least intrusive first).
 CHOICES: tuple[str, ...] = ("keep", "offload", "recompute", "recompute_offload")
@@ -129,6 +141,9 @@ class LayerMeasurement:
         cast_bytes (int): ``w``: the part of ``saved_bytes`` that is autocast's casts of weights: the
             runtime never offloads them (they are in ``unmoved_bytes``), and autocast's cache holds them
             to the end of the forward even when the layer is recomputed. Default: ``0``.
+        input_saved_bytes (int): ``s``: the part of ``saved_bytes`` that is the layer's own input (a block
+            whose first op saves its input, e.g. a norm). A recomputed layer's backward holds that input
+            once, as its checkpoint input, not twice. Default: ``0``.
 
     Raises:
         TypeError, ValueError: a field that is not a finite non-negative number.
@@ -145,12 +160,15 @@ class LayerMeasurement:
     backward_peak_bytes: int = 0
     grad_bytes: int = 0
     cast_bytes: int = 0
+    input_saved_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field in ("forward_ms", "backward_ms", "saved_bytes", "checkpoint_input_bytes", "unmoved_bytes",
-                      "unmoved_input_bytes", "forward_peak_bytes", "backward_peak_bytes", "grad_bytes", "cast_bytes"):
+                      "unmoved_input_bytes", "forward_peak_bytes", "backward_peak_bytes", "grad_bytes", "cast_bytes",
+                      "input_saved_bytes"):
             _check_number("LayerMeasurement", field, getattr(self, field))
-        for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes")):
+        for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes"),
+                            ("input_saved_bytes", "saved_bytes")):
             if getattr(self, part) > getattr(self, whole):
                 raise ValueError(
                     f"LayerMeasurement: {part}={getattr(self, part)} exceeds {whole}={getattr(self, whole)}; it is "
@@ -180,6 +198,14 @@ class StepMeasurement:
         param_state_bytes (tuple[int, ...]): per parameter, its Adam state bytes (two moments).
         device_ms (float): fused AdamW on the device, ms per 1e9 elements.
         host_ms (float): fused AdamW on the host, ms per 1e9 elements.
+        output_bytes (int): the model's outputs (e.g. logits): made at the end of the forward and held,
+            by the training loop's reference, to the end of the backward.
+        head_saved_bytes (int): what the forward after the last layer (final norm, LM head; the "head")
+            saves for backward, parameters and outputs excluded; freed by the head's backward.
+        head_forward_peak_bytes (int): the head's forward transient: its peak beyond what it leaves held.
+        head_backward_peak_bytes (int): the start of the backward, up to the last layer's output gradient:
+            its peak beyond the head's saved tensors and the outputs (the output gradient, the head's
+            backward temporaries), gradients of parameters outside the layers excluded.
 
     Raises:
         TypeError, ValueError: a negative or non-finite number, or tuples of different lengths.
@@ -192,9 +218,14 @@ class StepMeasurement:
     param_state_bytes: tuple = ()
     device_ms: float = 0.0
     host_ms: float = 0.0
+    output_bytes: int = 0
+    head_saved_bytes: int = 0
+    head_forward_peak_bytes: int = 0
+    head_backward_peak_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("static_bytes", "other_grad_bytes", "other_ms", "device_ms", "host_ms"):
+        for field in ("static_bytes", "other_grad_bytes", "other_ms", "device_ms", "host_ms", "output_bytes",
+                      "head_saved_bytes", "head_forward_peak_bytes", "head_backward_peak_bytes"):
             _check_number("StepMeasurement", field, getattr(self, field))
         if len(self.param_numels) != len(self.param_state_bytes):
             raise ValueError("StepMeasurement: param_numels and param_state_bytes need one entry per parameter.")
@@ -362,13 +393,62 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
         in_flight_b = sum(moved[i] for i in range(max(0, j - p), j))  # reloads started at the entry of i + p
         act = m.saved_bytes + m.backward_peak_bytes
         if rec[j]:
-            act = m.checkpoint_input_bytes + max(m.forward_peak_bytes, act)
-        bwd = (step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + m.checkpoint_input_bytes + act)
+            act = m.checkpoint_input_bytes + max(m.forward_peak_bytes, act - m.input_saved_bytes)
+        bwd = (step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + _grad_out(layers, j) + act
+               + step.output_bytes)
         peaks.append(step.static_bytes + max(fwd, bwd))
         held_before += kept[j]
         cached_before += cached[j]
+    head = step.output_bytes + step.head_saved_bytes
+    head_fwd = held_before + cached_before + head + step.head_forward_peak_bytes
+    head_bwd = held_before + step.other_grad_bytes + head + step.head_backward_peak_bytes
     opt = step.static_bytes + step.other_grad_bytes + grads_above[0]
-    return t + step.other_ms, max(peaks + [opt]), tuple(layer_ms), tuple(peaks)
+    return (t + step.other_ms, max(peaks + [opt, step.static_bytes + max(head_fwd, head_bwd)]), tuple(layer_ms),
+            tuple(peaks))
+
+
+def _grad_out(layers: Sequence[LayerMeasurement], j: int) -> int:
+    """Bytes of layer ``j``'s output gradient: the next layer's input (the last layer's own input)."""
+    return layers[min(j + 1, len(layers) - 1)].checkpoint_input_bytes
+
+
+def memory_phases(layers: Sequence[LayerMeasurement], choices: Sequence[str], step: StepMeasurement | None = None, *,
+                  release_lag: int = 1, prefetch_layers: int = 1, host_tensors: int = 0) -> list[tuple[str, dict]]:
+    """Note [Planner memory model] term by term: per phase (``"fwd <j>"``, ``"bwd <j>"``, ``"opt"``) its
+    components in bytes, in phase order; the largest sum is :func:`predict`'s peak (for diagnostics and
+    the plan table, not for the search, which calls :func:`simulate`)."""
+    validate(layers, choices, release_lag, prefetch_layers)
+    step = StepMeasurement() if step is None else step
+    n, k, p = len(layers), release_lag, prefetch_layers
+    off = [c in OFFLOADED for c in choices]
+    rec = [c in RECOMPUTED for c in choices]
+    moved = [m.moved_bytes(rec[i]) if off[i] else 0 for i, m in enumerate(layers)]
+    whole = [m.checkpoint_input_bytes if rec[i] else m.saved_bytes for i, m in enumerate(layers)]
+    kept = [w - moved[i] for i, w in enumerate(whole)]
+    cached = [m.cast_bytes if rec[i] else 0 for i, m in enumerate(layers)]
+    base = {"static": step.static_bytes, "adam state": step.optimizer(host_tensors)[0]}
+    out = []
+    for j, m in enumerate(layers):
+        out.append((f"fwd {j}", {**base, "held by earlier layers": sum(kept[:j]), "casts cached": sum(cached[:j]),
+                                 "in flight": sum(moved[max(0, j - k):j]), "input": m.checkpoint_input_bytes,
+                                 "F+": m.forward_peak_bytes}))
+    head = {"outputs": step.output_bytes, "head saved": step.head_saved_bytes}
+    out.append(("fwd head", {**base, "held by layers": sum(kept), "casts cached": sum(cached), **head,
+                             "head forward": step.head_forward_peak_bytes}))
+    out.append(("bwd head", {**base, "grads outside": step.other_grad_bytes, "held by layers": sum(kept), **head,
+                             "head backward": step.head_backward_peak_bytes}))
+    for j in range(n - 1, -1, -1):
+        m = layers[j]
+        act = m.saved_bytes + m.backward_peak_bytes
+        if rec[j]:
+            act = m.checkpoint_input_bytes + max(m.forward_peak_bytes, act - m.input_saved_bytes)
+        out.append((f"bwd {j}", {**base, "grads outside": step.other_grad_bytes,
+                                 "grads of layers >= j": sum(x.grad_bytes for x in layers[j:]),
+                                 "held by earlier layers": sum(kept[:j]),
+                                 "in flight": sum(moved[max(0, j - p):j]), "output grad": _grad_out(layers, j),
+                                 "layer backward": act, "outputs": step.output_bytes}))
+    out.append(("opt", {**base, "grads": step.other_grad_bytes + sum(x.grad_bytes for x in layers)}))
+    return out
 
 
 def with_optimizer(sim, step: StepMeasurement, host_tensors: int) -> Prediction:

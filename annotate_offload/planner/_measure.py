@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from annotate_offload._example_inputs import for_training, split
 
@@ -186,19 +187,26 @@ def _unmoved_bytes(saved: list, skip: set, min_numel: int, frozen: set = frozens
 
 
 def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device, min_numel: int,
-                   frozen: set) -> tuple:
-    """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+, casts)`` of one run of
+                   frozen: set, grad_flags: list | None) -> tuple:
+    """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+, casts, input saved)`` of one run of
     ``layer`` (bytes; ``F+``, ``B+`` as in Note [Planner memory model]: from the CUDA allocator's peak, on a
     CPU the new saved tensors and output, and the input gradients). Autocast's cache of weight casts is
-    cleared first: a step's forward casts each weight anew."""
-    args, kwargs = captured
+    cleared first: a step's forward casts each weight anew.
+
+    An input that needs a gradient in the model's own forward (``grad_flags``, per tensor input in
+    pytree order; unknown: every floating-point input) is a fresh leaf that requires one; the others are
+    passed as captured, so a tensor of the static memory (an example input, a buffer's view) stays
+    outside the layer's bytes, and an op with a constant operand saves what it saves in the model."""
+    leaves, spec = tree_flatten(captured)
+    flags = iter(grad_flags if grad_flags is not None else [])
 
     def fresh(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.clone().requires_grad_(True)
-        return x
+        if not isinstance(x, torch.Tensor):
+            return x
+        grad = next(flags, x.is_floating_point()) and x.is_floating_point()
+        return x.detach().clone().requires_grad_(True) if grad else x
 
-    args, kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
+    args, kwargs = tree_unflatten([fresh(x) for x in leaves], spec)
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
     ckpt_bytes = _unique_storage_bytes(inputs, param_ptrs)
     ckpt_unmoved = _unmoved_bytes(inputs, param_ptrs, min_numel)
@@ -220,6 +228,9 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     saved_bytes = _unique_storage_bytes(saved, param_ptrs)
     unmoved = _unmoved_bytes(saved, param_ptrs, min_numel, frozen)
     casts = _unique_storage_bytes([t for t in saved if _is_weight(t, frozen)], param_ptrs)
+    input_ptrs = {x.untyped_storage().data_ptr() for x in inputs}
+    input_saved = _unique_storage_bytes([t for t in saved if isinstance(t, torch.Tensor)
+                                         and t.untyped_storage().data_ptr() in input_ptrs], param_ptrs)
     saved.clear()
     grads = [torch.ones_like(o) for o in outs]
     before = _allocated(device)
@@ -230,7 +241,118 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     if cuda and outs:  # the parameter gradients are counted apart (LayerMeasurement.grad_bytes)
         bwd_peak -= _bytes(g for g in got[sum(x.requires_grad for x in inputs):] if g is not None)
     return (fwd.ms(), bwd.ms(), saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved, max(fwd_peak, 0), max(bwd_peak, 0),
-            casts)
+            casts, input_saved)
+
+
+class _HeadDone(Exception):
+    """Raised by the hook on the last layer's output gradient: the head's backward is measured."""
+
+
+def _measure_head(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kwargs: dict, device: torch.device,
+                  param_ptrs: set, outside: list, grad_flags: list) -> dict:
+    """The head's terms of Note [Planner memory model] (``StepMeasurement`` keywords), from one forward of
+    the model with every layer under non-reentrant ``torch.utils.checkpoint`` (the least memory any plan
+    needs) and its backward from a gradient of ones, stopped once the last layer's output gradient is ready.
+    The same forward fills ``grad_flags[i]``: which tensor inputs of layer ``i`` require a gradient.
+
+    On CUDA from the allocator: what is allocated after the forward beyond the last layer's output point
+    (outputs, the head's saved tensors), the forward's peak beyond that, and the backward's peak up to
+    that gradient beyond it (the outside parameters' gradients made by then excluded). On a CPU from
+    saved-tensor hooks: the unique storages saved after the last layer, the outputs, and the outputs'
+    gradients as the backward's transient (the CPU convention of ``_profile_layer``).
+    """
+    try:
+        return _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_flags)
+    except Exception as exc:  # a forward that cannot run its layers under checkpoint: plan without the head
+        warnings.warn(f"plan_offload: could not measure the memory after the last layer ({type(exc).__name__}: "
+                      f"{(str(exc).splitlines() or [''])[0][:160]}); the prediction leaves the head out.",
+                      UserWarning, stacklevel=3)
+        return {}
+
+
+def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_flags) -> dict:
+    from torch.utils.checkpoint import checkpoint
+
+    cuda = device.type == "cuda"
+    state: dict = {"after_last": False, "at_last": 0, "grad_ready": None}
+    saved_after: list = []
+    last = layers[-1]
+
+    def pack(t):
+        if state["after_last"] and isinstance(t, torch.Tensor):
+            saved_after.append(t)
+        return t
+
+    def post_last(_module, _args, out):
+        state["after_last"] = True
+        state["at_last"] = _allocated(device)
+        y = out if isinstance(out, torch.Tensor) else next(
+            (o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)), None)
+        if y is not None and y.requires_grad:
+            y.register_hook(_stop)
+
+    def _stop(_grad):
+        state["grad_ready"] = (_peak(device) if cuda else 0,
+                               _bytes(p.grad for p in outside if p.grad is not None))
+        raise _HeadDone
+
+    def flags(i):
+        def hook(_module, a, k):
+            if grad_flags[i] is None:
+                grad_flags[i] = [t.requires_grad for t in tree_flatten((a, k))[0] if isinstance(t, torch.Tensor)]
+        return hook
+
+    originals = {}
+    for layer in layers:
+        originals[layer] = layer.__dict__.get("forward")
+        layer.forward = (lambda fwd: lambda *a, **k: checkpoint(fwd, *a, use_reentrant=False, **k))(layer.forward)
+    handles = [last.register_forward_hook(post_last)]
+    handles += [layer.register_forward_pre_hook(flags(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    grads_before = [(p, p.grad) for p in model.parameters()]  # backward must not add into them
+    for p, _ in grads_before:
+        p.grad = None
+    try:
+        torch.clear_autocast_cache()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(*args, **kwargs)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        out_bytes = _unique_storage_bytes(outs, param_ptrs)
+        fwd_peak = _peak(device) if cuda else 0  # since the last layer's output
+        after = _allocated(device)  # also resets the peak: what follows is the backward's
+        live = [o for o in outs if o.requires_grad]
+        out_ptrs = {o.untyped_storage().data_ptr() for o in outs}
+        if cuda:
+            held = max(after - state["at_last"], 0)
+            head_saved = max(held - out_bytes, 0)
+        else:
+            head_saved = _unique_storage_bytes(saved_after, param_ptrs | out_ptrs)
+        saved_after.clear()
+        fwd_transient = max(fwd_peak - after, 0) if cuda else 0
+        bwd_transient = 0
+        if live:
+            grads = [torch.ones_like(o) for o in live]
+            try:
+                torch.autograd.backward(live, grads)
+            except _HeadDone:
+                pass
+            if state["grad_ready"] is not None:
+                peak, outside_grads = state["grad_ready"]
+                bwd_transient = (max(peak - after - outside_grads, 0) if cuda
+                                 else _unique_storage_bytes(grads, set()))
+            del grads
+        del out, outs, live
+    finally:
+        for handle in handles:
+            handle.remove()
+        for layer, fwd in originals.items():
+            if fwd is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = fwd
+        for p, grad in grads_before:
+            p.grad = grad
+    return {"output_bytes": out_bytes, "head_saved_bytes": head_saved, "head_forward_peak_bytes": fwd_transient,
+            "head_backward_peak_bytes": bwd_transient}
 
 
 def _allocated(device: torch.device) -> int:
@@ -328,17 +450,21 @@ def measure(
         static = torch.cuda.memory_allocated(device) - _bytes(p.grad for p in params if p.grad is not None)
     else:
         static = _bytes([*params, *model.buffers()])
-    # parameters and buffers stay on the GPU whatever the plan: not activation memory
-    param_ptrs = {t.untyped_storage().data_ptr() for t in (*params, *model.buffers())}
+    # parameters, buffers and the example inputs stay on the GPU whatever the plan: not activation memory
+    param_ptrs = {t.untyped_storage().data_ptr() for t in (*params, *model.buffers(), *tree_flatten((args, kwargs))[0])
+                  if isinstance(t, torch.Tensor)}
     frozen = frozen_shapes(p for p in params if not p.requires_grad)
     state = _ModelState(model)
     try:
         model.train()
         captured, other_fwd_ms = _capture_inputs(model, [m for _, m in named], args, kwargs, device)
+        grad_flags: list = [None] * len(named)
+        head = _measure_head(model, [m for _, m in named], args, kwargs, device, param_ptrs,
+                             [p for p in trainable if id(p) not in in_layers], grad_flags)
         result = []
-        for (name, layer), inputs in zip(named, captured):
+        for (name, layer), inputs, flags in zip(named, captured, grad_flags):
             dev = _device_of(layer, inputs)
-            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen)
+            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen, flags)
                     for _ in range(warmup + repeats)][warmup:]
             result.append(
                 LayerMeasurement(
@@ -352,6 +478,7 @@ def measure(
                     backward_peak_bytes=max(r[7] for r in runs),
                     grad_bytes=_bytes(p for p in layer.parameters() if p.requires_grad),
                     cast_bytes=max(r[8] for r in runs),
+                    input_saved_bytes=min(max(r[9] for r in runs), max(r[2] for r in runs)),
                     name=name,
                 )
             )
@@ -363,7 +490,7 @@ def measure(
         other_ms=3 * other_fwd_ms,  # backward ~ twice the forward
         param_numels=tuple(p.numel() for p in trainable) if optimizer else (),
         param_state_bytes=tuple(2 * p.numel() * p.element_size() for p in trainable) if optimizer else (),
-        device_ms=device_ms, host_ms=host_ms)
+        device_ms=device_ms, host_ms=host_ms, **head)
     return tuple(result), step
 
 

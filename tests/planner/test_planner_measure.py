@@ -118,7 +118,7 @@ def test_adamw_speed_is_measured_once_per_device(monkeypatch):
 
 def test_views_of_one_storage_count_once():
     w = Wrapper()
-    x = torch.randn(4, 64)
+    x = torch.randn(4, 64, requires_grad=True)  # an input the model differentiates: not static memory
     m = measure_layers(w, None, (x,), warmup=0, repeats=1)
     assert m[0].saved_bytes == 4 * 64 * 4  # x, x.t() and x[:2] share one storage
 
@@ -259,3 +259,47 @@ def test_a_forward_that_fails_on_the_example_inputs_says_so():
     with pytest.raises(RuntimeError) as info:
         measure_layers(net, None, (torch.randn(4, 7),))
     assert any("check that example_inputs= is what the forward takes" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_the_head_after_the_last_layer_is_measured_and_the_model_left_as_found():
+    from annotate_offload.models import GPTConfig, GPTStack
+
+    torch.manual_seed(0)
+    model = GPTStack(GPTConfig(hidden=32, heads=2, layers=3, vocab=1000, max_seq=64))
+    x = torch.randint(0, 1000, (4, 64))
+    layers, step = measure(model, None, (x,))
+    logits = 4 * 64 * 1000 * 4
+    assert step.output_bytes == logits
+    # the final LayerNorm and the head save (at least) the last hidden states twice
+    assert step.head_saved_bytes >= 2 * 4 * 64 * 32 * 4
+    assert step.head_backward_peak_bytes == logits  # on a CPU: the outputs' gradient
+    assert all(p.grad is None for p in model.parameters())
+    assert all("forward" not in layer.__dict__ for layer in model.layers)
+    # a GPT block's first op (LayerNorm) saves its input: part of its saved bytes, counted once if recomputed
+    assert all(m.input_saved_bytes == m.checkpoint_input_bytes == 4 * 64 * 32 * 4 for m in layers)
+
+
+class _Scale(nn.Module):
+    def forward(self, x, table):
+        return x * table
+
+
+class _TableModel(nn.Module):
+    """A layer that multiplies by a buffer: in the model's forward only the buffer is saved."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.register_buffer("table", torch.randn(64))
+        self.scale = _Scale()
+
+    def forward(self, x):
+        return self.scale(self.lin(x), self.table)
+
+
+def test_a_layer_input_without_gradient_in_the_model_is_profiled_without_one():
+    model = _TableModel()
+    m = measure_layers(model, [model.scale], (torch.randn(32, 64),), warmup=0, repeats=1)[0]
+    # x * table saves table (a buffer: static) and not x, whose gradient is table alone
+    assert m.saved_bytes == 0
+    assert m.checkpoint_input_bytes == 32 * 64 * 4  # lin's output; the buffer is static memory
