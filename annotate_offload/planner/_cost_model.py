@@ -101,7 +101,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 __all__ = ["CHOICES", "LayerMeasurement", "StepMeasurement", "LinkBandwidth", "Prediction", "allowed_choices",
-           "predict", "memory_phases"]
+           "predict"]
 
 #: The per-layer choices, in the order used for tie-breaking (least intrusive first).
 CHOICES: tuple[str, ...] = ("keep", "offload", "recompute", "recompute_offload")
@@ -394,8 +394,8 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
         act = m.saved_bytes + m.backward_peak_bytes
         if rec[j]:
             act = m.checkpoint_input_bytes + max(m.forward_peak_bytes, act - m.input_saved_bytes)
-        bwd = (step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + _grad_out(layers, j) + act
-               + step.output_bytes)
+        grad_out = layers[min(j + 1, n - 1)].checkpoint_input_bytes  # the next layer's input
+        bwd = step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + grad_out + act + step.output_bytes
         peaks.append(step.static_bytes + max(fwd, bwd))
         held_before += kept[j]
         cached_before += cached[j]
@@ -405,50 +405,6 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
     opt = step.static_bytes + step.other_grad_bytes + grads_above[0]
     return (t + step.other_ms, max(peaks + [opt, step.static_bytes + max(head_fwd, head_bwd)]), tuple(layer_ms),
             tuple(peaks))
-
-
-def _grad_out(layers: Sequence[LayerMeasurement], j: int) -> int:
-    """Bytes of layer ``j``'s output gradient: the next layer's input (the last layer's own input)."""
-    return layers[min(j + 1, len(layers) - 1)].checkpoint_input_bytes
-
-
-def memory_phases(layers: Sequence[LayerMeasurement], choices: Sequence[str], step: StepMeasurement | None = None, *,
-                  release_lag: int = 1, prefetch_layers: int = 1, host_tensors: int = 0) -> list[tuple[str, dict]]:
-    """Note [Planner memory model] term by term: per phase (``"fwd <j>"``, ``"bwd <j>"``, ``"opt"``) its
-    components in bytes, in phase order; the largest sum is :func:`predict`'s peak (for diagnostics and
-    the plan table, not for the search, which calls :func:`simulate`)."""
-    validate(layers, choices, release_lag, prefetch_layers)
-    step = StepMeasurement() if step is None else step
-    n, k, p = len(layers), release_lag, prefetch_layers
-    off = [c in OFFLOADED for c in choices]
-    rec = [c in RECOMPUTED for c in choices]
-    moved = [m.moved_bytes(rec[i]) if off[i] else 0 for i, m in enumerate(layers)]
-    whole = [m.checkpoint_input_bytes if rec[i] else m.saved_bytes for i, m in enumerate(layers)]
-    kept = [w - moved[i] for i, w in enumerate(whole)]
-    cached = [m.cast_bytes if rec[i] else 0 for i, m in enumerate(layers)]
-    base = {"static": step.static_bytes, "adam state": step.optimizer(host_tensors)[0]}
-    out = []
-    for j, m in enumerate(layers):
-        out.append((f"fwd {j}", {**base, "held by earlier layers": sum(kept[:j]), "casts cached": sum(cached[:j]),
-                                 "in flight": sum(moved[max(0, j - k):j]), "input": m.checkpoint_input_bytes,
-                                 "F+": m.forward_peak_bytes}))
-    head = {"outputs": step.output_bytes, "head saved": step.head_saved_bytes}
-    out.append(("fwd head", {**base, "held by layers": sum(kept), "casts cached": sum(cached), **head,
-                             "head forward": step.head_forward_peak_bytes}))
-    out.append(("bwd head", {**base, "grads outside": step.other_grad_bytes, "held by layers": sum(kept), **head,
-                             "head backward": step.head_backward_peak_bytes}))
-    for j in range(n - 1, -1, -1):
-        m = layers[j]
-        act = m.saved_bytes + m.backward_peak_bytes
-        if rec[j]:
-            act = m.checkpoint_input_bytes + max(m.forward_peak_bytes, act - m.input_saved_bytes)
-        out.append((f"bwd {j}", {**base, "grads outside": step.other_grad_bytes,
-                                 "grads of layers >= j": sum(x.grad_bytes for x in layers[j:]),
-                                 "held by earlier layers": sum(kept[:j]),
-                                 "in flight": sum(moved[max(0, j - p):j]), "output grad": _grad_out(layers, j),
-                                 "layer backward": act, "outputs": step.output_bytes}))
-    out.append(("opt", {**base, "grads": step.other_grad_bytes + sum(x.grad_bytes for x in layers)}))
-    return out
 
 
 def with_optimizer(sim, step: StepMeasurement, host_tensors: int) -> Prediction:

@@ -180,19 +180,3 @@ def test_a_recomputed_layer_that_saves_its_input_holds_it_once():
     assert p.peak_bytes == 3 * (GB // 10) + GB - GB // 10
     with pytest.raises(ValueError, match="input_saved_bytes"):
         LayerMeasurement(1.0, 1.0, 10, 10, input_saved_bytes=11)
-
-
-def test_memory_phases_add_up_to_the_predicted_peak():
-    from annotate_offload.planner._cost_model import memory_phases
-
-    step = StepMeasurement(static_bytes=GB, other_grad_bytes=7, output_bytes=GB // 3, head_saved_bytes=GB // 5,
-                           head_forward_peak_bytes=11, head_backward_peak_bytes=GB // 7, param_numels=(5, 5),
-                           param_state_bytes=(GB // 9, GB // 11))
-    m = layers(4, a=GB, c=GB // 10, forward_peak_bytes=GB // 2, backward_peak_bytes=GB // 3, grad_bytes=GB // 13,
-               cast_bytes=GB // 17, unmoved_bytes=GB // 19, input_saved_bytes=GB // 10)
-    for plan in (["keep"] * 4, ["recompute"] * 4, ["offload", "recompute_offload", "recompute", "keep"]):
-        for host in (0, 1, 2):
-            p = predict(m, plan, SLOW, step, release_lag=1, prefetch_layers=2, offload_fraction=step.fraction(host))
-            phases = memory_phases(m, plan, step, release_lag=1, prefetch_layers=2, host_tensors=host)
-            assert max(sum(c.values()) for _, c in phases) == p.peak_bytes
-            assert [n for n, _ in phases][4:6] == ["fwd head", "bwd head"] and phases[-1][0] == "opt"
