@@ -54,10 +54,7 @@ _CAST_NODES = frozenset(
 
 def _is_param_alias(t: torch.Tensor) -> bool:
     """A parameter, a view of one, or a cast/view chain of a trainable parameter (autocast)."""
-    if isinstance(t, torch.nn.Parameter):
-        return True
-    base = t._base
-    if base is not None and isinstance(base, torch.nn.Parameter):
+    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
         return True
     node = t.grad_fn
     for _ in range(4):
@@ -75,13 +72,8 @@ def _is_param_alias(t: torch.Tensor) -> bool:
 
 def frozen_shapes(weights) -> set:
     """The shapes :func:`_is_frozen_weight_copy` matches for these frozen weights (2-D ones also transposed)."""
-    out: set = set()
-    for p in weights:
-        shape = tuple(p.shape)
-        out.add(shape)
-        if len(shape) == 2:
-            out.add(shape[::-1])
-    return out
+    shapes = {tuple(p.shape) for p in weights}
+    return shapes | {shape[::-1] for shape in shapes if len(shape) == 2}
 
 
 def _is_frozen_weight_copy(t: torch.Tensor, shapes: set) -> bool:
@@ -94,10 +86,7 @@ def _is_frozen_weight_copy(t: torch.Tensor, shapes: set) -> bool:
     """
     if t.grad_fn is not None or t.requires_grad:
         return False
-    base = t._base
-    if base is None:
-        return tuple(t.shape) in shapes
-    return tuple(base.shape) in shapes and tuple(t.shape) in shapes
+    return tuple(t.shape) in shapes and (t._base is None or tuple(t._base.shape) in shapes)
 
 
 def _is_weight(t: torch.Tensor, frozen: set) -> bool:
@@ -109,10 +98,7 @@ def _is_weight(t: torch.Tensor, frozen: set) -> bool:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        return False
-    name = type(t).__name__
-    return name in ("FakeTensor", "FunctionalTensor")
+    return type(t).__name__ in ("FakeTensor", "FunctionalTensor")
 
 
 class _Pacer:
@@ -245,13 +231,11 @@ class _LayerState:
             self.stats.tensors_deduplicated += 1
             return borrowed
         unit = TensorGroupProcessor._add_unit(group, t, rng, self._ready_now() if ready is None else ready)
-        self.cpu_tensor_group.tensor_list.append(None)
-        self.bwd_gpu_tensor_group.tensor_list.append(None)
-        self.bwd_gpu_tensor_group.events.append(None)
+        for per_unit in (self.cpu_tensor_group.tensor_list, self.bwd_gpu_tensor_group.tensor_list,
+                         self.bwd_gpu_tensor_group.events, self.stale, self.pending):
+            per_unit.append(None)
         self.watch.append([t])
-        self.stale.append(None)
         self.users.append([])
-        self.pending.append(None)
         if self.shared is not None:
             self.shared.setdefault(t.untyped_storage()._cdata, []).append((weakref.ref(t), self, unit))
         self.stats._resident(rng[1] - rng[0])
