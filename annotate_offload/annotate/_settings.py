@@ -27,11 +27,9 @@ class Settings:
 
 def _model_section(config: Any) -> Any:
     """``Config`` holds the activation fields in ``.model``; a ``ModelConfig`` (or look-alike) has them itself."""
-    if hasattr(config, "cpu_offloading") or hasattr(config, "cpu_offloading_num_layers"):
-        return config
-    model_cfg = getattr(config, "model", None)
-    if model_cfg is not None and (hasattr(model_cfg, "cpu_offloading") or hasattr(model_cfg, "cpu_offloading_num_layers")):
-        return model_cfg
+    for section in (config, getattr(config, "model", None)):
+        if hasattr(section, "cpu_offloading") or hasattr(section, "cpu_offloading_num_layers"):
+            return section
     raise TypeError(
         f"offload_transform: config={type(config).__name__} has no activation-offload fields; pass an "
         "annotate_offload.config.ModelConfig or Config (or an object with Megatron Bridge names: "
@@ -68,23 +66,16 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None, 
                     "set cpu_offloading=True in the config (ModelConfig(cpu_offloading=True, ...)), or drop it."
                 )
             return None
-        if getattr(cfg, "cpu_offloading_weights", False):
-            warnings.warn(
-                "offload_transform: config.cpu_offloading_weights=True has no effect: weights are never "
-                "offloaded (as in TransformerEngine), only activations. Use optimizer offload "
-                "(HybridDeviceOptimizer) to move optimizer state off the GPU.",
-                UserWarning,
-                stacklevel=4,
-            )
-            s.notes.append("cpu_offloading_weights=True ignored: weights are never offloaded")
-        if getattr(cfg, "cpu_offloading_double_buffering", False):
-            warnings.warn(
-                "offload_transform: config.cpu_offloading_double_buffering=True has no effect (as in "
-                "TransformerEngine's current runtime); reload look-ahead is set with prefetch_layers.",
-                UserWarning,
-                stacklevel=4,
-            )
-            s.notes.append("cpu_offloading_double_buffering=True has no effect")
+        for name, why, note in (
+            ("cpu_offloading_weights", ": weights are never offloaded (as in TransformerEngine), only activations. "
+             "Use optimizer offload (HybridDeviceOptimizer) to move optimizer state off the GPU.",
+             "ignored: weights are never offloaded"),
+            ("cpu_offloading_double_buffering", " (as in TransformerEngine's current runtime); reload look-ahead is "
+             "set with prefetch_layers.", "has no effect"),
+        ):
+            if getattr(cfg, name, False):
+                warnings.warn(f"offload_transform: config.{name}=True has no effect{why}", UserWarning, stacklevel=4)
+                s.notes.append(f"{name}=True {note}")
         if not getattr(cfg, "cpu_offloading_activations", True):
             return None  # nothing to offload (weights-only is a no-op, warned above)
         cfg_n = getattr(cfg, "cpu_offloading_num_layers", None)
@@ -136,12 +127,12 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None, 
             "layer. Set recompute=False in the config, or pass num_layers=N to recompute every layer."
         )
     n = s.num_layers
-    if n != "auto" and (isinstance(n, bool) or not isinstance(n, numbers.Integral)):
-        raise TypeError(
-            f"offload_transform: num_layers must be an int or 'auto', got {n!r} ({type(n).__name__}); "
-            "pass e.g. num_layers=4."
-        )
     if n != "auto":
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(
+                f"offload_transform: num_layers must be an int or 'auto', got {n!r} ({type(n).__name__}); "
+                "pass e.g. num_layers=4."
+            )
         s.num_layers = int(n)  # numpy integers from a config or a sweep
     for name, low in (("release_lag", 0), ("prefetch_layers", 1), ("min_offload_numel", 0)):
         v = getattr(s, name)

@@ -160,15 +160,14 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
             f"layers ({how}); set model.num_layers={len(refs)} (or None), or select the layers with layer_types=."
         )
     auto = settings.num_layers == "auto"
-    if auto:
-        if example_inputs is None:
-            raise ValueError(
-                f"offload_transform: memory_budget={settings.memory_budget!r} needs example_inputs= (one training "
-                "step's inputs, on the device it trains on) so the planner can measure the layers; pass e.g. "
-                "example_inputs=(x,)."
-            )
-    else:
+    if not auto:
         check_count(settings.num_layers, eligible, len(refs))  # type: ignore[arg-type]
+    elif example_inputs is None:
+        raise ValueError(
+            f"offload_transform: memory_budget={settings.memory_budget!r} needs example_inputs= (one training "
+            "step's inputs, on the device it trains on) so the planner can measure the layers; pass e.g. "
+            "example_inputs=(x,)."
+        )
 
     # ---- choose per layer
     declared_keep = [not r.offload for r in refs]
@@ -195,6 +194,7 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
 
     # ---- build the runtime, the plan and the state (the model is still untouched)
     from annotate_offload.runtime import DefaultOffloadSynchronizer
+    from annotate_offload.runtime._marks import default_policy
 
     sync = DefaultOffloadSynchronizer(
         num_layers=len(refs), num_offloaded_layers=len(offloaded), offloaded_layers=sorted(offloaded),
@@ -228,7 +228,7 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
         try:
             per_layer = estimate_bytes(model, state, example_inputs,
                                        min_numel=_min_numel(settings.min_offload_numel),
-                                       policy=settings.policy or _default_policy(),
+                                       policy=settings.policy or default_policy(),
                                        autocast_dtype=autocast_dtype_of(config))
             plan._with_bytes(per_layer, "estimate")
         except OffloadError:  # a layer that runs twice per forward: nothing stays applied
@@ -376,9 +376,3 @@ class _TuneSchedule:
 
 def _min_numel(v: int | None) -> int:
     return 256 * 1024 if v is None else v
-
-
-def _default_policy() -> str:
-    from annotate_offload.runtime._marks import default_policy
-
-    return default_policy()
