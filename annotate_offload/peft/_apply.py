@@ -117,13 +117,6 @@ def _is_peft_lora(module: nn.Module) -> bool:
     )
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return v
-    return None
-
-
 # --------------------------------------------------------------------------- hook objects
 
 
@@ -131,10 +124,10 @@ def _peft_layer_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Pre-hook of a peft LoRA layer: opt-in tags its input, opt-out marks its adapter weights."""
     policy = active_policy()
     if policy == "opt_in":
-        mark_adapter_input(policy, _first_tensor(args, kwargs))
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        mark_adapter_input(policy, first)
     elif policy == "opt_out":
         mark_adapter_weights(policy, [p for d in (module.lora_A, module.lora_B) for p in d.parameters()])
-    return None
 
 
 class _SaveScope:
@@ -162,7 +155,6 @@ class _SaveScope:
                 ctx = marked_saves(policy, self.role)
             ctx.__enter__()
         self.open.append(ctx)
-        return None
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
         ctx = self.open.pop() if self.open else None
@@ -170,7 +162,6 @@ class _SaveScope:
             ctx.__exit__(None, None, None)
         if self.role == "input":
             mark_adapter_hidden(active_policy(), output)
-        return None
 
     def install(self, module: nn.Module, handles: list) -> None:
         handles.append(module.register_forward_pre_hook(self.pre))
@@ -200,7 +191,6 @@ class _FrozenRegistry:
         if frozen:
             sync.add_frozen_weights(frozen)
         self.done.add(sync)
-        return None
 
     def __deepcopy__(self, memo: dict) -> "_FrozenRegistry":
         # a deep copy of the model (Note [Copying a synchronizer]) registers its own frozen weights
