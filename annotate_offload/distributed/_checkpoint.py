@@ -86,12 +86,8 @@ def _groups_json(opt: Any, fqns: list[list[str]]) -> str:
     for g, names in zip(opt.param_groups, fqns):
         d = {}
         for k, v in g.items():
-            if k == "params":
-                continue
-            if isinstance(v, torch.Tensor):
-                v = v.item()
-            d[k] = list(v) if isinstance(v, tuple) else v
-        d["params"] = names
+            v = v.item() if isinstance(v, torch.Tensor) else v
+            d[k] = names if k == "params" else list(v) if isinstance(v, tuple) else v
         groups.append(d)
     return json.dumps(groups, sort_keys=True)
 
