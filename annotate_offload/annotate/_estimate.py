@@ -178,7 +178,10 @@ class _CountingSync:
                 before = _union(ranges)
                 ranges.append(rng)
                 self.bytes[i] += _union(ranges) - before
-        return t
+        # A detached alias, not ``t``: an op that saves its own output would otherwise hold that output,
+        # and through its grad_fn itself, a cycle through autograd that gc cannot see. With no backward
+        # to release it, the meta graph, and through checkpoint frames the real layers, would stay alive.
+        return t.detach()
 
     def _eligible(self, t: torch.Tensor) -> bool:
         if _is_weight(t, self.frozen):

@@ -214,3 +214,20 @@ def test_the_schedule_is_chosen_from_the_link_at_the_first_training_forward_on_c
     lag, prefetch = map(int, re.findall(r"=(\d+)", note))
     assert (sync_of(model).release_lag, sync_of(model).prefetch_layers) == (lag, prefetch)
     assert 0 <= lag <= 1 and 1 <= prefetch <= 1  # capped at TE's gap L - N - 1 = 1
+
+
+def test_a_planned_transform_leaves_no_reference_to_the_model(monkeypatch):
+    import gc
+    import weakref
+
+    from annotate_offload.models import Llama, LlamaConfig
+
+    # a recomputed layer before kept ones whose ops save their outputs (rsqrt): the meta estimate's
+    # graph is never run backward, so nothing it saves may keep the layers alive
+    monkeypatch.setattr(planner, "plan_offload", _stub(["recompute_offload", "recompute", "keep", "keep"]))
+    model = Llama(LlamaConfig.from_preset("llama-tiny"))
+    weight = weakref.ref(model.layers[0].mlp.up_proj.weight)
+    offload_transform(model, memory_budget="1MiB", example_inputs=(torch.randint(0, 256, (2, 16)),))
+    del model
+    gc.collect()
+    assert weight() is None
