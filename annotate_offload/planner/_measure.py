@@ -278,10 +278,10 @@ def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_f
     saved_after: list = []
     last = layers[-1]
 
-    def pack(t):
+    def pack(t):  # a detached alias: this backward stops early, so no saved output may hold its own node
         if state["after_last"] and isinstance(t, torch.Tensor):
             saved_after.append(t)
-        return t
+        return t.detach()
 
     def post_last(_module, _args, out):
         state["after_last"] = True

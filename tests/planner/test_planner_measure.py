@@ -303,3 +303,41 @@ def test_a_layer_input_without_gradient_in_the_model_is_profiled_without_one():
     # x * table saves table (a buffer: static) and not x, whose gradient is table alone
     assert m.saved_bytes == 0
     assert m.checkpoint_input_bytes == 32 * 64 * 4  # lin's output; the buffer is static memory
+
+
+class _TanhBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _Gated(nn.Module):
+    """A gate between layers 0 and 1, outside every layer: sigmoid saves its own output."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_TanhBlock() for _ in range(3)])
+        self.gate = nn.Linear(16, 16)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 0:
+                x = x * torch.sigmoid(self.gate(x))
+        return x
+
+
+def test_measuring_leaves_no_reference_to_the_model():
+    import gc
+    import weakref
+
+    model = _Gated()
+    weight = weakref.ref(model.layers[0].lin.weight)
+    # the head's backward stops at the last layer's output gradient: the gate's saves are never used
+    measure(model, list(model.layers), (torch.randn(4, 16),), warmup=0, repeats=1)
+    del model
+    gc.collect()
+    assert weight() is None
