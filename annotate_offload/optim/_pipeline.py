@@ -346,7 +346,12 @@ class HostPipeline:
                 s.grad_ref = None
 
     def _copy(self, todo: list[tuple[Slot, torch.Tensor]], stream: Any) -> None:
-        """Enqueue the D2H of each gradient into its slot's buffer on ``stream``, under one event."""
+        """Enqueue the D2H of each gradient into its slot's buffer on ``stream``, under one event; refused,
+        before any buffer changes, for a slot whose chunk is submitted or stepped."""
+        for s, _ in todo:
+            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # e.g. a backward after a failed step(), no zero_grad()
+                raise OffloadError(f"HybridDeviceOptimizer.copy: parameter {s.index} of param group {s.group} is "
+                                   f"{s.state.name}, expected EMPTY/COPIED/CONSUMED.")
         side = self.side
         with side.use(stream):
             for s, g in todo:
@@ -363,9 +368,6 @@ class HostPipeline:
                     s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
             ev = side.record(stream)
         for s, g in todo:
-            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # e.g. a backward after a failed step(), no zero_grad()
-                raise OffloadError(f"HybridDeviceOptimizer.copy: parameter {s.index} of param group {s.group} is "
-                                   f"{s.state.name}, expected EMPTY/COPIED/CONSUMED.")
             s.state = S.COPIED
             s.unscaled[self._buf] = False
             s.d2h_ev, s.seq, self._seq = ev, self._seq, self._seq + 1
