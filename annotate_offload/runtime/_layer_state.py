@@ -20,6 +20,10 @@ version at save. While a unit's device bytes are held, the layer holds the saved
 costs no memory: the bytes are the same); when it releases them it records whether any version
 moved (the copy may then hold either value), and an unpack raises autograd's error if that
 happened or if a tensor still alive has a newer version. Nothing is read from a modified tensor.
+Handles and layers hold a saved tensor that has a ``grad_fn`` as a detached alias (same bytes,
+same version counter): the tensor's node holds its handle, so holding the tensor would close a
+cycle through autograd's C++ nodes that the garbage collector cannot see, and a forward whose
+backward never runs would keep its graph and the model's parameters alive.
 """
 
 from __future__ import annotations
@@ -118,6 +122,11 @@ class _Pacer:
             then()
 
 
+def _no_graph(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its detached alias where ``t`` has a ``grad_fn`` (Note [Version check])."""
+    return t if t.grad_fn is None else t.detach()
+
+
 class _Kept:
     """Pack handle for a tensor left on the device; keeps autograd's in-place check alive. In a
     layer that paces a reload its bytes count for that layer's pacer, once."""
@@ -125,7 +134,7 @@ class _Kept:
     __slots__ = ("tensor", "version", "pacer")
 
     def __init__(self, tensor: torch.Tensor, pacer: Optional[_Pacer] = None):
-        self.tensor = tensor
+        self.tensor = _no_graph(tensor)
         self.version = tensor._version
         self.pacer = pacer
         if pacer is not None:
@@ -234,7 +243,7 @@ class _LayerState:
         for per_unit in (self.cpu_tensor_group.tensor_list, self.bwd_gpu_tensor_group.tensor_list,
                          self.bwd_gpu_tensor_group.events, self.stale, self.pending):
             per_unit.append(None)
-        self.watch.append([t])
+        self.watch.append([_no_graph(t)])
         self.users.append([])
         if self.shared is not None:
             self.shared.setdefault(t.untyped_storage()._cdata, []).append((weakref.ref(t), self, unit))
@@ -246,8 +255,8 @@ class _LayerState:
 
     def _watch(self, unit: int, t: torch.Tensor) -> None:
         watched = self.watch[unit]
-        if watched is not None and not any(w is t for w in watched):
-            watched.append(t)
+        if watched is not None:
+            watched.append(_no_graph(t))
 
     def _borrow(self, t: torch.Tensor, rng: tuple[int, int]) -> Optional[tuple["_LayerState", int]]:
         """An earlier layer's copied unit with the same bytes (same live storage, same version)."""
@@ -380,9 +389,10 @@ class _LayerState:
     def unpack(self, handle: _Packed, allow_on_demand: bool = True, wait: bool = True) -> torch.Tensor:
         aux = self.fwd_gpu_tensor_group.aux
         unit, meta = aux["unit_index"][handle], aux["metas"][handle]
-        root, stale = handle.root(), self.stale[unit]
-        if root is not None and root._version != handle.version:
-            raise _version_error(root._version, handle.version, root)
+        for t in [handle.root(), *(self.watch[unit] or ())]:
+            if t is not None and t._version != handle.version:
+                raise _version_error(t._version, handle.version, t)
+        stale = self.stale[unit]
         if stale is not None:
             raise _version_error(stale, handle.version)
         flat = self.fwd_gpu_tensor_group.tensor_list[unit]

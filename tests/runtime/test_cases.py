@@ -351,6 +351,22 @@ def test_offloaded_originals_are_not_kept_alive():
     assert s.stats.resident_bytes == 0
 
 
+@pytest.mark.parametrize("offloaded", [True, False], ids=["held_with_device_bytes", "kept"])
+def test_a_forward_whose_backward_never_runs_frees_its_graph(offloaded):
+    # the forward stops inside layer 1: its saved tensors are still held by the layer (offloaded,
+    # not released yet) or by their pack handles (a layer not offloaded)
+    s = DefaultOffloadSynchronizer(3, 2 if offloaded else 1, device="cpu", min_offload_numel=0)
+    w = torch.randn(64, 64, requires_grad=True)
+    ref_w = weakref.ref(w)
+    s.enter_layer(0)
+    y = s.commit_layer(torch.tanh(torch.randn(64, 64) * w), 0)
+    s.enter_layer(1)
+    z = torch.tanh(y * 2)  # tanh saves its output, whose node holds the handle
+    del y, z, w, s
+    gc.collect()
+    assert ref_w() is None
+
+
 def test_two_forwards_before_one_backward():
     blocks = make_stack(3)
     ref = clone(blocks)
