@@ -195,8 +195,8 @@ class _LayerState:
         self.index = index
         self.backend, self.pool, self.stats = sync.backend, sync.pool, sync.stats
         self.eager_d2h = not sync._manual  # copy at save time (default) or at start_offload (manual)
-        # storage id -> [(weakref to a saved tensor, owner, unit)] of the step's copied units; the
-        # step clears it when its forward can no longer borrow (it refers to the layer states)
+        # storage id -> [(weak references to a saved tensor and its owner, unit)] of the step's
+        # copied units; the step clears it when its forward can no longer borrow
         self.shared = shared
         self.state = "not_offloaded"
         self.d2h_done: Any = None
@@ -246,7 +246,7 @@ class _LayerState:
         self.watch.append([_no_graph(t)])
         self.users.append([])
         if self.shared is not None:
-            self.shared.setdefault(t.untyped_storage()._cdata, []).append((weakref.ref(t), self, unit))
+            self.shared.setdefault(t.untyped_storage()._cdata, []).append((weakref.ref(t), weakref.ref(self), unit))
         self.stats._resident(rng[1] - rng[0])
         if self.eager_d2h:
             self._d2h(unit)
@@ -261,12 +261,13 @@ class _LayerState:
     def _borrow(self, t: torch.Tensor, rng: tuple[int, int]) -> Optional[tuple["_LayerState", int]]:
         """An earlier layer's copied unit with the same bytes (same live storage, same version)."""
         sid = t.untyped_storage()._cdata
-        for ref, owner, unit in (self.shared or {}).get(sid, ()):
-            alive = ref()
+        for ref, owner_ref, unit in (self.shared or {}).get(sid, ()):
+            alive, owner = ref(), owner_ref()
+            if alive is None or owner is None:
+                continue
             _, lo, hi, version = owner.fwd_gpu_tensor_group.aux["units"][unit]
             if (
-                alive is not None
-                and alive.untyped_storage()._cdata == sid  # not a reused storage id
+                alive.untyped_storage()._cdata == sid  # not a reused storage id
                 and owner.cpu_tensor_group.tensor_list[unit] is not None
                 and version == t._version
                 and lo <= rng[0]

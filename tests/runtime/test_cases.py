@@ -367,6 +367,26 @@ def test_a_forward_whose_backward_never_runs_frees_its_graph(offloaded):
     assert ref_w() is None
 
 
+def test_a_step_without_layer_backward_hooks_is_freed_by_reference_counting():
+    # the synchronizer driven directly (no layer wrapper, so no backward end callback): what the
+    # step held must go when the user drops it, not at some later garbage collection
+    gc.collect()
+    gc.disable()
+    try:
+        s = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0)
+        s.enter_layer(0)
+        a = torch.randn(64, 64, requires_grad=True)
+        y = torch.tanh(a * 2)
+        s.exit_layer()
+        s.enter_layer(1)
+        s.exit_layer()
+        y.sum().backward()
+        del y, a, s
+        assert not [o for o in gc.get_objects() if type(o).__name__ == "_LayerState"]
+    finally:
+        gc.enable()
+
+
 def test_two_forwards_before_one_backward():
     blocks = make_stack(3)
     ref = clone(blocks)
