@@ -353,7 +353,7 @@ def test_offloaded_originals_are_not_kept_alive():
 
 @pytest.mark.parametrize("offloaded", [True, False], ids=["held_with_device_bytes", "kept"])
 def test_a_forward_whose_backward_never_runs_frees_its_graph(offloaded):
-    # the forward stops inside layer 1: its saved tensors are still held by the layer (offloaded,
+    # the forward stops after layer 1: its saved tensors are still held by the layer (offloaded,
     # not released yet) or by their pack handles (a layer not offloaded)
     s = DefaultOffloadSynchronizer(3, 2 if offloaded else 1, device="cpu", min_offload_numel=0)
     w = torch.randn(64, 64, requires_grad=True)
@@ -362,6 +362,7 @@ def test_a_forward_whose_backward_never_runs_frees_its_graph(offloaded):
     y = s.commit_layer(torch.tanh(torch.randn(64, 64) * w), 0)
     s.enter_layer(1)
     z = torch.tanh(y * 2)  # tanh saves its output, whose node holds the handle
+    s.exit_layer()
     del y, z, w, s
     gc.collect()
     assert ref_w() is None
@@ -370,9 +371,13 @@ def test_a_forward_whose_backward_never_runs_frees_its_graph(offloaded):
 def test_a_step_without_layer_backward_hooks_is_freed_by_reference_counting():
     # the synchronizer driven directly (no layer wrapper, so no backward end callback): what the
     # step held must go when the user drops it, not at some later garbage collection
+    def layer_states():
+        return [o for o in gc.get_objects() if type(o).__name__ == "_LayerState"]
+
     gc.collect()
     gc.disable()
     try:
+        before = {id(o) for o in layer_states()}
         s = DefaultOffloadSynchronizer(2, 1, device="cpu", min_offload_numel=0)
         s.enter_layer(0)
         a = torch.randn(64, 64, requires_grad=True)
@@ -381,10 +386,12 @@ def test_a_step_without_layer_backward_hooks_is_freed_by_reference_counting():
         s.enter_layer(1)
         s.exit_layer()
         y.sum().backward()
+        states = [weakref.ref(o) for o in layer_states() if id(o) not in before]
         del y, a, s
-        assert not [o for o in gc.get_objects() if type(o).__name__ == "_LayerState"]
+        alive = sum(r() is not None for r in states)
     finally:
         gc.enable()
+    assert states and alive == 0
 
 
 def test_two_forwards_before_one_backward():
