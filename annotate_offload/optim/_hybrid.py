@@ -206,7 +206,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if len({id(p) for p in g["params"]}) < len(g["params"]):
                 raise ValueError(f"HybridDeviceOptimizer: param group {len(self.param_groups) - 1} lists a parameter "
                                  "twice (its host copy would be stepped twice); list each parameter once.")
-            self._check_group(g["params"], self._hyper(g), where)
+            self._check_group(g["params"], g, where)
         except (TypeError, ValueError):
             self.param_groups.pop()  # nothing half-applied
             raise
@@ -227,7 +227,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for role, cls, on, impl in (("cpu_optimizer_cls", self._classes[0], sorted({(d, "cpu", n) for d, _, n in like},
                                      key=str), host_impl), ("gpu_optimizer_cls", self._classes[1], like, self._impl)):
             sig, var_kw = _signature(cls)
-            kw = {k: v for k, v in {**hyper, **impl}.items() if var_kw or k in sig}
+            kw = {k: v for k, v in {**hyper, **impl}.items()
+                  if (var_kw or k in sig) and k not in ("params", "param_names", *STRUCTURAL_KEYS)}
             for k, v in kw.items():
                 if not isinstance(v, bool) and (isinstance(getattr(sig.get(k), "default", None), bool) or
                                                 (k in IMPL_KEYS and v is not None)):
@@ -242,10 +243,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             what = f"{k}={kw[k]!r}" if k is not None else ", ".join(f"{k}={v!r}" for k, v in kw.items())
             raise (TypeError if isinstance(err, TypeError) else ValueError)(
                 f"HybridDeviceOptimizer: {what}{where}: pass a value that {_name(cls)} accepts ({err}).") from None
-
-    @staticmethod
-    def _hyper(g: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in g.items() if k not in ("params", "param_names", *STRUCTURAL_KEYS)}
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -355,7 +352,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.pipeline.forget_copy()
             return AmpStep(False)
         host = scale.detach().to("cpu", torch.float32, copy=True)
-        return AmpStep(False, scale, found, host, torch.zeros((), dtype=torch.float32), _inverse(host))
+        inv = host.double().reciprocal().float()  # 1 / scale as GradScaler.unscale_ computes it
+        return AmpStep(False, scale, found, host, torch.zeros((), dtype=torch.float32), inv)
 
     def _device_step(self, amp: Optional[AmpStep]) -> None:
         opt = self.gpu_optimizer
@@ -364,7 +362,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if takes_scale(opt, amp) is False:  # Note [GradScaler]: GradScaler.unscale_, per device and dtype
             grads = [g for s in self._slots if not s.host and (g := local_grad(s.param)) is not None]
             for (dev, _), ([gs], _) in (_group_tensors_by_device_and_dtype([grads]) if grads else {}).items():
-                torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), _inverse(amp.scale).to(dev))
+                inv = amp.scale.double().reciprocal().float().to(dev)  # as GradScaler.unscale_ computes it
+                torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), inv)
         for s in self._masters:
             g = local_grad(s.param)
             s.inner.grad = None if g is None else g.to(s.inner.dtype)
@@ -542,11 +541,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self.pipeline.close()
 
 
-def _inverse(scale: torch.Tensor) -> torch.Tensor:
-    """``1 / scale`` as ``GradScaler.unscale_`` computes it (fp64 reciprocal, then fp32)."""
-    return scale.double().reciprocal().float()
-
-
 def _same(a: Any, b: Any) -> bool:
     try:
         return a is b or bool(a == b)
@@ -573,7 +567,7 @@ def _check_load(opt: HybridDeviceOptimizer, sd: Any) -> tuple[list[dict[str, Any
             raise bad(f"param group {gi} holds {len(ids) if isinstance(ids, (list, tuple)) else _desc(sg)} parameters "
                       f"in the state dict and {len(g['params'])} here")
         hypers.append({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", *STRUCTURAL_KEYS, *IMPL_KEYS)})
-        opt._check_group(g["params"], opt._hyper(hypers[-1]), f" in param group {gi} of the state dict")
+        opt._check_group(g["params"], hypers[-1], f" in param group {gi} of the state dict")
     cache: dict = {}
     states: dict[int, dict] = {}
     for e in opt._slots:
