@@ -245,8 +245,8 @@ class HostPipeline:
             opt = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
             self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
         self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
-        self.closed = self.device_done = False  # device_done: Note [Failed steps]
-        self._owned: Optional[list[bool]] = None  # per chunk, under host-step sharding (DDP)
+        self.closed = self.device_done = self.sharded = False  # device_done: Note [Failed steps]
+        self._owned = [True] * len(self.chunks)  # per chunk: this process steps it (set_owner)
         self._buf = self._seq = 0
         self._begun = self._applying = self._retry = False
         self._jobs: dict[int, tuple] = {}  # delayed mode: _run's arguments of chunks submitted, not finished
@@ -285,18 +285,14 @@ class HostPipeline:
     def set_owner(self, owned: list[bool]) -> None:
         """Step only the chunks marked ``True`` in this process (another one steps the others): ``slots``
         keeps theirs."""
-        if self._owned is not None:
+        if self.sharded:
             raise OffloadError("HybridDeviceOptimizer: its host step is already sharded (attach the optimizer once).")
-        self._owned = list(owned)
+        self.sharded, self._owned = True, list(owned)
         self.slots = [s for s in self.slots if self._owned[s.chunk]]
-
-    @property
-    def sharded(self) -> bool:
-        return self._owned is not None
 
     def steps_here(self, p: torch.Tensor) -> bool:
         """True when this process steps host parameter ``p``."""
-        return self._owned is None or self._owned[self._slot[id(p)].chunk]
+        return self._owned[self._slot[id(p)].chunk]
 
     # ------------------------------------------------------------------ gradients
     def remove_grad_hooks(self) -> None:
@@ -656,7 +652,7 @@ class HostPipeline:
         """Delayed mode: write every host master into the model now (after a load)."""
         with torch.no_grad():
             for ci, c in enumerate(self.chunks):
-                c.pending = list(c.slots) if self._owned is None or self._owned[ci] else []
+                c.pending = list(c.slots) if self._owned[ci] else []
                 for s in c.pending:
                     if s.staging is not None:
                         s.staging.copy_(s.master)
