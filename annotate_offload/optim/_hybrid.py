@@ -337,8 +337,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _amp_begin(self) -> Optional[AmpStep]:
         """What a GradScaler set on this optimizer for this ``step()``, or ``None`` (Note [GradScaler])."""
-        found = getattr(self, "found_inf", None)
-        if found is None:
+        if (found := getattr(self, "found_inf", None)) is None:
             return None
         for flag in ("offload_gradients", "step_in_backward"):
             if self.defaults[flag]:
@@ -347,8 +346,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                    "to train with GradScaler (fp16).")
         if bool(found.item()):
             return AmpStep(True)
-        scale = getattr(self, "grad_scale", None)
-        if scale is None:  # scaler.unscale_(opt) ran: p.grad changed in place, versions unchanged
+        if (scale := getattr(self, "grad_scale", None)) is None:  # unscale_ ran: p.grad changed, its version not
             self.pipeline.forget_copy()
             return AmpStep(False)
         host = scale.detach().to("cpu", torch.float32, copy=True)
@@ -356,8 +354,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return AmpStep(False, scale, found, host, torch.zeros((), dtype=torch.float32), inv)
 
     def _device_step(self, amp: Optional[AmpStep]) -> None:
-        opt = self.gpu_optimizer
-        if opt is None:
+        if (opt := self.gpu_optimizer) is None:
             return
         if takes_scale(opt, amp) is False:  # Note [GradScaler]: GradScaler.unscale_, per device and dtype
             grads = [g for s in self._slots if not s.host and (g := local_grad(s.param)) is not None]
