@@ -286,12 +286,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if len(vals) != len(seen) or not all(map(operator.is_, vals, seen)):
                 self._seen[gi] = vals
                 for sub, keys in self._links[gi]:
-                    for k in keys:
-                        sub[k] = g[k]
+                    sub.update((k, g[k]) for k in keys)
 
     def _begin(self) -> None:
-        """Once per step, before anything is stepped: hyper-parameters, state placement, and masters of
-        weights loaded since the last step."""
+        """Once per step, before anything is stepped."""
         self._sync_hyper()
         self._sync_hdo_state_to_sub_optimizers(adopt=False)
         self._reseed()
@@ -320,9 +318,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if s.st is not st:
                 s.opt.state[s.inner] = s.st = st
             dev = s.inner.get_device()
-            for k, v in list(st.items()):
-                if not isinstance(v, torch.Tensor):
-                    continue
+            for k, v in [(k, v) for k, v in st.items() if isinstance(v, torch.Tensor)]:
                 if k == "master_param":
                     if s.master is None:
                         del st[k]
@@ -579,8 +575,7 @@ def _check_load(opt: HybridDeviceOptimizer, sd: Any) -> tuple[list[dict[str, Any
         if not isinstance(st, dict):
             raise bad(f"{where}: expected a dict of state tensors, found {_desc(st)}")
         if st:  # what the class creates, with the loaded hyper-parameters
-            kw = {k: v for k, v in e.sub_group.items() if k != "params"}
-            kw.update({k: v for k, v in hypers[e.group].items() if k in kw})
+            kw = {k: hypers[e.group].get(k, v) for k, v in e.sub_group.items() if k != "params"}
             key = (type(e.opt), repr(sorted(kw.items())), e.inner.dtype, e.inner.device, e.inner.dim())
             tmpl = cache[key] if key in cache else cache.setdefault(key, _probe(type(e.opt), kw, [key[2:]], group=True)[0] or {})
             if missing := [k for k in tmpl if k not in st]:
