@@ -256,8 +256,7 @@ class HostPipeline:
         taken = [s for s in slots if (o := _owner(s.param)) is not None and not o.closed]
         for k in [k for k, (p, _) in _OWNERS.items() if p() is None]:
             del _OWNERS[k]
-        for s in slots:
-            _OWNERS[id(s.param)] = (weakref.ref(s.param), weakref.ref(self))
+        _OWNERS.update((id(s.param), (weakref.ref(s.param), weakref.ref(self))) for s in slots)
         if taken:
             warnings.warn(f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters belong to another "
                           "HybridDeviceOptimizer that is still alive and not closed. This one takes over their gradient "
