@@ -142,8 +142,7 @@ def takes_scale(opt: torch.optim.Optimizer, amp: Optional[AmpStep]) -> Optional[
 
 
 def amp_step(opt: torch.optim.Optimizer, amp: Optional[AmpStep], *, host: bool) -> None:
-    """``opt.step()``, with ``grad_scale``/``found_inf`` set on ``opt`` for it, as GradScaler hands them to
-    torch's fused optimizers, when this step unscales and ``opt`` supports it."""
+    """``opt.step()``, given GradScaler's scale as torch's fused optimizers are if it takes it (:func:`takes_scale`)."""
     if not takes_scale(opt, amp):
         return opt.step()
     opt.grad_scale, opt.found_inf = (amp.host_scale, amp.host_found) if host else (amp.scale, amp.found)
@@ -282,8 +281,7 @@ class HostPipeline:
         return not self.in_backward and self._slot[id(p)].local.numel() < BATCHED_NUMEL
 
     def set_owner(self, owned: list[bool]) -> None:
-        """Step only the chunks marked ``True`` in this process (another one steps the others): ``slots``
-        keeps theirs."""
+        """Step here only the chunks marked ``True`` (another process steps the rest); ``slots`` keeps theirs."""
         if self.sharded:
             raise OffloadError("HybridDeviceOptimizer: its host step is already sharded (attach the optimizer once).")
         self.sharded, self._owned = True, list(owned)
@@ -328,8 +326,7 @@ class HostPipeline:
         return True
 
     def uncopied(self, skip_batched: bool = False) -> int:
-        """How many host gradients this process steps ``step()`` would copy now; ``skip_batched``: not
-        counting those copied there by design."""
+        """How many host gradients of this process ``step()`` would copy now (``skip_batched``: not the tiny ones)."""
         return sum(1 for s in self.slots if s.param.grad is not None and not (skip_batched and self.batched(s.param))
                    and not s.copied(local_grad(s.param)))
 
