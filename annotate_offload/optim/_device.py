@@ -40,12 +40,11 @@ class Side:
     def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device) if self.cuda else None
 
-    def bind_thread(self, stream: Any = None) -> None:
-        """Make this thread use the device, and ``stream`` as its current stream."""
+    def bind_thread(self, stream: Any) -> None:
+        """Make this thread use the device, and ``stream`` (one of :meth:`new_stream`) as its current stream."""
         if self.cuda:
             torch.cuda.set_device(self.device)
-            if stream is not None:
-                torch.cuda.set_stream(stream)
+            torch.cuda.set_stream(stream)
 
     @staticmethod
     def use(stream: Any) -> Any:

@@ -206,7 +206,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if len({id(p) for p in g["params"]}) < len(g["params"]):
                 raise ValueError(f"HybridDeviceOptimizer: param group {len(self.param_groups) - 1} lists a parameter "
                                  "twice (its host copy would be stepped twice); list each parameter once.")
-            self._check_group(g["params"], self._hyper(g), where)
+            self._check_group(g["params"], g, where)
         except (TypeError, ValueError):
             self.param_groups.pop()  # nothing half-applied
             raise
@@ -227,7 +227,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for role, cls, on, impl in (("cpu_optimizer_cls", self._classes[0], sorted({(d, "cpu", n) for d, _, n in like},
                                      key=str), host_impl), ("gpu_optimizer_cls", self._classes[1], like, self._impl)):
             sig, var_kw = _signature(cls)
-            kw = {k: v for k, v in {**hyper, **impl}.items() if var_kw or k in sig}
+            kw = {k: v for k, v in {**hyper, **impl}.items()
+                  if (var_kw or k in sig) and k not in ("params", "param_names", *STRUCTURAL_KEYS)}
             for k, v in kw.items():
                 if not isinstance(v, bool) and (isinstance(getattr(sig.get(k), "default", None), bool) or
                                                 (k in IMPL_KEYS and v is not None)):
@@ -242,10 +243,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             what = f"{k}={kw[k]!r}" if k is not None else ", ".join(f"{k}={v!r}" for k, v in kw.items())
             raise (TypeError if isinstance(err, TypeError) else ValueError)(
                 f"HybridDeviceOptimizer: {what}{where}: pass a value that {_name(cls)} accepts ({err}).") from None
-
-    @staticmethod
-    def _hyper(g: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in g.items() if k not in ("params", "param_names", *STRUCTURAL_KEYS)}
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -289,12 +286,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if len(vals) != len(seen) or not all(map(operator.is_, vals, seen)):
                 self._seen[gi] = vals
                 for sub, keys in self._links[gi]:
-                    for k in keys:
-                        sub[k] = g[k]
+                    sub.update((k, g[k]) for k in keys)
 
     def _begin(self) -> None:
-        """Once per step, before anything is stepped: hyper-parameters, state placement, and masters of
-        weights loaded since the last step."""
+        """Once per step, before anything is stepped."""
         self._sync_hyper()
         self._sync_hdo_state_to_sub_optimizers(adopt=False)
         self._reseed()
@@ -323,9 +318,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if s.st is not st:
                 s.opt.state[s.inner] = s.st = st
             dev = s.inner.get_device()
-            for k, v in list(st.items()):
-                if not isinstance(v, torch.Tensor):
-                    continue
+            for k, v in [(k, v) for k, v in st.items() if isinstance(v, torch.Tensor)]:
                 if k == "master_param":
                     if s.master is None:
                         del st[k]
@@ -340,8 +333,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _amp_begin(self) -> Optional[AmpStep]:
         """What a GradScaler set on this optimizer for this ``step()``, or ``None`` (Note [GradScaler])."""
-        found = getattr(self, "found_inf", None)
-        if found is None:
+        if (found := getattr(self, "found_inf", None)) is None:
             return None
         for flag in ("offload_gradients", "step_in_backward"):
             if self.defaults[flag]:
@@ -350,21 +342,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                    "to train with GradScaler (fp16).")
         if bool(found.item()):
             return AmpStep(True)
-        scale = getattr(self, "grad_scale", None)
-        if scale is None:  # scaler.unscale_(opt) ran: p.grad changed in place, versions unchanged
+        if (scale := getattr(self, "grad_scale", None)) is None:  # unscale_ ran: p.grad changed, its version not
             self.pipeline.forget_copy()
             return AmpStep(False)
         host = scale.detach().to("cpu", torch.float32, copy=True)
-        return AmpStep(False, scale, found, host, torch.zeros((), dtype=torch.float32), _inverse(host))
+        inv = host.double().reciprocal().float()  # 1 / scale as GradScaler.unscale_ computes it
+        return AmpStep(False, scale, found, host, torch.zeros((), dtype=torch.float32), inv)
 
     def _device_step(self, amp: Optional[AmpStep]) -> None:
-        opt = self.gpu_optimizer
-        if opt is None:
+        if (opt := self.gpu_optimizer) is None:
             return
         if takes_scale(opt, amp) is False:  # Note [GradScaler]: GradScaler.unscale_, per device and dtype
             grads = [g for s in self._slots if not s.host and (g := local_grad(s.param)) is not None]
             for (dev, _), ([gs], _) in (_group_tensors_by_device_and_dtype([grads]) if grads else {}).items():
-                torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), _inverse(amp.scale).to(dev))
+                inv = amp.scale.double().reciprocal().float().to(dev)  # as GradScaler.unscale_ computes it
+                torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), inv)
         for s in self._masters:
             g = local_grad(s.param)
             s.inner.grad = None if g is None else g.to(s.inner.dtype)
@@ -542,11 +534,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self.pipeline.close()
 
 
-def _inverse(scale: torch.Tensor) -> torch.Tensor:
-    """``1 / scale`` as ``GradScaler.unscale_`` computes it (fp64 reciprocal, then fp32)."""
-    return scale.double().reciprocal().float()
-
-
 def _same(a: Any, b: Any) -> bool:
     try:
         return a is b or bool(a == b)
@@ -573,7 +560,7 @@ def _check_load(opt: HybridDeviceOptimizer, sd: Any) -> tuple[list[dict[str, Any
             raise bad(f"param group {gi} holds {len(ids) if isinstance(ids, (list, tuple)) else _desc(sg)} parameters "
                       f"in the state dict and {len(g['params'])} here")
         hypers.append({k: copy.deepcopy(v) for k, v in sg.items() if k not in ("params", *STRUCTURAL_KEYS, *IMPL_KEYS)})
-        opt._check_group(g["params"], opt._hyper(hypers[-1]), f" in param group {gi} of the state dict")
+        opt._check_group(g["params"], hypers[-1], f" in param group {gi} of the state dict")
     cache: dict = {}
     states: dict[int, dict] = {}
     for e in opt._slots:
@@ -588,8 +575,7 @@ def _check_load(opt: HybridDeviceOptimizer, sd: Any) -> tuple[list[dict[str, Any
         if not isinstance(st, dict):
             raise bad(f"{where}: expected a dict of state tensors, found {_desc(st)}")
         if st:  # what the class creates, with the loaded hyper-parameters
-            kw = {k: v for k, v in e.sub_group.items() if k != "params"}
-            kw.update({k: v for k, v in hypers[e.group].items() if k in kw})
+            kw = {k: hypers[e.group].get(k, v) for k, v in e.sub_group.items() if k != "params"}
             key = (type(e.opt), repr(sorted(kw.items())), e.inner.dtype, e.inner.device, e.inner.dim())
             tmpl = cache[key] if key in cache else cache.setdefault(key, _probe(type(e.opt), kw, [key[2:]], group=True)[0] or {})
             if missing := [k for k in tmpl if k not in st]:

@@ -142,8 +142,7 @@ def takes_scale(opt: torch.optim.Optimizer, amp: Optional[AmpStep]) -> Optional[
 
 
 def amp_step(opt: torch.optim.Optimizer, amp: Optional[AmpStep], *, host: bool) -> None:
-    """``opt.step()``, with ``grad_scale``/``found_inf`` set on ``opt`` for it, as GradScaler hands them to
-    torch's fused optimizers, when this step unscales and ``opt`` supports it."""
+    """``opt.step()``, given GradScaler's scale as torch's fused optimizers are if it takes it (:func:`takes_scale`)."""
     if not takes_scale(opt, amp):
         return opt.step()
     opt.grad_scale, opt.found_inf = (amp.host_scale, amp.host_found) if host else (amp.scale, amp.found)
@@ -245,8 +244,8 @@ class HostPipeline:
             opt = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
             self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
         self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
-        self.closed = self.device_done = False  # device_done: Note [Failed steps]
-        self._owned: Optional[list[bool]] = None  # per chunk, under host-step sharding (DDP)
+        self.closed = self.device_done = self.sharded = False  # device_done: Note [Failed steps]
+        self._owned = [True] * len(self.chunks)  # per chunk: this process steps it (set_owner)
         self._buf = self._seq = 0
         self._begun = self._applying = self._retry = False
         self._jobs: dict[int, tuple] = {}  # delayed mode: _run's arguments of chunks submitted, not finished
@@ -256,8 +255,7 @@ class HostPipeline:
         taken = [s for s in slots if (o := _owner(s.param)) is not None and not o.closed]
         for k in [k for k, (p, _) in _OWNERS.items() if p() is None]:
             del _OWNERS[k]
-        for s in slots:
-            _OWNERS[id(s.param)] = (weakref.ref(s.param), weakref.ref(self))
+        _OWNERS.update((id(s.param), (weakref.ref(s.param), weakref.ref(self))) for s in slots)
         if taken:
             warnings.warn(f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters belong to another "
                           "HybridDeviceOptimizer that is still alive and not closed. This one takes over their gradient "
@@ -283,20 +281,15 @@ class HostPipeline:
         return not self.in_backward and self._slot[id(p)].local.numel() < BATCHED_NUMEL
 
     def set_owner(self, owned: list[bool]) -> None:
-        """Step only the chunks marked ``True`` in this process (another one steps the others): ``slots``
-        keeps theirs."""
-        if self._owned is not None:
+        """Step here only the chunks marked ``True`` (another process steps the rest); ``slots`` keeps theirs."""
+        if self.sharded:
             raise OffloadError("HybridDeviceOptimizer: its host step is already sharded (attach the optimizer once).")
-        self._owned = list(owned)
+        self.sharded, self._owned = True, list(owned)
         self.slots = [s for s in self.slots if self._owned[s.chunk]]
-
-    @property
-    def sharded(self) -> bool:
-        return self._owned is not None
 
     def steps_here(self, p: torch.Tensor) -> bool:
         """True when this process steps host parameter ``p``."""
-        return self._owned is None or self._owned[self._slot[id(p)].chunk]
+        return self._owned[self._slot[id(p)].chunk]
 
     # ------------------------------------------------------------------ gradients
     def remove_grad_hooks(self) -> None:
@@ -333,8 +326,7 @@ class HostPipeline:
         return True
 
     def uncopied(self, skip_batched: bool = False) -> int:
-        """How many host gradients this process steps ``step()`` would copy now; ``skip_batched``: not
-        counting those copied there by design."""
+        """How many host gradients of this process ``step()`` would copy now (``skip_batched``: not the tiny ones)."""
         return sum(1 for s in self.slots if s.param.grad is not None and not (skip_batched and self.batched(s.param))
                    and not s.copied(local_grad(s.param)))
 
@@ -656,7 +648,7 @@ class HostPipeline:
         """Delayed mode: write every host master into the model now (after a load)."""
         with torch.no_grad():
             for ci, c in enumerate(self.chunks):
-                c.pending = list(c.slots) if self._owned is None or self._owned[ci] else []
+                c.pending = list(c.slots) if self._owned[ci] else []
                 for s in c.pending:
                     if s.staging is not None:
                         s.staging.copy_(s.master)

@@ -56,15 +56,14 @@ def make_chunks(sizes_bytes: list[int], chunk_bytes: int) -> list[list[int]]:
     least half full, so a bias in front of a chunk-sized weight joins it (each chunk costs a host
     optimizer call and a thread fork/join)."""
     chunks: list[list[int]] = []
-    cur: list[int] = []
-    cur_bytes = 0
+    used = 0  # bytes in the last chunk
     for i, b in enumerate(sizes_bytes):
-        if cur and cur_bytes + b > chunk_bytes and 2 * cur_bytes >= chunk_bytes:
-            chunks.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append(i)
-        cur_bytes += b
-    return chunks + [cur] if cur else chunks
+        if not chunks or used + b > chunk_bytes and 2 * used >= chunk_bytes:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(i)
+        used += b
+    return chunks
 
 
 # Note [Serial small tensors]: torch's fused CPU AdamW runs one OpenMP parallel region per tensor,
@@ -84,8 +83,7 @@ def split_serial(groups: list[list[int]], numels: list[int], sizes_bytes: list[i
     small: list[int] = []
     small_bytes = 0
     for g in groups:
-        big = [i for i in g if numels[i] >= SERIAL_NUMEL]
-        if big:
+        if big := [i for i in g if numels[i] >= SERIAL_NUMEL]:
             out.append((big, False))
         for i in g:
             if numels[i] < SERIAL_NUMEL:
