@@ -138,14 +138,14 @@ class OffloadPlan:
             mark((i, "fwd", "end"))
             tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                tensors[0].register_hook(lambda g: mark((i, "bwd", "start")))
+                handles.append(tensors[0].register_hook(lambda g: mark((i, "bwd", "start"))))
 
         def on_input(i: int, mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             mark((i, "fwd", "start"))
             ends = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                     and t.requires_grad] + [p for p in mod.parameters() if p.requires_grad]
-            if ends:
-                torch.autograd.graph.register_multi_grad_hook(ends, lambda g: mark((i, "bwd", "end")))
+            if ends:  # removed after the step: a hook left on a parameter would hold it and fire on every step
+                handles.append(torch.autograd.graph.register_multi_grad_hook(ends, lambda g: mark((i, "bwd", "end"))))
 
         for i, mod in enumerate(mods):
             handles.append(mod.register_forward_pre_hook(lambda m, a, k, i=i: on_input(i, m, a, k), with_kwargs=True))

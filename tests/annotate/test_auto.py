@@ -187,6 +187,22 @@ def test_a_deep_copy_of_a_planned_model_measures_itself(monkeypatch):
     assert twin.offload_plan.measured is not None and model.offload_plan.measured is None
 
 
+def test_measuring_a_step_leaves_no_hook_and_no_reference_to_the_model(monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setattr(planner, "plan_offload", _stub(["offload", "keep", "keep", "keep"]))
+    model = Stack(4)
+    offload_transform(model, memory_budget="1GiB", example_inputs=(X,), config=cfg())
+    weight = next(model.layers[0].parameters())
+    model.offload_plan.measure(lambda: run_step(model, X))
+    assert not weight._backward_hooks  # else each later step would run the measurement's hooks
+    weight = weakref.ref(weight)
+    del model
+    gc.collect()
+    assert weight() is None
+
+
 def test_the_plan_counts_what_the_runtime_will_not_move():
     # with the default threshold (256K elements) nothing of this model moves: the plan must not
     # choose offload and promise a peak the run would exceed
