@@ -388,12 +388,15 @@ class HostPipeline:
         todo, last = [], {}
         for s in self.slots:
             g = local_grad(s.param)
-            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # step_in_backward stepped it in backward
+            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # stepped in backward, or by a step() that raised
                 if g is not None and not s.copied(g):
+                    what = f"HybridDeviceOptimizer: the gradient of parameter {s.index} of param group {s.group} was"
                     raise OffloadError(
-                        f"HybridDeviceOptimizer: the gradient of parameter {s.index} of param group {s.group} was modified "
-                        "(clipping, unscaling) after step_in_backward=True stepped it in backward, which is not undone. "
-                        "Use the default mode for a loop that transforms gradients.")
+                        f"{what} modified (clipping, unscaling) after step_in_backward=True stepped it in backward, which "
+                        "is not undone. Use the default mode for a loop that transforms gradients." if self.in_backward
+                        else f"{what} changed after the step() that raised had stepped it (see that error's "
+                        "untouched_params). Retry step() before the next backward, or call zero_grad() to leave the "
+                        "failed step unfinished.")
             elif g is None:
                 if s.state is S.COPIED and not self.offload_grads:
                     s.state = S.EMPTY  # p.grad was dropped after the copy

@@ -66,6 +66,26 @@ def test_a_failed_step_is_all_or_nothing_per_parameter_and_a_retry_steps_the_res
     opt.close()
 
 
+@pytest.mark.parametrize("mode", ["exact", "offload_gradients", "serial"])
+def test_a_gradient_changed_after_a_failed_step_is_refused_and_zero_grad_skips_the_rest(mode):
+    m, _, opt, _ = _build(mode)
+    x = inputs(1, 7)[0]
+    opt.cpu_optimizers[len(opt.cpu_optimizers) // 2].fail_next = True
+    loss_of(m, x).backward()
+    with pytest.raises(RuntimeError, match="host chunk failed") as info:
+        opt.step()
+    untouched = set(info.value.untouched_params)
+    loss_of(m, x).backward()  # accumulates into gradients the failed step already used
+    with pytest.raises(OffloadError, match="after the step\\(\\) that raised had stepped it"):
+        opt.step()
+    opt.zero_grad()  # the failed step stays unfinished for the untouched parameters
+    loss_of(m, x).backward()
+    opt.step()
+    steps = [int(opt.state[p]["step"]) for p in m.parameters()]
+    assert steps == [1 if i in untouched else 2 for i in range(len(steps))]
+    opt.close()
+
+
 @pytest.mark.parametrize("clip", [False, True], ids=["", "clipped"])
 def test_a_failed_host_chunk_in_delayed_mode_runs_again_before_the_next_step(clip, monkeypatch):
     """Delayed mode: step t's host work runs during step t + 1; a chunk that failed is reported by the
