@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +42,13 @@ class Offload:
             raise ValueError(f"{who}: num_layers={self.settings.num_layers}: pass 0 <= num_layers < L, the model's "
                              "layer count (the first N layers are offloaded; N < L is checked on the model).")
         self.num_layers, self.memory_budget, self.fields = num_layers, memory_budget, fields
-        self.model: nn.Module | None = None  # the model transformed, once
+        # the model transformed, once; weakly, so that a callback reused across runs keeps none alive
+        self._model: Any = lambda: None
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model :meth:`transform` transformed last, while it is alive."""
+        return self._model()
 
     @property
     def budget(self) -> bool:
@@ -60,7 +67,7 @@ class Offload:
             warnings.filterwarnings("ignore", "offload_transform: example_inputs= could not run the forward")
             transform(model, self.num_layers, self.memory_budget, example_inputs, self.config, None, None,
                       self.fields, fraction)
-        self.model = model
+        self._model = weakref.ref(model)
 
 
 def as_config(config: Any, who: str) -> tuple[Config, bool]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -106,7 +107,7 @@ class OffloadCallback(TrainerCallback):
     def __init__(self, num_layers: int | None = None, *, memory_budget: int | str | None = None,
                  config: Any = None, **fields: Any) -> None:
         self._offload = Offload("OffloadCallback", num_layers, memory_budget, config, fields, inputs="")
-        self._attached: Any = None  # the optimizer attached to Trainer's DDP model
+        self._attached: Any = lambda: None  # weakly, the optimizer attached to Trainer's DDP model
         self._log_plan = False
 
     @classmethod
@@ -132,10 +133,10 @@ class OffloadCallback(TrainerCallback):
             with _autocast(args):
                 self._offload.transform(model, example, opt)
             self._log_plan = state.is_world_process_zero
-        if opt is not None and opt is not self._attached and torch.distributed.is_available() \
+        if opt is not None and opt is not self._attached() and torch.distributed.is_available() \
                 and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             _AttachToDDP(model, opt)
-            self._attached = opt
+            self._attached = weakref.ref(opt)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._log_plan:

@@ -56,6 +56,20 @@ def test_trainer_equals_adamw(kwargs):
     assert len(opt.param_groups[1]["params"]) == 2 * 4 + 1  # norms: no decay
 
 
+def test_a_callback_reused_across_runs_keeps_no_model_alive():
+    import gc
+    import weakref
+
+    cb = OffloadCallback(**OFFLOAD)
+    tr, _ = run(HYBRID, [cb])
+    weight = weakref.ref(next(tr.model.parameters()))
+    del tr
+    gc.collect()
+    assert weight() is None  # a sweep builds the next model while the callback lives on
+    tr, _ = run(HYBRID, [cb])  # and the callback transforms the next run's model
+    assert tr.model.offload_plan.offloaded_layers == (0, 1)
+
+
 def test_trainer_from_config_and_helper():
     config = {"model": {"cpu_offloading": True, "cpu_offloading_num_layers": 2, "min_offload_numel": 0},
               "optimizer": {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5, "lr": 2e-3,
