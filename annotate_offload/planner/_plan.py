@@ -95,9 +95,11 @@ class PlannerResult:
         """Lines on the budget, the predicted step and peak, the schedule and the optimizer split."""
         p, k, b = self.prediction, self.keep_all, self.memory_budget
         given = f"; planned for the optimizer's offload_fraction={self.offload_fraction:.3f}" * self.fraction_given
-        if self.fits:
-            return (f"the model fits memory_budget={format_bytes(b)}: predicted peak {format_bytes(k.peak_bytes)} with "
-                    f"every layer kept and the optimizer on the device; nothing is offloaded or recomputed{given}")
+        if self.fits:  # with a given split, the plan is every layer kept at that split
+            peak, where = ((p.peak_bytes, f"the optimizer's offload_fraction={self.offload_fraction:.3f}")
+                           if self.fraction_given else (k.peak_bytes, "the optimizer on the device"))
+            return (f"the model fits memory_budget={format_bytes(b)}: predicted peak {format_bytes(peak)} with every "
+                    f"layer kept and {where}; nothing is offloaded or recomputed")
         counts = ", ".join(f"{self.choices.count(c)} {c}" for c in ("keep", "offload", "recompute", "recompute_offload")
                            if c in self.choices)
         return "\n".join([

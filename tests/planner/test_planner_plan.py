@@ -44,6 +44,10 @@ def test_a_model_that_fits_keeps_everything_and_the_optimizer_on_the_device():
     r = plan("1TiB")
     assert r.fits and r.choices == ("keep",) * 6 and r.optimizer_kwargs() == {"offload_fraction": 0.0}
     assert r.summary().count("\n") == 0 and "fits memory_budget=1024.00 GiB" in r.summary()
+    fixed = plan("1TiB", offload_fraction=0.5)  # the user's optimizer already holds half the state on the host
+    assert fixed.fits and f"predicted peak {format_bytes(fixed.prediction.peak_bytes)} with every layer kept and the " \
+        "optimizer's offload_fraction=0.500" in fixed.summary()
+    assert fixed.prediction.peak_bytes < r.prediction.peak_bytes
 
 
 def test_a_tight_budget_moves_optimizer_state_only_when_recompute_is_not_enough():
