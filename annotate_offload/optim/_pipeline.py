@@ -341,9 +341,14 @@ class HostPipeline:
         """Enqueue the D2H of each gradient into its slot's buffer on ``stream``, under one event; refused,
         before any buffer changes, for a slot whose chunk is submitted or stepped."""
         for s, _ in todo:
-            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # e.g. a backward after a failed step(), no zero_grad()
-                raise OffloadError(f"HybridDeviceOptimizer.copy: parameter {s.index} of param group {s.group} is "
-                                   f"{s.state.name}, expected EMPTY/COPIED/CONSUMED.")
+            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # stepped in backward, or by a step() that raised
+                what = f"HybridDeviceOptimizer: the gradient of parameter {s.index} of param group {s.group} was"
+                raise OffloadError(
+                    f"{what} modified (clipping, unscaling) after step_in_backward=True stepped it in backward, which "
+                    "is not undone. Use the default mode for a loop that transforms gradients." if self.in_backward
+                    else f"{what} changed after the step() that raised had stepped it (see that error's "
+                    "untouched_params). Retry step() before the next backward, or call zero_grad() to leave the "
+                    "failed step unfinished.")
         side = self.side
         with side.use(stream):
             for s, g in todo:
@@ -388,15 +393,9 @@ class HostPipeline:
         todo, last = [], {}
         for s in self.slots:
             g = local_grad(s.param)
-            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # stepped in backward, or by a step() that raised
+            if s.state is S.SUBMITTED or s.state is S.STEPPED:  # stepped; a changed gradient: _copy refuses it
                 if g is not None and not s.copied(g):
-                    what = f"HybridDeviceOptimizer: the gradient of parameter {s.index} of param group {s.group} was"
-                    raise OffloadError(
-                        f"{what} modified (clipping, unscaling) after step_in_backward=True stepped it in backward, which "
-                        "is not undone. Use the default mode for a loop that transforms gradients." if self.in_backward
-                        else f"{what} changed after the step() that raised had stepped it (see that error's "
-                        "untouched_params). Retry step() before the next backward, or call zero_grad() to leave the "
-                        "failed step unfinished.")
+                    todo.append((s, g))
             elif g is None:
                 if s.state is S.COPIED and not self.offload_grads:
                     s.state = S.EMPTY  # p.grad was dropped after the copy
