@@ -308,8 +308,7 @@ def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_f
         layer.forward = (lambda fwd: lambda *a, **k: checkpoint(fwd, *a, use_reentrant=False, **k))(layer.forward)
     handles = [last.register_forward_hook(post_last)]
     handles += [layer.register_forward_pre_hook(flags(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    grads_before = [(p, p.grad) for p in model.parameters()]  # backward must not add into them
-    for p, _ in grads_before:
+    for p in model.parameters():  # backward must not add into them; measure's _ModelState puts them back
         p.grad = None
     try:
         torch.clear_autocast_cache()
@@ -349,8 +348,8 @@ def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_f
                 layer.__dict__.pop("forward", None)
             else:
                 layer.forward = fwd
-        for p, grad in grads_before:
-            p.grad = grad
+        for p in model.parameters():  # the head's gradients: not held while the layers are profiled
+            p.grad = None
     return {"output_bytes": out_bytes, "head_saved_bytes": head_saved, "head_forward_peak_bytes": fwd_transient,
             "head_backward_peak_bytes": bwd_transient}
 
