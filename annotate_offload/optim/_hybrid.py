@@ -29,11 +29,8 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..errors import OffloadError
-from ._device import Side
-from ._pipeline import (IMPL_KEYS, STRUCTURAL_KEYS, AmpStep, HostPipeline, Slot, amp_step, impl_for, sub_optimizer,
-                        takes_scale)
-from ._split import Placement, choose_offloaded, local_grad, local_tensor
-from ._threads import thread_budget
+from ._pipeline import (IMPL_KEYS, STRUCTURAL_KEYS, AmpStep, HostPipeline, Placement, Side, Slot, amp_step,
+                        choose_offloaded, impl_for, local_grad, local_tensor, sub_optimizer, takes_scale, thread_budget)
 
 __all__ = ["HybridDeviceOptimizer"]
 
@@ -263,7 +260,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @property
     def thread_budget(self) -> int:
-        """Threads of the host step (Note [Thread budget] in ``_threads.py``)."""
+        """Threads of the host step (Note [Thread budget] in ``_pipeline.py``)."""
         return self.pipeline.threads
 
     def __repr__(self) -> str:

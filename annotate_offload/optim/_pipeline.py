@@ -1,4 +1,4 @@
-"""The host pipeline of :class:`HybridDeviceOptimizer`: slots, chunks, streams and the worker (private).
+"""The host half of :class:`HybridDeviceOptimizer`: split, host memory, streams, threads, slots, chunks (private).
 
 Note [Host step lifecycle] (one host-stepped parameter, overlap on):
 
@@ -26,20 +26,270 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import os
 import threading
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch.profiler import record_function
 
 from ..errors import OffloadError
-from ._device import carve
-from ._split import local_grad, local_tensor, make_chunks, split_serial
-from ._threads import CpuWorker, num_threads
 
 __all__: list[str] = []
+
+
+def local_tensor(p: Optional[torch.Tensor]) -> Any:
+    """The tensor this rank stores for ``p`` (``p`` itself, or a DTensor's local shard)."""
+    return p.to_local() if type(p).__name__ == "DTensor" and hasattr(p, "to_local") else p
+
+
+def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """The local part of ``p.grad`` (``None`` when there is no gradient)."""
+    return local_tensor(p.grad)
+
+
+class Placement(NamedTuple):
+    """Where one parameter is stepped (``HybridDeviceOptimizer.placements``)."""
+
+    group: int  # index in param_groups
+    index: int  # index in that group's params
+    shape: tuple  # local shape
+    numel: int  # local element count
+    side: str  # "cpu" (host optimizer) or "gpu" (device optimizer)
+    chunk: int  # host chunk (and index in cpu_optimizers), -1 on the device side
+
+
+def choose_offloaded(params: list[torch.Tensor], fraction: float,
+                     on_device: Callable[[torch.Tensor], bool]) -> list[bool]:
+    """Per parameter, in param-group order: ``True`` where it is stepped on the host.
+
+    Split rule (Megatron-Core's): whole tensors; the budget is ``fraction`` times the numel of the
+    trainable device-resident parameters; walk the param groups in order, each group in order, and
+    offload a parameter while the numel offloaded so far is below the budget (the last one may overshoot
+    by one tensor). Parameters already on the host always go to the host side and do not count; frozen
+    ones are never offloaded. A DTensor (FSDP2 shard) counts and is stepped through its local shard
+    (:func:`local_tensor`), so each rank offloads its own shards.
+    """
+    budget = fraction * sum(local_tensor(p).numel() for p in params if p.requires_grad and on_device(p))
+    done, out = 0, []
+    for p in params:
+        out.append(p.requires_grad and (not on_device(p) or done < budget))
+        if out[-1] and on_device(p):
+            done += local_tensor(p).numel()
+    return out
+
+
+def make_chunks(sizes_bytes: list[int], chunk_bytes: int) -> list[list[int]]:
+    """Group consecutive items (in step order) into chunks of about ``chunk_bytes``; tensors are never
+    split. An item that would overflow the current chunk starts a new one only if the current one is at
+    least half full, so a bias in front of a chunk-sized weight joins it (each chunk costs a host
+    optimizer call and a thread fork/join)."""
+    chunks: list[list[int]] = []
+    used = 0  # bytes in the last chunk
+    for i, b in enumerate(sizes_bytes):
+        if not chunks or used + b > chunk_bytes and 2 * used >= chunk_bytes:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(i)
+        used += b
+    return chunks
+
+
+# Note [Serial small tensors]: torch's fused CPU AdamW runs one OpenMP parallel region per tensor,
+# whatever its size, so a 2048-element norm weight wakes the whole thread team, and one descheduled
+# thread stalls the region for a scheduler slice. Tensors under ``SERIAL_NUMEL`` elements are
+# stepped in chunks of their own with one thread.
+SERIAL_NUMEL = 1 << 16
+SERIAL_CHUNK_BYTES = 1 << 20
+
+
+def split_serial(groups: list[list[int]], numels: list[int], sizes_bytes: list[int],
+                 chunk_bytes: int) -> list[tuple[list[int], bool]]:
+    """Split the chunks of :func:`make_chunks` into ``(indices, serial)`` chunks, order preserved: each
+    chunk's large tensors stay one chunk; its small ones collect, across chunks, into serial chunks that
+    close at ``min(chunk_bytes, SERIAL_CHUNK_BYTES)`` (Note [Serial small tensors])."""
+    out: list[tuple[list[int], bool]] = []
+    small: list[int] = []
+    small_bytes = 0
+    for g in groups:
+        if big := [i for i in g if numels[i] >= SERIAL_NUMEL]:
+            out.append((big, False))
+        for i in g:
+            if numels[i] < SERIAL_NUMEL:
+                small.append(i)
+                small_bytes += sizes_bytes[i]
+        if small and small_bytes >= min(chunk_bytes, SERIAL_CHUNK_BYTES):
+            out.append((small, True))
+            small, small_bytes = [], 0
+    return out + [(small, True)] if small else out
+
+
+# Note [Host slabs]: torch's caching host allocator rounds each pinned allocation up to a power of
+# two, so :func:`carve` packs the views (64-byte aligned) into power-of-two slabs of at least
+# ``MIN_SLAB_BYTES`` and sizes only the last slab to what it holds.
+MIN_SLAB_BYTES = 64 << 20
+
+
+class Side:
+    """Streams and events of the parameters' (one) device. Without CUDA the "device" parameters are CPU
+    tensors and every stream and event is ``None``: waits are no-ops, copies are synchronous, and splitting,
+    hooks, chunks, state and all numerics run as on a GPU. Nothing touches CUDA at import."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        devices = {p.device for p in params if p.device.type == "cuda"}
+        other = next((p.device for p in params if p.device.type not in ("cpu", "cuda", "meta")), None)
+        if other is not None or len(devices) > 1:
+            raise ValueError(f"HybridDeviceOptimizer: parameters on {other or sorted(map(str, devices))}: pass CUDA "
+                             "parameters of one device (build one optimizer per device) or CPU parameters.")
+        self.can_pin = self.cuda = bool(devices)
+        self.device = devices.pop() if devices else torch.device("cpu")
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def bind_thread(self, stream: Any) -> None:
+        """Make this thread use the device, and ``stream`` (one of :meth:`new_stream`) as its current stream."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(stream)
+
+    @staticmethod
+    def use(stream: Any) -> Any:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def record(stream: Any) -> Any:
+        return stream.record_event() if stream is not None else None
+
+    @staticmethod
+    def wait_event(stream: Any, event: Any) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    @staticmethod
+    def synchronize(event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+
+def carve(numels: list[int], dtypes: list[torch.dtype], *, pin: bool, what: str) -> list[torch.Tensor]:
+    """1-D host views of ``numels[i]`` elements of ``dtypes[i]`` (Note [Host slabs]); a pinning failure
+    falls back to pageable memory with one ``ResourceWarning``."""
+    out: list[Any] = [None] * len(numels)
+    unpinned = False
+    pow2 = lambda n: 1 << max(0, (n - 1).bit_length())  # noqa: E731
+    for dtype in dict.fromkeys(dtypes):
+        idx = [i for i, d in enumerate(dtypes) if d == dtype]
+        esize = torch.empty((), dtype=dtype).element_size()
+        align = max(1, 64 // esize)
+        slab = max(MIN_SLAB_BYTES, pow2(max(numels[i] * esize for i in idx))) // esize
+        places, used = [], []  # (slab, offset) per view; elements used per slab
+        for i in idx:
+            if not used or used[-1] + numels[i] > slab:
+                used.append(0)
+            places.append((len(used) - 1, used[-1]))
+            used[-1] += -(-numels[i] // align) * align
+        slabs = []
+        for k, u in enumerate(used):
+            size = slab if k < len(used) - 1 else max(align, pow2(u * esize) // esize)
+            try:
+                slabs.append(torch.empty(size, dtype=dtype, pin_memory=pin))
+            except RuntimeError:  # e.g. the locked-memory limit
+                slabs.append(torch.empty(size, dtype=dtype))
+                unpinned = True
+        for i, (k, off) in zip(idx, places):
+            out[i] = slabs[k].narrow(0, off, numels[i])
+    if unpinned:
+        warnings.warn(f"HybridDeviceOptimizer: could not pin host memory for {what}; using pageable memory, so its "
+                      "copies are staged and synchronous. Raise the locked-memory limit (ulimit -l) or pass "
+                      "pin_cpu_params=False / pin_cpu_grads=False.", ResourceWarning, stacklevel=4)
+    return out
+
+
+# Note [Thread budget]: the host step parallelises over the intra-op pool, and ``torchrun`` sets
+# ``OMP_NUM_THREADS=1`` with several processes per node, so the budget ignores it: ``cpu_threads`` if
+# given, else ``usable CPUs // LOCAL_WORLD_SIZE``, less one core (from four up) for the training thread
+# beside a worker (``step_in_backward``, ``delayed_param_update``). Thread counts are per thread: the
+# worker sets its own, the default mode sets it around the host step.
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def thread_budget(cpu_threads: Optional[int] = None, *, beside_training: bool = True) -> int:
+    """Threads for the host optimizer step (Note [Thread budget]); ``cpu_threads`` must be ``None`` or
+    an int in ``[1, usable CPUs]`` (``TypeError``/``ValueError``)."""
+    limit = usable_cpus()
+    if cpu_threads is not None:
+        if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or not 1 <= cpu_threads <= limit:
+            raise (ValueError if isinstance(cpu_threads, int) else TypeError)(
+                f"HybridDeviceOptimizer: cpu_threads={cpu_threads!r}: pass None or an int in [1, {limit}]; this process "
+                f"may run on {limit} CPUs (os.sched_getaffinity).")
+        return cpu_threads
+    env = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    per_rank = max(1, limit // max(1, int(env) if env.isdigit() else 1))
+    return per_rank - 1 if per_rank >= 4 and beside_training else per_rank
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run the body with ``torch.set_num_threads(n)`` and restore the previous value."""
+    old = torch.get_num_threads()
+    if old != n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if old != n:
+            torch.set_num_threads(old)
+
+
+class CpuWorker:
+    """One thread (``hdo-cpu-step``) running submitted callables in order with its own thread budget;
+    ``drain`` re-raises the first exception a task raised (the tasks after it are skipped)."""
+
+    def __init__(self, threads: int, bind: Callable[[], None]) -> None:
+        caller = torch.get_num_threads()  # initialises this thread's own count first
+        self._pool = ThreadPoolExecutor(1, "hdo-cpu-step", initializer=self._start, initargs=(threads, bind))
+        self._pool.submit(int).result()  # the thread exists and has applied its budget
+        torch.set_num_threads(caller)
+        self._futures: list[Future] = []
+        self._failed = False
+
+    @staticmethod
+    def _start(threads: int, bind: Callable[[], None]) -> None:
+        bind()
+        torch.set_grad_enabled(False)  # the host steps write masters and weights in place
+        torch.set_num_threads(threads)
+        torch.get_num_threads()  # ATen initialises this thread's pool now, with this count
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        if not self._failed:
+            try:
+                fn()
+            except BaseException:
+                self._failed = True
+                raise
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._futures.append(self._pool.submit(self._run, fn))
+
+    def drain(self) -> None:
+        futures, self._futures = self._futures, []
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        self._failed = False
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Stop the thread after the queued tasks (idempotent; from the worker itself, without waiting)."""
+        self._pool.shutdown(wait=not threading.current_thread().name.startswith("hdo-cpu-step"))
+
 
 IMPL_KEYS = ("foreach", "capturable", "differentiable", "fused")
 # HybridDeviceOptimizer's own options: kept in ``defaults`` (Megatron's DistributedOptimizer rebuilds

@@ -12,8 +12,7 @@ from annotate_offload.optim import _pipeline
 from _hdo_util import Tiny, assert_same, inputs, loss_of, pair, train
 from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer
-from annotate_offload.optim._device import carve
-from annotate_offload.optim._threads import CpuWorker, thread_budget
+from annotate_offload.optim._pipeline import CpuWorker, carve, thread_budget
 
 
 # ---------------------------------------------------------------- step_in_backward
@@ -260,7 +259,7 @@ def test_split_rule_matches_megatron():
 
 
 def test_chunks_do_not_strand_small_tensors():
-    from annotate_offload.optim._split import make_chunks
+    from annotate_offload.optim._pipeline import make_chunks
 
     # a bias in front of a chunk-sized weight joins it instead of forming a chunk of its own
     assert make_chunks([8, 64, 30, 64, 10, 10, 8, 48], 64) == [[0, 1], [2, 3], [4, 5, 6, 7]]
@@ -273,9 +272,7 @@ def test_host_chunks_are_stepped_in_gradient_landing_order(monkeypatch):
     """Note [Host chunk order]: backward lands the last layer's gradients first, so its chunk is
     stepped first; a gradient copied only at step() (changed after backward) goes last. Same bits."""
     monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
-    from annotate_offload.optim import _split
-
-    monkeypatch.setattr(_split, "SERIAL_NUMEL", 0)  # every tensor in a parallel chunk of its own
+    monkeypatch.setattr(_pipeline, "SERIAL_NUMEL", 0)  # every tensor in a parallel chunk of its own
     m, r = pair()
     opt = HybridDeviceOptimizer([m.l1.weight, m.l2.weight, m.l3.weight], offload_fraction=1.0, chunk_bytes=4, lr=1e-2)
     ref = torch.optim.AdamW([r.l1.weight, r.l2.weight, r.l3.weight], lr=1e-2, fused=True)
@@ -315,23 +312,19 @@ def test_default_chunk_size_depends_on_the_mode():
 
 
 def test_small_tensors_are_gathered_into_serial_chunks(monkeypatch):
-    from annotate_offload.optim import _split
-
-    monkeypatch.setattr(_split, "SERIAL_NUMEL", 100)
-    monkeypatch.setattr(_split, "SERIAL_CHUNK_BYTES", 40)
+    monkeypatch.setattr(_pipeline, "SERIAL_NUMEL", 100)
+    monkeypatch.setattr(_pipeline, "SERIAL_CHUNK_BYTES", 40)
     numels = [5, 200, 5, 300, 5, 5, 150]
     sizes = [4 * n for n in numels]
     groups = [[0, 1], [2, 3], [4, 5, 6]]
     # large tensors keep their group's place; small ones collect until 40 bytes, then follow
-    assert _split.split_serial(groups, numels, sizes, 1 << 20) == [
+    assert _pipeline.split_serial(groups, numels, sizes, 1 << 20) == [
         ([1], False), ([3], False), ([0, 2], True), ([6], False), ([4, 5], True)]
-    assert _split.split_serial([[0], [2]], numels, sizes, 1 << 20) == [([0, 2], True)]  # the rest at the end
+    assert _pipeline.split_serial([[0], [2]], numels, sizes, 1 << 20) == [([0, 2], True)]  # the rest at the end
 
 
 def test_serial_chunks_step_with_one_thread(monkeypatch):
-    from annotate_offload.optim import _split
-
-    monkeypatch.setattr(_split, "SERIAL_NUMEL", 200)  # Tiny's biases and norm are "small"
+    monkeypatch.setattr(_pipeline, "SERIAL_NUMEL", 200)  # Tiny's biases and norm are "small"
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, lr=1e-2, cpu_threads=2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
@@ -369,7 +362,7 @@ def test_sgd_both_halves():
 
 # ---------------------------------------------------------------- threads and host memory
 def test_thread_budget_ignores_omp_and_splits_per_rank(monkeypatch):
-    monkeypatch.setattr("annotate_offload.optim._threads.usable_cpus", lambda: 16)
+    monkeypatch.setattr("annotate_offload.optim._pipeline.usable_cpus", lambda: 16)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert thread_budget() == 15
@@ -387,14 +380,14 @@ def test_thread_budget_ignores_omp_and_splits_per_rank(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["exact", "step_in_backward", "delayed"])
 def test_default_mode_steps_on_the_training_thread(mode, monkeypatch):
-    """Note [Thread budget] (``optim/_threads.py``): the default mode has no worker thread, runs
+    """Note [Thread budget] (``optim/_pipeline.py``): the default mode has no worker thread, runs
     the host chunks where step() was called with the whole budget, queues the GPU half before them,
     and gives the training thread its own thread count back; the overlapped modes keep the worker
     and leave a core to the training thread."""
     import threading
 
-    monkeypatch.setattr("annotate_offload.optim._threads.usable_cpus", lambda: 8)
-    monkeypatch.setattr("annotate_offload.optim._split.SERIAL_NUMEL", 0)  # no single-threaded chunk
+    monkeypatch.setattr("annotate_offload.optim._pipeline.usable_cpus", lambda: 8)
+    monkeypatch.setattr("annotate_offload.optim._pipeline.SERIAL_NUMEL", 0)  # no single-threaded chunk
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     flags = {"exact": {}, "step_in_backward": {"step_in_backward": True}, "delayed": {"delayed_param_update": True}}[mode]
     m, _ = pair()
@@ -557,7 +550,7 @@ def test_worker_budget_does_not_leak_into_the_training_thread(run_group):
     code = (
         "import threading, torch\n"
         "from annotate_offload import HybridDeviceOptimizer\n"
-        "from annotate_offload.optim._threads import CpuWorker\n"
+        "from annotate_offload.optim._pipeline import CpuWorker\n"
         "m = torch.nn.Linear(64, 64)\n"
         "opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, cpu_threads=2)\n"
         "w = CpuWorker(2, lambda: None); seen = {}\n"
