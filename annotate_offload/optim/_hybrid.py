@@ -46,9 +46,9 @@ def _name(cls: type) -> str:
 
 def _signature(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
     """The keyword parameters of ``cls.__init__`` and whether it takes ``**kwargs``."""
-    prms = inspect.signature(cls.__init__).parameters
-    return ({k: p for k, p in prms.items() if k not in ("self", "params") and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)},
-            any(p.kind is p.VAR_KEYWORD for p in prms.values()))
+    prms = inspect.signature(cls.__init__).parameters.items()
+    named = {k: p for k, p in prms if k not in ("self", "params") and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return named, any(p.kind is p.VAR_KEYWORD for _, p in prms)
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -104,19 +104,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # Note [GradScaler]
 
     def __init__(self, params: Iterable[Any], offload_fraction: float = 0.5, cpu_optimizer_cls: Optional[type] = None,
-                 gpu_optimizer_cls: Optional[type] = None, param_update_in_fp32: bool = False, pin_cpu_grads: bool = True,
-                 pin_cpu_params: bool = True, overlap_cpu_optimizer_d2h_h2d: bool = True, *, offload_gradients: bool = False,
-                 step_in_backward: bool = False, delayed_param_update: bool = False,
+                 gpu_optimizer_cls: Optional[type] = None, param_update_in_fp32: bool = False,
+                 pin_cpu_grads: bool = True, pin_cpu_params: bool = True, overlap_cpu_optimizer_d2h_h2d: bool = True, *,
+                 offload_gradients: bool = False, step_in_backward: bool = False, delayed_param_update: bool = False,
                  use_torch_optimizer_for_cpu_offload: bool = False, cpu_threads: Optional[int] = None,
                  chunk_bytes: Optional[int] = None, **kwargs: Any) -> None:
         # ---- validate everything before touching the model
         number = isinstance(offload_fraction, (int, float)) and not isinstance(offload_fraction, bool)
         if not number or not 0 <= offload_fraction <= 1:
-            raise (ValueError if number else TypeError)(f"HybridDeviceOptimizer: offload_fraction={offload_fraction!r}: "
-                                                        "pass a number in [0, 1] (the host's share of the numel).")
-        flags = dict(param_update_in_fp32=param_update_in_fp32, pin_cpu_grads=pin_cpu_grads, pin_cpu_params=pin_cpu_params,
-                     overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d, offload_gradients=offload_gradients,
-                     step_in_backward=step_in_backward, delayed_param_update=delayed_param_update,
+            raise (ValueError if number else TypeError)(
+                f"HybridDeviceOptimizer: offload_fraction={offload_fraction!r}: pass a number in [0, 1] (the host's "
+                "share of the numel).")
+        flags = dict(param_update_in_fp32=param_update_in_fp32, pin_cpu_grads=pin_cpu_grads,
+                     pin_cpu_params=pin_cpu_params, overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
+                     offload_gradients=offload_gradients, step_in_backward=step_in_backward,
+                     delayed_param_update=delayed_param_update,
                      use_torch_optimizer_for_cpu_offload=use_torch_optimizer_for_cpu_offload)
         for k, v in flags.items():
             if not isinstance(v, bool):
@@ -132,7 +134,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if chunk_bytes is None:
             chunk_bytes = (256 if delayed_param_update else 64) << 20
         elif isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"HybridDeviceOptimizer: chunk_bytes={chunk_bytes!r}: pass None or a positive int (bytes).")
+            raise ValueError(f"HybridDeviceOptimizer: chunk_bytes={chunk_bytes!r}: pass None or a positive int.")
         cpu_cls = torch.optim.AdamW if cpu_optimizer_cls is None else cpu_optimizer_cls
         gpu_cls = cpu_cls if use_torch_optimizer_for_cpu_offload or gpu_optimizer_cls is None else gpu_optimizer_cls
         for name, cls in (("cpu_optimizer_cls", cpu_cls), ("gpu_optimizer_cls", gpu_cls)):
@@ -140,8 +142,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"HybridDeviceOptimizer: {name}={cls!r}: pass a torch.optim.Optimizer subclass, e.g. "
                                 "torch.optim.AdamW.")
         if cpu_cls.__module__.startswith(_GPU_ONLY):
-            raise TypeError(f"HybridDeviceOptimizer: cpu_optimizer_cls={_name(cpu_cls)} only runs on the GPU, but it "
-                            "would step the host part: pass torch.optim.AdamW/Adam (fused on the CPU) or torch.optim.SGD.")
+            raise TypeError(f"HybridDeviceOptimizer: cpu_optimizer_cls={_name(cpu_cls)} only runs on the GPU, but "
+                            "it would step the host part: pass torch.optim.AdamW/Adam (fused on the CPU) or "
+                            "torch.optim.SGD.")
         self._classes = (cpu_cls, gpu_cls)
         sigs = [_signature(c) for c in self._classes]
         for k, v in kwargs.items():
@@ -151,7 +154,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._impl = {k: kwargs.pop(k) for k in IMPL_KEYS if k in kwargs}
         defaults = {k: p.default for k, p in sigs[0][0].items() if k not in IMPL_KEYS and p.default is not p.empty}
         defaults.update(kwargs, **flags, offload_fraction=float(offload_fraction), cpu_threads=cpu_threads,
-                        chunk_bytes=chunk_bytes, cpu_optimizer_cls=cpu_optimizer_cls, gpu_optimizer_cls=gpu_optimizer_cls)
+                        chunk_bytes=chunk_bytes, cpu_optimizer_cls=cpu_optimizer_cls,
+                        gpu_optimizer_cls=gpu_optimizer_cls)
         super().__init__(params, defaults)  # add_param_group checks each group
 
         # ---- split, host pipeline, device optimizer: one slot per parameter, both sides built from them
@@ -188,13 +192,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Used by the constructor for each group; refused afterwards (``OffloadError``: the split is fixed)."""
         if hasattr(self, "pipeline"):  # the constructor's groups are in: the split is fixed
-            raise OffloadError("HybridDeviceOptimizer: add_param_group after construction is not supported (the host/GPU "
-                               "split and host buffers are fixed then); build a new HybridDeviceOptimizer with all groups.")
+            raise OffloadError("HybridDeviceOptimizer: add_param_group after construction is not supported (the "
+                               "host/GPU split and host buffers are fixed then); build a new HybridDeviceOptimizer "
+                               "with all groups.")
         where = f" in param group {len(self.param_groups)}"
         for k in (*STRUCTURAL_KEYS, *_CLASS_KEYS) if isinstance(param_group, dict) else ():
             if k in param_group and not _same(param_group[k], self.defaults[k]):
-                raise ValueError(f"HybridDeviceOptimizer: {k}={param_group[k]!r}{where}: pass it to the constructor and "
-                                 f"remove it from the group; it is per optimizer (this one's: {self.defaults[k]!r}).")
+                raise ValueError(f"HybridDeviceOptimizer: {k}={param_group[k]!r}{where}: pass it to the constructor "
+                                 "and remove it from the group; it is per optimizer (this one's: "
+                                 f"{self.defaults[k]!r}).")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         for k in _CLASS_KEYS:
@@ -234,8 +240,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if (err := _probe(cls, kw, on)[1]) is None:
                 continue
             if (base := _probe(cls, {}, on)[1]) is not None:
-                raise TypeError(f"HybridDeviceOptimizer: {role}={_name(cls)}: pass a class that can step these parameters "
-                                f"with step() and no closure, as HybridDeviceOptimizer steps it ({base}).") from None
+                raise TypeError(f"HybridDeviceOptimizer: {role}={_name(cls)}: pass a class that can step these "
+                                "parameters with step() and no closure, as HybridDeviceOptimizer steps it "
+                                f"({base}).") from None
             k = next((k for k in kw if _probe(cls, {j: v for j, v in kw.items() if j != k}, on)[1] is None), None)
             what = f"{k}={kw[k]!r}" if k is not None else ", ".join(f"{k}={v!r}" for k, v in kw.items())
             raise (TypeError if isinstance(err, TypeError) else ValueError)(
@@ -270,9 +277,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 f"chunks={len(self.cpu_optimizers)}, threads={self.thread_budget})")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise OffloadError("HybridDeviceOptimizer cannot be pickled or copied (torch.save(opt), copy.deepcopy(opt)): it "
-                           "owns pinned host buffers, backward hooks and possibly a worker thread. Save opt.state_dict() "
-                           "and load it into a new HybridDeviceOptimizer.")
+        raise OffloadError("HybridDeviceOptimizer cannot be pickled or copied (torch.save(opt), copy.deepcopy(opt)): "
+                           "it owns pinned host buffers, backward hooks and possibly a worker thread. Save "
+                           "opt.state_dict() and load it into a new HybridDeviceOptimizer.")
 
     # ------------------------------------------------------------------ per step
     def _sync_hyper(self) -> None:
@@ -334,9 +341,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return None
         for flag in ("offload_gradients", "step_in_backward"):
             if self.defaults[flag]:
-                raise OffloadError(f"HybridDeviceOptimizer: GradScaler with {flag}=True is not supported (Note [GradScaler]): "
-                                   f"the host gradients miss the scaler's inf/NaN check. Build the optimizer with {flag}=False "
-                                   "to train with GradScaler (fp16).")
+                raise OffloadError(f"HybridDeviceOptimizer: GradScaler with {flag}=True is not supported (Note "
+                                   "[GradScaler]): the host gradients miss the scaler's inf/NaN check. Build the "
+                                   f"optimizer with {flag}=False to train with GradScaler (fp16).")
         if bool(found.item()):
             return AmpStep(True)
         if (scale := getattr(self, "grad_scale", None)) is None:  # unscale_ ran: p.grad changed, its version not
@@ -426,8 +433,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                "host chunks are stepped before the global norm exists; use the default mode to clip.")
         params = [p for g in self.param_groups for p in g["params"]]
         with torch.no_grad():
-            grads = [g for p in params if (g := local_grad(p) if p.grad is not None else self.pipeline.held_grad(p)) is not None]
-            if not grads:
+            grads = [local_grad(p) if p.grad is not None else self.pipeline.held_grad(p) for p in params]
+            if not (grads := [g for g in grads if g is not None]):
                 return torch.tensor(0.0)
             total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -467,9 +474,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         records the switches (``fused``, ...) its sub-optimizers agree on. Flushes first."""
         if self.pipeline.sharded:
             raise OffloadError("HybridDeviceOptimizer.state_dict: the host step is sharded across DDP ranks "
-                               "(attach_optimizer(..., shard_host_step=True)), so each rank holds the host state of its "
-                               "own chunks only. Save with annotate_offload.distributed.save_checkpoint(model, opt, path) "
-                               "on every rank, or attach with shard_host_step=False.")
+                               "(attach_optimizer(..., shard_host_step=True)), so each rank holds the host state of "
+                               "its own chunks only. Save with annotate_offload.distributed.save_checkpoint(model, "
+                               "opt, path) on every rank, or attach with shard_host_step=False.")
         self.flush()
         sd = super().state_dict()
         # a view of a larger storage (a pinned slab) is cloned, so that torch.save writes it, not its slab
@@ -574,11 +581,13 @@ def _check_load(opt: HybridDeviceOptimizer, sd: Any) -> tuple[list[dict[str, Any
         if st:  # what the class creates, with the loaded hyper-parameters
             kw = {k: hypers[e.group].get(k, v) for k, v in e.sub_group.items() if k != "params"}
             key = (type(e.opt), repr(sorted(kw.items())), e.inner.dtype, e.inner.device, e.inner.dim())
-            tmpl = cache[key] if key in cache else cache.setdefault(key, _probe(type(e.opt), kw, [key[2:]], group=True)[0] or {})
+            if key not in cache:
+                cache[key] = _probe(type(e.opt), kw, [key[2:]], group=True)[0] or {}
+            tmpl = cache[key]
             if missing := [k for k in tmpl if k not in st]:
                 raise bad(f"{where}, state {missing[0]!r}: expected the keys {sorted(tmpl)}, found {sorted(st)}")
-            states[e.flat] = {k: _convert(e, k, v, e.master if k == "master_param" else tmpl.get(k),
-                                          lambda want, k=k, v=v: bad(f"{where}, state {k!r}: expected {want}, found {_desc(v)}"))
+            states[e.flat] = {k: _convert(e, k, v, e.master if k == "master_param" else tmpl.get(k), lambda want, k=k,
+                                          v=v: bad(f"{where}, state {k!r}: expected {want}, found {_desc(v)}"))
                               for k, v in st.items()}
     return hypers, states
 
@@ -586,7 +595,8 @@ def _check_load(opt: HybridDeviceOptimizer, sd: Any) -> tuple[list[dict[str, Any
 def _step(v: torch.Tensor, e: Slot) -> torch.Tensor:
     """``step`` where torch keeps it: fp32 on the parameter's device for fused/capturable groups, else the CPU."""
     if e.sub_group.get("fused") or e.sub_group.get("capturable"):
-        return v if v.dtype == torch.float32 and v.get_device() == e.inner.get_device() else v.to(e.inner.device, torch.float32)
+        in_place = v.dtype == torch.float32 and v.get_device() == e.inner.get_device()
+        return v if in_place else v.to(e.inner.device, torch.float32)
     return v if v.get_device() < 0 else v.to("cpu")
 
 
@@ -607,7 +617,9 @@ def _probe(cls: type, kw: dict[str, Any], like: list[tuple[torch.dtype, Any, int
 
 
 def _desc(v: Any) -> str:
-    return f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}" if torch.is_tensor(v) else f"{type(v).__name__} {v!r:.80}"
+    if torch.is_tensor(v):
+        return f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}"
+    return f"{type(v).__name__} {v!r:.80}"
 
 
 def _convert(e: Slot, k: str, v: Any, t: Any, bad: Callable[[str], ValueError]) -> Any:
@@ -616,7 +628,8 @@ def _convert(e: Slot, k: str, v: Any, t: Any, bad: Callable[[str], ValueError]) 
         if torch.is_tensor(v) and k != "master_param":
             return v.to(e.inner.device, e.inner.dtype if v.is_floating_point() else v.dtype, copy=True)
         return copy.deepcopy(v)
-    shape = () if t.dim() == 0 else tuple(e.local.shape) if k == "master_param" or t.shape == (2,) * e.inner.dim() else None
+    like_param = k == "master_param" or t.shape == (2,) * e.inner.dim()  # the probe's tensors have side 2
+    shape = () if t.dim() == 0 else tuple(e.local.shape) if like_param else None
     kind = "complex" if t.is_complex() else "floating-point" if t.is_floating_point() else str(t.dtype)
     if not torch.is_tensor(v) and shape == () and type(v) in (int, float) and math.isfinite(v):
         v = torch.tensor(float(v))

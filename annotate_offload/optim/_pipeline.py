@@ -228,8 +228,8 @@ def thread_budget(cpu_threads: Optional[int] = None, *, beside_training: bool = 
     if cpu_threads is not None:
         if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or not 1 <= cpu_threads <= limit:
             raise (ValueError if isinstance(cpu_threads, int) else TypeError)(
-                f"HybridDeviceOptimizer: cpu_threads={cpu_threads!r}: pass None or an int in [1, {limit}]; this process "
-                f"may run on {limit} CPUs (os.sched_getaffinity).")
+                f"HybridDeviceOptimizer: cpu_threads={cpu_threads!r}: pass None or an int in [1, {limit}]; this "
+                f"process may run on {limit} CPUs (os.sched_getaffinity).")
         return cpu_threads
     env = os.environ.get("LOCAL_WORLD_SIZE", "1")
     per_rank = max(1, limit // max(1, int(env) if env.isdigit() else 1))
@@ -355,7 +355,8 @@ class Slot:
         """True if the buffer holds the local gradient ``g`` as it is now: same ``param.grad`` object
         (stable for DTensor gradients, whose ``to_local()`` is a new view per call), storage and version."""
         return (self.state in (S.COPIED, S.SUBMITTED, S.STEPPED) and self.grad_ref is not None
-                and self.grad_ref() is self.param.grad and self.grad_ptr == g.data_ptr() and g._version == self.grad_ver)
+                and self.grad_ref() is self.param.grad and self.grad_ptr == g.data_ptr()
+                and g._version == self.grad_ver)
 
 
 class Chunk:
@@ -453,8 +454,9 @@ def _on_grad(ref: weakref.ref, param: torch.Tensor) -> None:
 def _sparse(s: Slot, g: torch.Tensor) -> TypeError:
     return TypeError(
         f"HybridDeviceOptimizer: parameter {s.index} of param group {s.group} (shape {tuple(s.local.shape)}) has a "
-        f"sparse gradient (layout={g.layout}); the host step copies gradients into dense buffers. Use a dense embedding "
-        "(nn.Embedding(..., sparse=False), the default), or step it with torch.optim.SparseAdam outside this optimizer.")
+        f"sparse gradient (layout={g.layout}); the host step copies gradients into dense buffers. Use a dense "
+        "embedding (nn.Embedding(..., sparse=False), the default), or step it with torch.optim.SparseAdam outside "
+        "this optimizer.")
 
 
 class HostPipeline:
@@ -477,7 +479,7 @@ class HostPipeline:
         staged = [i for i, s in enumerate(slots) if mdt[i] != s.local.dtype]  # bf16 staging of fp32 masters
         masters = carve(numels + [numels[i] for i in staged], mdt + [slots[i].local.dtype for i in staged],
                         pin=opts["pin_cpu_params"] and side.can_pin, what="host masters")
-        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(2 if self.delayed else 1)]
+        bufs = [carve(numels, mdt, pin=self.pin_grads, what="gradient buffers") for _ in range(1 + self.delayed)]
         with torch.no_grad():
             for i, s in enumerate(slots):
                 s.inner = s.master = masters[i].view(s.local.shape)
@@ -508,9 +510,9 @@ class HostPipeline:
         _OWNERS.update((id(s.param), (weakref.ref(s.param), weakref.ref(self))) for s in slots)
         if taken:
             warnings.warn(f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters belong to another "
-                          "HybridDeviceOptimizer that is still alive and not closed. This one takes over their gradient "
-                          "hooks; the older one copies their gradients at its own step() from now on. When an optimizer "
-                          "replaces another, call old.close().", UserWarning, stacklevel=3)
+                          "HybridDeviceOptimizer that is still alive and not closed. This one takes over their "
+                          "gradient hooks; the older one copies their gradients at its own step() from now on. When "
+                          "an optimizer replaces another, call old.close().", UserWarning, stacklevel=3)
         self._hooks = [s.param.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self)))
                        for s in slots if overlap and s.param.requires_grad and not self.batched(s.param)]
         self._worker: Optional[CpuWorker] = None
@@ -527,7 +529,7 @@ class HostPipeline:
         return [[s.local for s in c.slots] for c in self.chunks]
 
     def batched(self, p: torch.Tensor) -> bool:
-        """True when ``p``'s gradient is copied at ``step()`` with the other tiny ones (Note [Tiny gradients at step()])."""
+        """Whether ``p``'s gradient is copied at ``step()`` with the tiny ones (Note [Tiny gradients at step()])."""
         return not self.in_backward and self._slot[id(p)].local.numel() < BATCHED_NUMEL
 
     def set_owner(self, owned: list[bool]) -> None:
@@ -561,9 +563,9 @@ class HostPipeline:
             if self.in_backward:
                 if s.state is S.SUBMITTED or s.state is S.STEPPED:
                     raise OffloadError(
-                        f"HybridDeviceOptimizer: step_in_backward=True saw a second gradient for parameter {s.index} of "
-                        f"param group {s.group} after its chunk was stepped (accumulation, tied weights, or no step() "
-                        "since the last backward). Use step_in_backward=False for this training loop.")
+                        f"HybridDeviceOptimizer: step_in_backward=True saw a second gradient for parameter {s.index} "
+                        f"of param group {s.group} after its chunk was stepped (accumulation, tied weights, or no "
+                        "step() since the last backward). Use step_in_backward=False for this training loop.")
                 self._prepare()
             s.ready_ev = self.side.record(self.side.current_stream())
             self.side.wait_event(self.d2h, s.ready_ev)
