@@ -370,11 +370,6 @@ class Chunk:
         self.pending: list[Slot] = []  # delayed mode: stepped, H2D not yet issued
 
 
-def scale_(buf: torch.Tensor, grad_dtype: torch.dtype, coef: torch.Tensor) -> None:
-    """Multiply a host gradient buffer by ``coef`` as the device multiplies a gradient of ``grad_dtype``."""
-    buf.mul_(coef) if buf.dtype == grad_dtype else buf.copy_(buf.to(grad_dtype).mul_(coef))
-
-
 class AmpStep(NamedTuple):
     """What GradScaler asked of one ``step()`` (Note [GradScaler] in ``_hybrid.py``)."""
 
@@ -632,11 +627,11 @@ class HostPipeline:
                 s.param.grad = None
 
     def _apply_scales(self, s: Slot, buf: torch.Tensor, coefs: list) -> None:
-        """Multiply ``buf`` by the clip coefficients ``coefs`` pending for ``s``, and empty that list."""
+        """Multiply ``buf`` by each of ``coefs`` (after its event) as the device would a grad of ``s``'s dtype."""
         for coef, ev in coefs:
             self.side.synchronize(ev)
-            scale_(buf, s.local.dtype, coef)
-        coefs.clear()
+            buf.mul_(coef) if buf.dtype == s.local.dtype else buf.copy_(buf.to(s.local.dtype).mul_(coef))
+        coefs.clear()  # applied once: the slot's pending list is emptied
 
     def _collect(self, stream: Any) -> list[int]:
         """At ``step()``: copy the gradients the hooks did not copy or that changed since; return the chunks
@@ -760,10 +755,10 @@ class HostPipeline:
                 s.master.grad = s.bufs[buf]
         for s, coefs in scales:  # the slot's pending list as _plan saw it: emptied once in the buffer
             self._apply_scales(s, s.bufs[buf], coefs)
-        if amp is not None and takes_scale(c.opt, amp) is False:
+        if takes_scale(c.opt, amp) is False:
             for s in slots:
                 if not s.unscaled[buf]:
-                    scale_(s.bufs[buf], s.local.dtype, amp.host_inv)  # Note [GradScaler]: unscale_'s multiply
+                    self._apply_scales(s, s.bufs[buf], [(amp.host_inv, None)])  # Note [GradScaler]: unscale_
                     s.unscaled[buf] = True
         with _label("HybridDeviceOptimizer.host_chunk"), num_threads(1) if c.serial else _NULL:
             amp_step(c.opt, amp, host=True)
