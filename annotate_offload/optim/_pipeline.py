@@ -780,14 +780,14 @@ class HostPipeline:
         """Enqueue the H2D of ``slots`` on the current stream, the H2D stream (Note [H2D ordering]: an H2D must
         follow the parameter's last use: step() makes the H2D stream wait at its entry; with step_in_backward,
         whose chunks may step during backward, it also waits on each gradient-ready event)."""
+        slots = [s for s in slots if s not in self._skip]
         for s in slots:
-            if s not in self._skip:
-                if self.in_backward:
-                    self.side.wait_event(self.h2d, s.ready_ev)
-                s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
-                s.p_ver = s.param._version
+            if self.in_backward:
+                self.side.wait_event(self.h2d, s.ready_ev)
+            s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
+            s.p_ver = s.param._version
         if self.delayed:
-            self._applied.update(s.flat for s in slots if s not in self._skip)
+            self._applied.update(s.flat for s in slots)
             c.h2d_ev = self.side.record(self.h2d)
 
     def _apply_previous(self, skip_written: bool = True) -> None:
