@@ -14,7 +14,7 @@ is ignored (torchrun sets it to 1 for several ranks per node).
     threads  = max(1, len(share(r)) - (1 if len(share(r)) >= 4 else 0))
 
 One core of a share of four or more is left to the thread that launches GPU work (Note [Thread
-budget] in ``optim/_pipeline.py``). Nothing is bound unless asked (:func:`bind_to_budget`).
+budget] in ``optim/_hybrid.py``). Nothing is bound unless asked (:func:`bind_to_budget`).
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def measure_adamw(device: Any = None, *, numel: int | None = None) -> tuple[floa
     Raises:
         ValueError: an unsupported device.
     """
-    from ..optim._pipeline import num_threads, thread_budget
+    from ..optim._hybrid import num_threads, thread_budget
 
     dev = _device_key(device)
     if str(dev) not in _ADAMW_CACHE:

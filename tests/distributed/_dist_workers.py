@@ -163,15 +163,15 @@ def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction:
                offload_gradients: bool = False, clip: "float | None" = None, reshard: bool = True,
                mp: bool = False, autocast: bool = False, batched_numel: "int | None" = None, **opt_kw: Any) -> dict[str, Any]:
     if batched_numel is not None:  # Note [Tiny gradients at step()]: 0 gives every test tensor its own hook
-        from annotate_offload.optim import _pipeline
+        from annotate_offload.optim import _hybrid
 
-        saved, _pipeline.BATCHED_NUMEL = _pipeline.BATCHED_NUMEL, batched_numel
+        saved, _hybrid.BATCHED_NUMEL = _hybrid.BATCHED_NUMEL, batched_numel
         try:
             return fsdp_train(rank, world, out_dir=out_dir, steps=steps, fraction=fraction, offload=offload,
                               offload_gradients=offload_gradients, clip=clip, reshard=reshard, mp=mp, autocast=autocast,
                               **opt_kw)
         finally:
-            _pipeline.BATCHED_NUMEL = saved
+            _hybrid.BATCHED_NUMEL = saved
     model = make_model()
     if offload:
         _offload(model)  # before fully_shard (fx tracing would run FSDP's pre-forward hooks), as torchtitan orders AC

@@ -63,7 +63,7 @@ def test_torchrun_environment_and_omp_num_threads_ignored(monkeypatch):
     # the optimizer takes it as given, whatever OMP_NUM_THREADS says (on the 32-core host it is for)
     import torch
 
-    monkeypatch.setattr("annotate_offload.optim._pipeline.usable_cpus", lambda: 32)
+    monkeypatch.setattr("annotate_offload.optim._hybrid.usable_cpus", lambda: 32)
     opt = HybridDeviceOptimizer([torch.nn.Parameter(torch.ones(4))], offload_fraction=1.0, cpu_threads=b.threads)
     assert opt.thread_budget == 15
     opt.close()

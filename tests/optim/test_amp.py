@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from annotate_offload.errors import OffloadError
-from annotate_offload.optim import HybridDeviceOptimizer, _pipeline
+from annotate_offload.optim import HybridDeviceOptimizer, _hybrid
 
 from _hdo_util import FailsOnce, assert_same, loss_of, pair
 
@@ -21,7 +21,7 @@ from _hdo_util import FailsOnce, assert_same, loss_of, pair
 def _hook_every_gradient(monkeypatch):
     # the Tiny model's tensors are all under 4096 elements, which are copied at step() (after any
     # unscale_); with a hook each, every host copy is made in backward, where the bug was
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)
+    monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 0)
 
 
 def _xs(n, seed=0):

@@ -247,9 +247,9 @@ def test_gradient_changed_after_clip_grad_norm_is_clipped_once(monkeypatch):
     """A gradient modified in place after this optimizer's clip_grad_norm_ is copied again at step() and
     clipped once: the clip coefficient is already in the GPU gradient, and applying it to the new copy a
     second time would put the weights 8.7e-3 off torch after one step."""
-    from annotate_offload.optim import _pipeline
+    from annotate_offload.optim import _hybrid
 
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # hooked copies, made in backward
+    monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 0)  # hooked copies, made in backward
     m, r = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2)
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)

@@ -1,4 +1,4 @@
-"""Failure semantics (Note [Failed steps] in annotate_offload/optim/_pipeline.py) and bounds.
+"""Failure semantics (Note [Failed steps] in annotate_offload/optim/_hybrid.py) and bounds.
 
 After an exception in ``step()`` every parameter is stepped or untouched, the exception lists the
 untouched ones, and a retried ``step()`` steps each of them exactly once, in every mode; ``close()``
@@ -15,7 +15,7 @@ import torch
 
 from _hdo_util import FailOnce, assert_same, inputs, loss_of, pair
 from annotate_offload.errors import OffloadError
-from annotate_offload.optim import HybridDeviceOptimizer, _pipeline
+from annotate_offload.optim import HybridDeviceOptimizer, _hybrid
 
 
 MODES = {"exact": {}, "offload_gradients": {"offload_gradients": True}, "serial": {"overlap_cpu_optimizer_d2h_h2d": False},
@@ -37,7 +37,7 @@ def test_a_failed_step_is_all_or_nothing_per_parameter_and_a_retry_steps_the_res
     if clip and mode == "step_in_backward":
         pytest.skip("step_in_backward refuses gradients changed after backward")
     if clip:  # every gradient copied by its hook in backward, so clipping scales the host buffers
-        monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 1)
+        monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 1)
     m, r, opt, ref = _build(mode)
     x = inputs(1, 7)[0]
     opt.cpu_optimizers[len(opt.cpu_optimizers) // 2].fail_next = True  # before backward: step_in_backward runs it there
@@ -70,7 +70,7 @@ def test_a_failed_step_is_all_or_nothing_per_parameter_and_a_retry_steps_the_res
 @pytest.mark.parametrize("mode", ["exact", "offload_gradients", "serial"])
 def test_a_gradient_changed_after_a_failed_step_is_refused_and_zero_grad_skips_the_rest(mode, copied, monkeypatch):
     if copied == "by_hooks":  # every gradient copied by its hook in backward: the second backward is refused
-        monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 1)
+        monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 1)
     m, _, opt, _ = _build(mode)
     x = inputs(1, 7)[0]
     opt.cpu_optimizers[len(opt.cpu_optimizers) // 2].fail_next = True
@@ -95,7 +95,7 @@ def test_a_failed_host_chunk_in_delayed_mode_runs_again_before_the_next_step(cli
     next step(), which writes only the finished chunks' weights (untouched_params: all the others),
     and runs once more when step() is called again."""
     if clip:  # every gradient copied by its hook in backward, so clipping scales the host buffers
-        monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 1)
+        monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 1)
     m, r = pair()
     kw = dict(offload_fraction=0.75, chunk_bytes=128, lr=1e-2, fused=True, delayed_param_update=True)
     opt = HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=FailOnce, **kw)

@@ -7,12 +7,12 @@ import threading
 import pytest
 import torch
 
-from annotate_offload.optim import _pipeline
+from annotate_offload.optim import _hybrid
 
 from _hdo_util import Tiny, assert_same, inputs, loss_of, pair, train
 from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer
-from annotate_offload.optim._pipeline import CpuWorker, carve, thread_budget
+from annotate_offload.optim._hybrid import CpuWorker, carve, thread_budget
 
 
 # ---------------------------------------------------------------- step_in_backward
@@ -259,7 +259,7 @@ def test_split_rule_matches_megatron():
 
 
 def test_chunks_do_not_strand_small_tensors():
-    from annotate_offload.optim._pipeline import make_chunks
+    from annotate_offload.optim._hybrid import make_chunks
 
     # a bias in front of a chunk-sized weight joins it instead of forming a chunk of its own
     assert make_chunks([8, 64, 30, 64, 10, 10, 8, 48], 64) == [[0, 1], [2, 3], [4, 5, 6, 7]]
@@ -271,8 +271,8 @@ def test_chunks_do_not_strand_small_tensors():
 def test_host_chunks_are_stepped_in_gradient_landing_order(monkeypatch):
     """Note [Host chunk order]: backward lands the last layer's gradients first, so its chunk is
     stepped first; a gradient copied only at step() (changed after backward) goes last. Same bits."""
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
-    monkeypatch.setattr(_pipeline, "SERIAL_NUMEL", 0)  # every tensor in a parallel chunk of its own
+    monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
+    monkeypatch.setattr(_hybrid, "SERIAL_NUMEL", 0)  # every tensor in a parallel chunk of its own
     m, r = pair()
     opt = HybridDeviceOptimizer([m.l1.weight, m.l2.weight, m.l3.weight], offload_fraction=1.0, chunk_bytes=4, lr=1e-2)
     ref = torch.optim.AdamW([r.l1.weight, r.l2.weight, r.l3.weight], lr=1e-2, fused=True)
@@ -312,19 +312,19 @@ def test_default_chunk_size_depends_on_the_mode():
 
 
 def test_small_tensors_are_gathered_into_serial_chunks(monkeypatch):
-    monkeypatch.setattr(_pipeline, "SERIAL_NUMEL", 100)
-    monkeypatch.setattr(_pipeline, "SERIAL_CHUNK_BYTES", 40)
+    monkeypatch.setattr(_hybrid, "SERIAL_NUMEL", 100)
+    monkeypatch.setattr(_hybrid, "SERIAL_CHUNK_BYTES", 40)
     numels = [5, 200, 5, 300, 5, 5, 150]
     sizes = [4 * n for n in numels]
     groups = [[0, 1], [2, 3], [4, 5, 6]]
     # large tensors keep their group's place; small ones collect until 40 bytes, then follow
-    assert _pipeline.split_serial(groups, numels, sizes, 1 << 20) == [
+    assert _hybrid.split_serial(groups, numels, sizes, 1 << 20) == [
         ([1], False), ([3], False), ([0, 2], True), ([6], False), ([4, 5], True)]
-    assert _pipeline.split_serial([[0], [2]], numels, sizes, 1 << 20) == [([0, 2], True)]  # the rest at the end
+    assert _hybrid.split_serial([[0], [2]], numels, sizes, 1 << 20) == [([0, 2], True)]  # the rest at the end
 
 
 def test_serial_chunks_step_with_one_thread(monkeypatch):
-    monkeypatch.setattr(_pipeline, "SERIAL_NUMEL", 200)  # Tiny's biases and norm are "small"
+    monkeypatch.setattr(_hybrid, "SERIAL_NUMEL", 200)  # Tiny's biases and norm are "small"
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, lr=1e-2, cpu_threads=2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
@@ -362,7 +362,7 @@ def test_sgd_both_halves():
 
 # ---------------------------------------------------------------- threads and host memory
 def test_thread_budget_ignores_omp_and_splits_per_rank(monkeypatch):
-    monkeypatch.setattr("annotate_offload.optim._pipeline.usable_cpus", lambda: 16)
+    monkeypatch.setattr("annotate_offload.optim._hybrid.usable_cpus", lambda: 16)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert thread_budget() == 15
@@ -380,14 +380,14 @@ def test_thread_budget_ignores_omp_and_splits_per_rank(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["exact", "step_in_backward", "delayed"])
 def test_default_mode_steps_on_the_training_thread(mode, monkeypatch):
-    """Note [Thread budget] (``optim/_pipeline.py``): the default mode has no worker thread, runs
+    """Note [Thread budget] (``optim/_hybrid.py``): the default mode has no worker thread, runs
     the host chunks where step() was called with the whole budget, queues the GPU half before them,
     and gives the training thread its own thread count back; the overlapped modes keep the worker
     and leave a core to the training thread."""
     import threading
 
-    monkeypatch.setattr("annotate_offload.optim._pipeline.usable_cpus", lambda: 8)
-    monkeypatch.setattr("annotate_offload.optim._pipeline.SERIAL_NUMEL", 0)  # no single-threaded chunk
+    monkeypatch.setattr("annotate_offload.optim._hybrid.usable_cpus", lambda: 8)
+    monkeypatch.setattr("annotate_offload.optim._hybrid.SERIAL_NUMEL", 0)  # no single-threaded chunk
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     flags = {"exact": {}, "step_in_backward": {"step_in_backward": True}, "delayed": {"delayed_param_update": True}}[mode]
     m, _ = pair()
@@ -467,7 +467,7 @@ def test_offloaded_gradients_are_unreferenced_right_after_their_hook(monkeypatch
     optimizer's hook runs next. Right after backward every one of them must be dead (CPU tensors die
     on their last reference), so on a GPU only the allocator's record_stream guard remains.
     """
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
+    monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
     import weakref
 
     m = Tiny()
@@ -515,7 +515,7 @@ def test_empty_group_is_tolerated():
 def test_tiny_gradients_are_copied_together_at_step(monkeypatch, offload_gradients):
     """Note [Tiny gradients at step()]: host parameters under BATCHED_NUMEL elements get no gradient
     hook (step() copies them); larger ones copy in backward; the result is torch AdamW's to the bit."""
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 200)  # l1.weight (256), l2.weight (1024) hooked; the rest batched
+    monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 200)  # l1.weight (256), l2.weight (1024) hooked; the rest batched
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=1.0, lr=1e-2, offload_gradients=offload_gradients)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
@@ -550,7 +550,7 @@ def test_worker_budget_does_not_leak_into_the_training_thread(run_group):
     code = (
         "import threading, torch\n"
         "from annotate_offload import HybridDeviceOptimizer\n"
-        "from annotate_offload.optim._pipeline import CpuWorker\n"
+        "from annotate_offload.optim._hybrid import CpuWorker\n"
         "m = torch.nn.Linear(64, 64)\n"
         "opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, cpu_threads=2)\n"
         "w = CpuWorker(2, lambda: None); seen = {}\n"
@@ -574,7 +574,7 @@ def test_a_replaced_optimizer_that_is_still_alive_stands_aside(monkeypatch, old_
     the newest optimizer owns the hooks and building it warns. Were the older one's hooks kept, with
     offload_gradients it would free p.grad under the new one (weights 0.031 off after 3 steps), and with
     step_in_backward the new one would raise a misleading "second gradient" error."""
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # a hook for every tensor of the tiny model
+    monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 0)  # a hook for every tensor of the tiny model
     m, r = pair()
     old = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, lr=1e-2, **old_mode)
     with pytest.warns(UserWarning, match=r"belong to another HybridDeviceOptimizer that is still alive.*old\.close\(\)"):

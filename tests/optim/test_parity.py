@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from annotate_offload.optim import _pipeline
+from annotate_offload.optim import _hybrid
 
 from _hdo_util import assert_same, loss_of, pair, train
 from annotate_offload.optim import HybridDeviceOptimizer
@@ -113,7 +113,7 @@ def test_gradient_accumulation(f, offload_gradients):
 
 @pytest.mark.parametrize("f", [0.5, 1.0])
 def test_offload_gradients_frees_host_stepped_grads(f, monkeypatch):
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
+    monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 0)  # tiny test tensors: the per-gradient hook path
     m, r = pair()
     opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, offload_gradients=True, lr=1e-2)
     ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
@@ -248,10 +248,10 @@ def test_complex_parameters_step_like_plain_adamw(f, overlap):
 @pytest.mark.parametrize("hooks", [True, False], ids=["hook-per-gradient", "batched-tiny"])
 @pytest.mark.parametrize("f", [0.5, 1.0])
 def test_offloaded_gradients_are_consumed_by_step_so_model_zero_grad_suffices(f, hooks, monkeypatch):
-    # Note [Consumed gradients] (optim/_pipeline.py): HF Trainer zeroes with model.zero_grad(),
+    # Note [Consumed gradients] (optim/_hybrid.py): HF Trainer zeroes with model.zero_grad(),
     # which cannot reach the host copy (p.grad is None); the next step added onto the last one's
     if hooks:
-        monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)
+        monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 0)
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, offload_gradients=True, lr=1e-2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
@@ -267,7 +267,7 @@ def test_offloaded_gradients_are_consumed_by_step_so_model_zero_grad_suffices(f,
 def test_clipping_each_micro_batch_with_offloaded_gradients(f, monkeypatch):
     # a pending clip coefficient applies to the micro-batches clipped, not to the next one added
     # (c*g0 + g1, not c*(g0 + g1)); the norms returned match torch's too
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)
+    monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 0)
     m, r = pair()
     opt = HybridDeviceOptimizer(m.groups(), offload_fraction=f, offload_gradients=True, lr=1e-2)
     ref = torch.optim.AdamW(r.groups(), lr=1e-2, fused=True)
@@ -288,7 +288,7 @@ def test_clipping_each_micro_batch_with_offloaded_gradients(f, monkeypatch):
 def test_zero_grad_keeping_tensors_steps_a_parameter_no_backward_reached(monkeypatch):
     # torch keeps a zero p.grad after zero_grad(set_to_none=False) and AdamW steps it (momentum,
     # weight decay: an MoE expert not routed); the consumed host gradient must do the same
-    monkeypatch.setattr(_pipeline, "BATCHED_NUMEL", 0)
+    monkeypatch.setattr(_hybrid, "BATCHED_NUMEL", 0)
 
     def run(make):
         torch.manual_seed(0)
