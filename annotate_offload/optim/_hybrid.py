@@ -5,36 +5,33 @@ In order below: the split, host memory and streams, threads, slots and chunks, t
 
 Note [Host step lifecycle] (one host-stepped parameter, overlap on):
 
-1. backward: its post-accumulate-grad hook records a *ready* event on the compute stream; the D2H
-   stream waits on it and copies the gradient into the slot's pinned buffer, recording which gradient
-   tensor and version it copied (EMPTY/CONSUMED -> COPIED).
-2. ``step()``: a gradient never copied, or changed since (clipping, unscaling), is copied again. The
-   device half is queued first; then each chunk, in the order its gradients landed, waits for its D2H,
-   is stepped by its host optimizer (COPIED -> SUBMITTED -> STEPPED), writes the bf16 staging copy of a
-   bf16 model, and enqueues its H2D on the H2D stream, which waited for the compute stream at entry.
-3. ``step()`` returns once the compute stream waits on the last H2D, so no forward reads a stale
-   weight; the gradients are consumed (-> CONSUMED, Note [Consumed gradients]).
+1. backward: its post-accumulate-grad hook records a *ready* event on the compute stream; the D2H stream waits
+   on it, copies the gradient into the slot's pinned buffer and records which gradient tensor and version it
+   copied (EMPTY/CONSUMED -> COPIED).
+2. ``step()``: a gradient never copied, or changed since (clipping, unscaling), is copied again. The device half
+   is queued first; then each chunk, in the order its gradients landed, waits for its D2H, is stepped by its host
+   optimizer (COPIED -> SUBMITTED -> STEPPED), writes the bf16 staging copy of a bf16 model, and enqueues its H2D
+   on the H2D stream, which waited for the compute stream at entry.
+3. ``step()`` returns once the compute stream waits on the last H2D, so no forward reads a stale weight; the
+   gradients are consumed (-> CONSUMED, Note [Consumed gradients]).
 
-Note [Failed steps]: a unit of work (the device optimizer, one host chunk) completes or leaves its
-parameters untouched. After an exception ``step()`` keeps what it did (``device_done``, STEPPED
-slots) and the gradients of the rest (SUBMITTED -> COPIED), so a retried ``step()`` steps each
-untouched parameter once. A gradient buffer is multiplied once per gradient: a chunk empties the
-pending clip coefficients it applied and marks GradScaler's unscale (``Slot.unscaled``), so a retry
-does not apply them again. In delayed mode a chunk of step ``t`` runs during step ``t + 1``; a failed
-one keeps its arguments, and the next ``step()`` or ``flush()`` runs it again first.
+Note [Failed steps]: a unit of work (the device optimizer, one host chunk) completes or leaves its parameters
+untouched. After an exception ``step()`` keeps what it did (``device_done``, STEPPED slots) and the gradients of
+the rest (SUBMITTED -> COPIED), so a retried ``step()`` steps each untouched parameter once. A gradient buffer is
+multiplied once per gradient: a chunk empties the pending clip coefficients it applied and marks GradScaler's
+unscale (``Slot.unscaled``), so a retry does not apply them again. In delayed mode a chunk of step ``t`` runs
+during step ``t + 1``; a failed one keeps its arguments, and the next ``step()`` or ``flush()`` runs it first.
 
-Note [GradScaler]: ``GradScaler.unscale_`` rescales ``p.grad`` in place without bumping its version,
-so a host copy would look current while still scaled. The optimizer therefore declares
-``_step_supports_amp_scaling`` (torch's fused optimizers' contract): ``GradScaler.step`` sets
-``grad_scale`` and ``found_inf`` instead. A step with ``found_inf`` steps nothing; otherwise each
-sub-optimizer gets the scale as torch's fused optimizers do, or GradScaler's own unscale first when its
-class lacks the support: bit-identical to the same class under GradScaler. After ``scaler.unscale_``
+Note [GradScaler]: ``GradScaler.unscale_`` rescales ``p.grad`` in place without bumping its version, so a host copy
+would look current while still scaled. The optimizer therefore declares ``_step_supports_amp_scaling`` (torch's fused
+optimizers' contract): ``GradScaler.step`` sets ``grad_scale`` and ``found_inf`` instead. A step with ``found_inf``
+steps nothing; otherwise each sub-optimizer gets the scale as torch's fused optimizers do, or GradScaler's own unscale
+first when its class lacks the support: bit-identical to the same class under GradScaler. After ``scaler.unscale_``
 every host copy is made again. ``offload_gradients`` and ``step_in_backward`` miss the inf check: refused.
 
-Note [Validated loads]: torch's ``Optimizer.load_state_dict`` checks only counts, and a moment of the
-wrong shape reaches the fused kernel, which reads or writes out of bounds. ``_check_load`` checks
-everything against what the class itself creates (:func:`_probe`) and builds the converted state
-aside, so a refused load changes nothing.
+Note [Validated loads]: torch's ``Optimizer.load_state_dict`` checks only counts, and a moment of the wrong shape
+reaches the fused kernel, which reads or writes out of bounds. ``_check_load`` checks everything against what
+the class itself creates (:func:`_probe`) and builds the converted state aside: a refused load changes nothing.
 """
 
 from __future__ import annotations
@@ -87,12 +84,11 @@ def choose_offloaded(params: list[torch.Tensor], fraction: float,
                      on_device: Callable[[torch.Tensor], bool]) -> list[bool]:
     """Per parameter, in param-group order: ``True`` where it is stepped on the host.
 
-    Split rule (Megatron-Core's): whole tensors; the budget is ``fraction`` times the numel of the
-    trainable device-resident parameters; walk the param groups in order, each group in order, and
-    offload a parameter while the numel offloaded so far is below the budget (the last one may overshoot
-    by one tensor). Parameters already on the host always go to the host side and do not count; frozen
-    ones are never offloaded. A DTensor (FSDP2 shard) counts and is stepped through its local shard
-    (:func:`local_tensor`), so each rank offloads its own shards.
+    Split rule (Megatron-Core's): whole tensors; the budget is ``fraction`` times the numel of the trainable
+    device-resident parameters; walk the param groups in order, each group in order, and offload a parameter while the
+    numel offloaded so far is below the budget (the last one may overshoot by one tensor). Parameters already on the
+    host always go to the host side and do not count; frozen ones are never offloaded. A DTensor (FSDP2 shard) counts
+    and is stepped through its local shard (:func:`local_tensor`), so each rank offloads its own shards.
     """
     budget = fraction * sum(local_tensor(p).numel() for p in params if p.requires_grad and on_device(p))
     done, out = 0, []
@@ -104,10 +100,9 @@ def choose_offloaded(params: list[torch.Tensor], fraction: float,
 
 
 def make_chunks(sizes_bytes: list[int], chunk_bytes: int) -> list[list[int]]:
-    """Group consecutive items (in step order) into chunks of about ``chunk_bytes``; tensors are never
-    split. An item that would overflow the current chunk starts a new one only if the current one is at
-    least half full, so a bias in front of a chunk-sized weight joins it (each chunk costs a host
-    optimizer call and a thread fork/join)."""
+    """Group consecutive items (in step order) into chunks of about ``chunk_bytes``; tensors are never split. An item
+    that would overflow the current chunk starts a new one only if the current one is at least half full, so a bias in
+    front of a chunk-sized weight joins it (each chunk costs a host optimizer call and a thread fork/join)."""
     chunks: list[list[int]] = []
     used = 0  # bytes in the last chunk
     for i, b in enumerate(sizes_bytes):
@@ -119,10 +114,9 @@ def make_chunks(sizes_bytes: list[int], chunk_bytes: int) -> list[list[int]]:
     return chunks
 
 
-# Note [Serial small tensors]: torch's fused CPU AdamW runs one OpenMP parallel region per tensor,
-# whatever its size, so a 2048-element norm weight wakes the whole thread team, and one descheduled
-# thread stalls the region for a scheduler slice. Tensors under ``SERIAL_NUMEL`` elements are
-# stepped in chunks of their own with one thread.
+# Note [Serial small tensors]: torch's fused CPU AdamW runs one OpenMP parallel region per tensor, whatever its size,
+# so a 2048-element norm weight wakes the whole thread team, and one descheduled thread stalls the region for a
+# scheduler slice. Tensors under ``SERIAL_NUMEL`` elements are stepped in chunks of their own with one thread.
 SERIAL_NUMEL = 1 << 16
 SERIAL_CHUNK_BYTES = 1 << 20
 
@@ -952,12 +946,11 @@ def _signature(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     """Adam(W)/SGD with a fraction of the parameters stepped on the host, pipelined with the GPU.
 
-    Megatron-Core's ``HybridDeviceOptimizer``, same signature and meaning: the first
-    ``offload_fraction`` of the trainable parameters (numel, whole tensors, param-group order:
-    ``placements``) are stepped by ``cpu_optimizer_cls`` on host masters (one instance per chunk of
-    about ``chunk_bytes``: ``cpu_optimizers``), the rest by ``gpu_optimizer_cls`` (``gpu_optimizer``).
-    Results are the sub-optimizer classes' on the same inputs: bit-identical to
-    ``torch.optim.AdamW(params, fused=True)`` on a CPU-only machine.
+    Megatron-Core's ``HybridDeviceOptimizer``, same signature and meaning: the first ``offload_fraction`` of the
+    trainable parameters (numel, whole tensors, param-group order: ``placements``) are stepped by
+    ``cpu_optimizer_cls`` on host masters (one instance per chunk of about ``chunk_bytes``: ``cpu_optimizers``), the
+    rest by ``gpu_optimizer_cls`` (``gpu_optimizer``). Results are the sub-optimizer classes' on the same inputs:
+    bit-identical to ``torch.optim.AdamW(params, fused=True)`` on a CPU-only machine.
 
     Args:
         params (iterable): parameters or param groups; CUDA parameters of one device, CPU ones (stepped
@@ -988,10 +981,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ValueError: an option out of range or modes that do not combine, a value the class refuses (its
             message follows), a non-finite ``lr``, a parameter listed twice, several devices.
 
-    ``state[p]`` *is* the sub-optimizer's state of ``p`` (``master_param`` where a separate master
-    exists), empty before the first step. After an exception in ``step()`` each parameter is stepped
-    or untouched: ``exc.untouched_params`` lists the untouched (``param_groups`` order), and
-    ``step()`` again steps exactly those, once.
+    ``state[p]`` *is* the sub-optimizer's state of ``p`` (``master_param`` where a separate master exists), empty
+    before the first step. After an exception in ``step()`` each parameter is stepped or untouched; the exception's
+    ``untouched_params`` lists the untouched (``param_groups`` order), and ``step()`` again steps exactly those, once.
 
     Example::
 
@@ -1390,12 +1382,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the state dict of a ``HybridDeviceOptimizer`` (any fraction) or torch optimizer of the same class.
 
-        Everything is checked first (Note [Validated loads]): a refused load
-        (``ValueError``/``TypeError`` naming parameter, key, expected and found) changes nothing.
-        Note [Loading masters]: a ``master_param`` wider than its parameter is loaded and reaches the
-        model at the next step; one of the model's dtype is re-seeded from the model, so loading an
-        optimizer state alone never changes weights (delayed mode loads every host master, one update
-        ahead, and writes them into the model: load the model first). This optimizer's own options stay.
+        Everything is checked first (Note [Validated loads]): a refused load (``ValueError``/``TypeError`` naming
+        parameter, key, expected and found) changes nothing. Note [Loading masters]: a ``master_param`` wider than its
+        parameter is loaded and reaches the model at the next step; one of the model's dtype is re-seeded from the
+        model, so loading an optimizer state alone never changes weights (delayed mode loads every host master, one
+        update ahead, and writes them into the model: load the model first). This optimizer's own options stay.
         """
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
