@@ -128,17 +128,13 @@ def split_serial(groups: list[list[int]], numels: list[int], sizes_bytes: list[i
     close at ``min(chunk_bytes, SERIAL_CHUNK_BYTES)`` (Note [Serial small tensors])."""
     out: list[tuple[list[int], bool]] = []
     small: list[int] = []
-    small_bytes = 0
     for g in groups:
         if big := [i for i in g if numels[i] >= SERIAL_NUMEL]:
             out.append((big, False))
-        for i in g:
-            if numels[i] < SERIAL_NUMEL:
-                small.append(i)
-                small_bytes += sizes_bytes[i]
-        if small and small_bytes >= min(chunk_bytes, SERIAL_CHUNK_BYTES):
+        small += [i for i in g if numels[i] < SERIAL_NUMEL]
+        if small and sum(sizes_bytes[i] for i in small) >= min(chunk_bytes, SERIAL_CHUNK_BYTES):
             out.append((small, True))
-            small, small_bytes = [], 0
+            small = []
     return out + [(small, True)] if small else out
 
 
