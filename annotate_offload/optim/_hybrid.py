@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
 import torch
 from torch.profiler import record_function
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import OffloadError
 
@@ -443,12 +444,12 @@ def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot]
 
 # Note [One optimizer per parameter]: the newest pipeline over a parameter owns its hook (an older,
 # still referenced one copies at its own step()); building over a live, unclosed one's warns.
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (param, owning pipeline)
+_OWNERS = WeakIdKeyDictionary()  # param -> weakref to its owning pipeline; an entry dies with its param
 
 
 def _owner(p: torch.Tensor) -> Any:
-    e = _OWNERS.get(id(p))
-    return e[1]() if e is not None and e[0]() is p else None
+    ref = _OWNERS.get(p)
+    return ref() if ref is not None else None
 
 
 def _on_grad(ref: weakref.ref, param: torch.Tensor) -> None:
@@ -511,9 +512,7 @@ class HostPipeline:
         self._lock = threading.Lock()  # delayed mode: the worker and step() on Chunk.pending, _applying
         self._skip: frozenset = frozenset()  # delayed mode: slots whose weights the user replaced
         taken = [s for s in slots if (o := _owner(s.param)) is not None and not o.closed]
-        for k in [k for k, (p, _) in _OWNERS.items() if p() is None]:
-            del _OWNERS[k]
-        _OWNERS.update((id(s.param), (weakref.ref(s.param), weakref.ref(self))) for s in slots)
+        _OWNERS.update((s.param, weakref.ref(self)) for s in slots)
         if taken:
             warnings.warn(f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters belong to another "
                           "HybridDeviceOptimizer that is still alive and not closed. This one takes over their "
