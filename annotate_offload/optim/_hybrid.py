@@ -606,21 +606,20 @@ class HostPipeline:
                     else f"{what} changed after the step() that raised had stepped it (see that error's "
                     "untouched_params). Retry step() before the next backward, or call zero_grad() to leave the "
                     "failed step unfinished.")
-        side = self.side
-        with side.use(stream):
+        with self.side.use(stream):
             for s, g in todo:
                 buf = s.bufs[self._buf]
                 if self.offload_grads and s.state is S.COPIED:  # the buffer holds earlier micro-batches: add
                     if s.scratch is None:
                         s.scratch = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin_grads)
                     s.scratch.copy_(g, non_blocking=True)
-                    side.synchronize(side.record(stream))  # also the earlier copy (Note [One D2H stream])
+                    self.side.synchronize(self.side.record(stream))  # also the earlier copy (Note [One D2H stream])
                     self._apply_scales(s, buf, s.scales)  # each micro-batch keeps its own clip coefficient: c*g0 + g1
                     buf.add_(s.scratch) if buf.dtype == g.dtype else buf.copy_(buf.to(g.dtype).add_(s.scratch))
                 else:
                     buf.copy_(g, non_blocking=True)
                     s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
-            ev = side.record(stream)
+            ev = self.side.record(stream)
         for s, g in todo:
             s.state = S.COPIED
             s.unscaled[self._buf] = False
@@ -880,18 +879,17 @@ class HostPipeline:
     def scaling(self, coef: torch.Tensor) -> Iterator[None]:
         """Around the in-place multiply of the device gradients by ``coef``: their host copies (and the
         host-held gradients) get the same fp32 multiply before their step."""
-        side = self.side
         live = [s for s in self.slots if s.state is S.COPIED]
         copied = [s for s in live if (g := local_grad(s.param)) is not None and s.copied(g)]
         held = [s for s in live if local_grad(s.param) is None and self.offload_grads]
         if copied or held:
-            host = torch.empty((), dtype=coef.dtype, pin_memory=side.can_pin)
+            host = torch.empty((), dtype=coef.dtype, pin_memory=self.side.can_pin)
             host.copy_(coef, non_blocking=True)
-            ev = side.record(side.current_stream())
+            ev = self.side.record(self.side.current_stream())
             for s in (*copied, *held):
                 s.scales.append((host, ev))
         if self.d2h is not None:  # the multiply must not race a D2H of the same gradient still in flight
-            side.current_stream().wait_stream(self.d2h)
+            self.side.current_stream().wait_stream(self.d2h)
         yield
         for s in copied:
             s.grad_ver = local_grad(s.param)._version  # the copy and its coefficient equal the new gradient
