@@ -1499,9 +1499,8 @@ def _probe(cls: type, kw: dict[str, Any], like: list[tuple[torch.dtype, Any, int
 
 
 def _desc(v: Any) -> str:
-    if torch.is_tensor(v):
-        return f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}"
-    return f"{type(v).__name__} {v!r:.80}"
+    return (f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}" if torch.is_tensor(v)
+            else f"{type(v).__name__} {v!r:.80}")
 
 
 def _convert(e: Slot, k: str, v: Any, t: Any, bad: Callable[[str], ValueError]) -> Any:
