@@ -61,13 +61,8 @@ __all__ = ["HybridDeviceOptimizer"]
 
 
 def local_tensor(p: Optional[torch.Tensor]) -> Any:
-    """The tensor this rank stores for ``p`` (``p`` itself, or a DTensor's local shard)."""
+    """The tensor this rank stores for ``p`` (``p`` itself, ``None`` included, or a DTensor's local shard)."""
     return p.to_local() if type(p).__name__ == "DTensor" and hasattr(p, "to_local") else p
-
-
-def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
-    """The local part of ``p.grad`` (``None`` when there is no gradient)."""
-    return local_tensor(p.grad)
 
 
 class Placement(NamedTuple):
@@ -559,7 +554,7 @@ class HostPipeline:
         """Start the D2H of host parameter ``p``'s current gradient (what its hook does in backward);
         False when there is none or another process steps ``p``."""
         s = self._slot[id(p)]
-        g = local_grad(p)
+        g = local_tensor(p.grad)
         if g is None or not self.steps_here(p):
             return False
         if g.layout is not torch.strided:  # raised in backward, not in the worker
@@ -585,13 +580,13 @@ class HostPipeline:
     def uncopied(self, skip_batched: bool = False) -> int:
         """How many host gradients of this process ``step()`` would copy now (``skip_batched``: not the tiny ones)."""
         return sum(1 for s in self.slots if s.param.grad is not None and not (skip_batched and self.batched(s.param))
-                   and not s.copied(local_grad(s.param)))
+                   and not s.copied(local_tensor(s.param.grad)))
 
     def forget_copy(self, p: Optional[torch.Tensor] = None) -> None:
         """Make ``step()`` copy ``p``'s gradient (all: ``None``) again: it changed where versions do not
         show (``GradScaler.unscale_``, ``torch._foreach_*`` on DTensors)."""
         for s in (self._slot[id(p)],) if p is not None else self.slots:
-            if s.state is S.COPIED and local_grad(s.param) is not None:
+            if s.state is S.COPIED and s.param.grad is not None:
                 s.grad_ref = None
 
     def _copy(self, todo: list[tuple[Slot, torch.Tensor]], stream: Any) -> None:
@@ -648,7 +643,7 @@ class HostPipeline:
         independent, so any order gives the same bits)."""
         todo, last = [], {}
         for s in self.slots:
-            g = local_grad(s.param)
+            g = local_tensor(s.param.grad)
             if s.state is S.SUBMITTED or s.state is S.STEPPED:  # stepped; a changed gradient: _copy refuses it
                 if g is not None and not s.copied(g):
                     todo.append((s, g))
@@ -855,7 +850,7 @@ class HostPipeline:
             c.landed = 0
         keep = self.offload_grads and not set_to_none
         for s in self.slots:
-            if keep and s.state is not S.EMPTY and local_grad(s.param) is None:
+            if keep and s.state is not S.EMPTY and s.param.grad is None:
                 self.side.synchronize(s.d2h_ev)
                 s.bufs[self._buf].zero_()
                 s.state = S.COPIED
@@ -869,7 +864,7 @@ class HostPipeline:
         """The host-held gradient of ``p`` (``offload_gradients``, no device gradient), clip
         coefficients applied; ``None`` when the device holds it or there is none."""
         s = self._slot.get(id(p))
-        if s is None or s.state is not S.COPIED or local_grad(p) is not None or not self.offload_grads:
+        if s is None or s.state is not S.COPIED or p.grad is not None or not self.offload_grads:
             return None
         self.side.synchronize(s.d2h_ev)
         self._apply_scales(s, s.bufs[self._buf], s.scales)
@@ -880,8 +875,8 @@ class HostPipeline:
         """Around the in-place multiply of the device gradients by ``coef``: their host copies (and the
         host-held gradients) get the same fp32 multiply before their step."""
         live = [s for s in self.slots if s.state is S.COPIED]
-        copied = [s for s in live if (g := local_grad(s.param)) is not None and s.copied(g)]
-        held = [s for s in live if local_grad(s.param) is None and self.offload_grads]
+        copied = [s for s in live if (g := local_tensor(s.param.grad)) is not None and s.copied(g)]
+        held = [s for s in live if s.param.grad is None and self.offload_grads]
         if copied or held:
             host = torch.empty((), dtype=coef.dtype, pin_memory=self.side.can_pin)
             host.copy_(coef, non_blocking=True)
@@ -892,7 +887,7 @@ class HostPipeline:
             self.side.current_stream().wait_stream(self.d2h)
         yield
         for s in copied:
-            s.grad_ver = local_grad(s.param)._version  # the copy and its coefficient equal the new gradient
+            s.grad_ver = local_tensor(s.param.grad)._version  # the copy and its coefficient equal the new gradient
 
     # ------------------------------------------------------------------ masters
     def note_written(self) -> None:
@@ -1240,12 +1235,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if (opt := self.gpu_optimizer) is None:
             return
         if takes_scale(opt, amp) is False:  # Note [GradScaler]: GradScaler.unscale_, per device and dtype
-            grads = [g for s in self._slots if not s.host and (g := local_grad(s.param)) is not None]
+            grads = [g for s in self._slots if not s.host and (g := local_tensor(s.param.grad)) is not None]
             for (dev, _), ([gs], _) in (_group_tensors_by_device_and_dtype([grads]) if grads else {}).items():
                 inv = amp.scale.double().reciprocal().float().to(dev)  # as GradScaler.unscale_ computes it
                 torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), inv)
         for s in self._masters:
-            g = local_grad(s.param)
+            g = local_tensor(s.param.grad)
             s.inner.grad = None if g is None else g.to(s.inner.dtype)
         amp_step(opt, amp, host=False)
         for s in self._masters:
@@ -1316,12 +1311,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                "host chunks are stepped before the global norm exists; use the default mode to clip.")
         params = [p for g in self.param_groups for p in g["params"]]
         with torch.no_grad():
-            grads = [local_grad(p) if p.grad is not None else self.pipeline.held_grad(p) for p in params]
+            grads = [local_tensor(p.grad) if p.grad is not None else self.pipeline.held_grad(p) for p in params]
             if not (grads := [g for g in grads if g is not None]):
                 return torch.tensor(0.0)
             total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            dev = [local_grad(p) for p in params if p.grad is not None]
+            dev = [local_tensor(p.grad) for p in params if p.grad is not None]
             with self.pipeline.scaling(coef):
                 for (d, _), ([gs], _) in (_group_tensors_by_device_and_dtype([dev]) if dev else {}).items():
                     torch._foreach_mul_(gs, coef.to(d))
