@@ -1240,8 +1240,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 inv = amp.scale.double().reciprocal().float().to(dev)  # as GradScaler.unscale_ computes it
                 torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), inv)
         for s in self._masters:
-            g = local_tensor(s.param.grad)
-            s.inner.grad = None if g is None else g.to(s.inner.dtype)
+            s.inner.grad = None if s.param.grad is None else local_tensor(s.param.grad).to(s.inner.dtype)
         amp_step(opt, amp, host=False)
         for s in self._masters:
             if s.inner.grad is not None:
