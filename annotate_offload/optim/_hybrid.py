@@ -820,8 +820,7 @@ class HostPipeline:
             self._skip = frozenset()
 
     def untouched(self) -> list[int]:
-        """Flat indices of the host parameters the failed call has not updated (delayed mode: whose
-        weights it has not written)."""
+        """Flat indices of host parameters the failed call left untouched (delayed mode: weights not written)."""
         if self.delayed:
             return [s.flat for s in self._slot.values() if s.flat not in self._applied]
         return [s.flat for s in self._slot.values() if s.state is not S.STEPPED]
