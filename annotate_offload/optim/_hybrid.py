@@ -520,7 +520,6 @@ class HostPipeline:
             self._worker = CpuWorker(threads, functools.partial(side.bind_thread, self.h2d))
             weakref.finalize(self, CpuWorker.close, self._worker)
 
-    # ------------------------------------------------------------------ lookups and sharding
     def is_host(self, p: torch.Tensor) -> bool:
         return id(p) in self._slot
 
@@ -543,7 +542,6 @@ class HostPipeline:
         """True when this process steps host parameter ``p``."""
         return self._owned[self._slot[id(p)].chunk]
 
-    # ------------------------------------------------------------------ gradients
     def remove_grad_hooks(self) -> None:
         """Remove the gradient hooks; gradients are then copied at ``step()`` or by :meth:`grad_ready`."""
         for h in self._hooks:
@@ -661,7 +659,6 @@ class HostPipeline:
             last.update((s.chunk, s.seq) for s, _ in todo)  # the newest copies, in increasing order
         return sorted(last, key=last.__getitem__)
 
-    # ------------------------------------------------------------------ the step
     def step(self, device_step: Callable[[Optional[AmpStep]], None], amp_begin: Callable[[], Any]) -> None:
         """One step of both halves; ``device_step(amp)`` steps the device half (Note [Host step lifecycle])."""
         side = self.side
@@ -858,7 +855,6 @@ class HostPipeline:
                 s.state = S.EMPTY
             s.grad_ref, s.scales = None, []
 
-    # ------------------------------------------------------------------ clipping
     def held_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """The host-held gradient of ``p`` (``offload_gradients``, no device gradient), clip
         coefficients applied; ``None`` when the device holds it or there is none."""
@@ -888,7 +884,6 @@ class HostPipeline:
         for s in copied:
             s.grad_ver = local_tensor(s.param.grad)._version  # the copy and its coefficient equal the new gradient
 
-    # ------------------------------------------------------------------ masters
     def note_written(self) -> None:
         """The current values of the host parameters are no user's load (e.g. broadcast from their owner):
         their masters are not re-seeded from them."""
@@ -1125,7 +1120,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             raise (TypeError if isinstance(err, TypeError) else ValueError)(
                 f"HybridDeviceOptimizer: {what}{where}: pass a value that {_name(cls)} accepts ({err}).") from None
 
-    # ------------------------------------------------------------------ introspection
     @property
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:
         """The host optimizers (one per chunk), then the device optimizer if any (Megatron's order)."""
@@ -1158,7 +1152,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                            "it owns pinned host buffers, backward hooks and possibly a worker thread. Save "
                            "opt.state_dict() and load it into a new HybridDeviceOptimizer.")
 
-    # ------------------------------------------------------------------ per step
     def _sync_hyper(self) -> None:
         """Push the groups' hyper-parameters (LR schedulers write ``param_groups``) into the sub-optimizers'
         groups. They share the value objects, so a group none of whose values was replaced is current."""
@@ -1270,7 +1263,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         st.setdefault("master_param", s.master)
             self._fresh = [s for s in self._fresh if s.param not in self.state]
 
-    # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One step of both halves (Note [GradScaler] under a scaler); returns the closure's loss or ``None``.
