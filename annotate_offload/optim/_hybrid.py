@@ -1,25 +1,21 @@
 """``HybridDeviceOptimizer``: a fraction of the parameters is stepped on the host (private module).
 
-The optimizer, a ``torch.optim.Optimizer``, is a device sub-optimizer plus a :class:`HostPipeline` (the host half).
-In order below: the split, host memory and streams, threads, slots and chunks, the pipeline, the optimizer.
+The optimizer, a ``torch.optim.Optimizer``, is a device sub-optimizer plus a :class:`HostPipeline`, the host half.
 
 Note [Host step lifecycle] (one host-stepped parameter, overlap on):
 
-1. backward: its post-accumulate-grad hook records a *ready* event on the compute stream; the D2H stream waits
-   on it, copies the gradient into the slot's pinned buffer and records which gradient tensor and version it
-   copied (EMPTY/CONSUMED -> COPIED).
-2. ``step()``: a gradient never copied, or changed since (clipping, unscaling), is copied again. The device half
-   is queued first; then each chunk, in the order its gradients landed, waits for its D2H, is stepped by its host
-   optimizer (COPIED -> SUBMITTED -> STEPPED), writes the bf16 staging copy of a bf16 model, and enqueues its H2D
-   on the H2D stream, which waited for the compute stream at entry.
-3. ``step()`` returns once the compute stream waits on the last H2D, so no forward reads a stale weight; the
-   gradients are consumed (-> CONSUMED, Note [Consumed gradients]).
+1. backward: its post-accumulate-grad hook records a *ready* event on the compute stream; the D2H stream waits on it
+   and copies the gradient into the slot's pinned buffer, noting tensor and version (EMPTY/CONSUMED -> COPIED).
+2. ``step()`` copies a gradient never copied, or changed since (clipping, unscaling), and queues the device half; then
+   each chunk, in the order its gradients landed, waits for its D2H, is stepped by its host optimizer (COPIED ->
+   SUBMITTED -> STEPPED), fills the bf16 staging of a bf16 model and enqueues its H2D on the H2D stream.
+3. ``step()`` returns once the compute stream waits on the last H2D (at entry the H2D stream waited for the compute
+   stream), so no forward reads a stale weight; the gradients are consumed (-> CONSUMED, Note [Consumed gradients]).
 
-Note [Failed steps]: a unit of work (the device optimizer, one host chunk) completes or leaves its parameters
-untouched. After an exception ``step()`` keeps what it did (``device_done``, STEPPED slots) and the gradients of
-the rest (SUBMITTED -> COPIED), so a retried ``step()`` steps each untouched parameter once. A gradient buffer is
-multiplied once per gradient: a chunk empties the pending clip coefficients it applied and marks GradScaler's
-unscale (``Slot.unscaled``), so a retry does not apply them again. In delayed mode a chunk of step ``t`` runs
+Note [Failed steps]: a unit of work (the device optimizer, a host chunk) completes or leaves its parameters untouched.
+After an error ``step()`` keeps what it did (``device_done``, STEPPED slots) and the others' gradients (SUBMITTED ->
+COPIED): a retry steps each untouched parameter once. A buffer is scaled once per gradient: a chunk empties the clip
+coefficients it applied and marks GradScaler's unscale (``Slot.unscaled``). A delayed-mode chunk of step ``t`` runs
 during step ``t + 1``; a failed one keeps its arguments, and the next ``step()`` or ``flush()`` runs it first.
 
 Note [GradScaler]: ``GradScaler.unscale_`` rescales ``p.grad`` in place without bumping its version, so a host copy
@@ -219,11 +215,10 @@ def carve(numels: list[int], dtypes: list[torch.dtype], *, pin: bool, what: str)
     return out
 
 
-# Note [Thread budget]: the host step parallelises over the intra-op pool, and ``torchrun`` sets
-# ``OMP_NUM_THREADS=1`` with several processes per node, so the budget ignores it: ``cpu_threads`` if
-# given, else ``usable CPUs // LOCAL_WORLD_SIZE``, less one core (from four up) for the training thread
-# beside a worker (``step_in_backward``, ``delayed_param_update``). Thread counts are per thread: the
-# worker sets its own, the default mode sets it around the host step.
+# Note [Thread budget]: the host step uses the intra-op thread pool, and ``torchrun`` sets ``OMP_NUM_THREADS=1``
+# with several processes per node, so the budget ignores it: ``cpu_threads`` if given, else usable CPUs //
+# LOCAL_WORLD_SIZE, less one core (from four up) for the training thread beside a worker (step_in_backward,
+# delayed_param_update). Counts are per thread: the worker sets its own, the default mode sets one for the host step.
 def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -307,9 +302,8 @@ STRUCTURAL_KEYS = ("offload_fraction", "param_update_in_fp32", "pin_cpu_grads", 
 # Note [Tiny gradients at step()]: host parameters under BATCHED_NUMEL elements (torchao's
 # ``minimal_size``) get no gradient hook; ``step()`` copies them in one batch under one event.
 BATCHED_NUMEL = 4096
-# Note [One D2H stream]: every gradient copy is enqueued on one stream (the D2H stream; without overlap
-# the compute stream, synchronised before the host step), so the event of a chunk's last copy covers
-# all of its copies: one wait per chunk.
+# Note [One D2H stream]: every gradient copy goes to one stream (the D2H stream; without overlap the compute stream,
+# synchronised before the host step), so the event of a chunk's last copy covers all its copies: one wait per chunk.
 _NULL = contextlib.nullcontext()
 
 
@@ -620,10 +614,9 @@ class HostPipeline:
             s.grad_ref = weakref.ref(s.param.grad)
             s.grad_ver, s.grad_ptr = g._version, g.data_ptr()
             if self.offload_grads:
-                # Note [Gradient residency]: the copy may be in flight when g is freed here; record_stream keeps
-                # the allocator from reusing its block, and nothing blocks the backward thread. A gradient left
-                # on the device is read again only after step() waited for its copy (a new or changed one is
-                # copied again), so it needs none.
+                # Note [Gradient residency]: the copy may be in flight when g is freed here; record_stream keeps the
+                # allocator from reusing its block, without blocking the backward thread. A gradient left on the device
+                # is read again only after step() waited for its copy (a new or changed one is recopied): it needs none.
                 if stream is not None:
                     g.record_stream(stream)
                 s.param.grad = None
