@@ -657,6 +657,7 @@ class HostPipeline:
         side = self.side
         cur = side.current_stream()
         self._applied.clear()
+        failed = True
         try:
             start = side.record(cur) if self.overlap else None
             side.wait_event(self.d2h, start)
@@ -683,10 +684,23 @@ class HostPipeline:
                     with num_threads(self.threads), side.use(self.h2d):  # Note [H2D ordering]
                         for ci in order:
                             self._run(ci, self._plan(ci), self._buf, amp)
-        except BaseException:
-            self._end(cur, failed=True)
-            raise
-        self._end(cur, failed=False)
+            failed = False
+        finally:
+            if failed and not self.delayed:
+                with contextlib.suppress(BaseException):  # the error raised is the first one
+                    self._drain()  # first: the worker's last H2Ds are enqueued before the event below
+            side.wait_event(cur, side.record(self.h2d))  # also the H2D of chunks that did step
+            # Note [Consumed gradients]: with offload_gradients model.zero_grad() cannot reach the host copy, so
+            # step() consumes it and the next backward starts from zero.
+            if not failed:
+                for s in self.slots:
+                    if s.state is not S.EMPTY:
+                        s.state, s.grad_ref, s.scales = S.CONSUMED, None, []
+                self.device_done = False
+                self._buf ^= self.delayed
+            for c in self.chunks:  # step_in_backward's count of landed gradients
+                c.landed = 0
+            self._begun = False
 
     def _prepare(self) -> None:
         if not self._begun:  # once per step: the optimizer syncs hyper-parameters, state and masters
@@ -702,23 +716,6 @@ class HostPipeline:
             for s in self.slots:
                 if s.state is S.SUBMITTED:
                     s.state = S.COPIED  # its chunk did not step: the gradient stays for a retry
-
-    # Note [Consumed gradients]: with offload_gradients model.zero_grad() cannot reach the host copy,
-    # so step() consumes it and the next backward starts from zero.
-    def _end(self, cur: Any, *, failed: bool) -> None:
-        if failed and not self.delayed:
-            with contextlib.suppress(BaseException):  # the error raised is the first one
-                self._drain()  # first: the worker's last H2Ds are enqueued before the event below
-        self.side.wait_event(cur, self.side.record(self.h2d))  # also the H2D of chunks that did step
-        if not failed:
-            for s in self.slots:
-                if s.state is not S.EMPTY:
-                    s.state, s.grad_ref, s.scales = S.CONSUMED, None, []
-            self.device_done = False
-            self._buf ^= self.delayed
-        for c in self.chunks:  # step_in_backward's count of landed gradients
-            c.landed = 0
-        self._begun = False
 
     def _plan(self, ci: int) -> tuple[list[Slot], Any, list]:
         """What chunk ``ci`` steps, captured now: its slots with a gradient, the D2H event of the last one
