@@ -1004,9 +1004,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"HybridDeviceOptimizer: {name}={cls!r}: pass a torch.optim.Optimizer subclass, e.g. "
                                 "torch.optim.AdamW.")
         if cpu_cls.__module__.startswith(_GPU_ONLY):
-            raise TypeError(f"HybridDeviceOptimizer: cpu_optimizer_cls={_name(cpu_cls)} only runs on the GPU, but "
-                            "it would step the host part: pass torch.optim.AdamW/Adam (fused on the CPU) or "
-                            "torch.optim.SGD.")
+            raise TypeError(f"HybridDeviceOptimizer: cpu_optimizer_cls={_name(cpu_cls)} only runs on the GPU, but it "
+                            "would step the host part: pass torch.optim.AdamW/Adam (fused on CPU) or torch.optim.SGD.")
         self._classes = (cpu_cls, gpu_cls)
         sigs = [_signature(c) for c in self._classes]
         for k, v in kwargs.items():
@@ -1055,8 +1054,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Used by the constructor for each group; refused afterwards (``OffloadError``: the split is fixed)."""
         if hasattr(self, "pipeline"):  # the constructor's groups are in: the split is fixed
             raise OffloadError("HybridDeviceOptimizer: add_param_group after construction is not supported (the "
-                               "host/GPU split and host buffers are fixed then); build a new HybridDeviceOptimizer "
-                               "with all groups.")
+                               "host/GPU split and buffers are fixed); build a new optimizer with all groups.")
         where = f" in param group {len(self.param_groups)}"
         for k in (*STRUCTURAL_KEYS, *_CLASS_KEYS) if isinstance(param_group, dict) else ():
             if k in param_group and not _same(param_group[k], self.defaults[k]):
@@ -1103,8 +1101,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 continue
             if (base := _probe(cls, {}, on)[1]) is not None:
                 raise TypeError(f"HybridDeviceOptimizer: {role}={_name(cls)}: pass a class that can step these "
-                                "parameters with step() and no closure, as HybridDeviceOptimizer steps it "
-                                f"({base}).") from None
+                                f"parameters with step() and no closure, as this optimizer does ({base}).") from None
             k = next((k for k in kw if _probe(cls, {j: v for j, v in kw.items() if j != k}, on)[1] is None), None)
             what = f"{k}={kw[k]!r}" if k is not None else ", ".join(f"{k}={v!r}" for k, v in kw.items())
             raise (TypeError if isinstance(err, TypeError) else ValueError)(
@@ -1139,8 +1136,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise OffloadError("HybridDeviceOptimizer cannot be pickled or copied (torch.save(opt), copy.deepcopy(opt)): "
-                           "it owns pinned host buffers, backward hooks and possibly a worker thread. Save "
-                           "opt.state_dict() and load it into a new HybridDeviceOptimizer.")
+                           "it owns pinned buffers and hooks. Save opt.state_dict() and load it into a new one.")
 
     def _sync_hyper(self) -> None:
         """Push the groups' hyper-parameters (LR schedulers write ``param_groups``) into the sub-optimizers'
