@@ -72,21 +72,21 @@ class Placement(NamedTuple):
     chunk: int  # host chunk (and index in cpu_optimizers), -1 on the device side
 
 
-def choose_offloaded(params: list[torch.Tensor], fraction: float,
-                     on_device: Callable[[torch.Tensor], bool]) -> list[bool]:
+def choose_offloaded(params: list[torch.Tensor], fraction: float, cuda: bool) -> list[bool]:
     """Per parameter, in param-group order: ``True`` where it is stepped on the host.
 
     Split rule (Megatron-Core's): whole tensors; the budget is ``fraction`` times the numel of the trainable
-    device-resident parameters; walk the param groups in order, each group in order, and offload a parameter while the
-    numel offloaded so far is below the budget (the last one may overshoot by one tensor). Parameters already on the
-    host always go to the host side and do not count; frozen ones are never offloaded. A DTensor (FSDP2 shard) counts
-    and is stepped through its local shard (:func:`local_tensor`), so each rank offloads its own shards.
+    device-resident parameters (all of them without ``cuda``); walk the parameters in param-group order and offload
+    one while the numel offloaded so far is below the budget (the last one may overshoot by one tensor). Parameters
+    already on the host always go to the host side and do not count; frozen ones are never offloaded. A DTensor (FSDP2
+    shard) counts and is stepped through its local shard (:func:`local_tensor`), so each rank offloads its own shards.
     """
-    budget = fraction * sum(local_tensor(p).numel() for p in params if p.requires_grad and on_device(p))
+    on_device = [not cuda or local_tensor(p).is_cuda for p in params]
+    budget = fraction * sum(local_tensor(p).numel() for p, d in zip(params, on_device) if p.requires_grad and d)
     done, out = 0, []
-    for p in params:
-        out.append(p.requires_grad and (not on_device(p) or done < budget))
-        if out[-1] and on_device(p):
+    for p, d in zip(params, on_device):
+        out.append(p.requires_grad and (not d or done < budget))
+        if out[-1] and d:
             done += local_tensor(p).numel()
     return out
 
@@ -1022,8 +1022,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # ---- split, host pipeline, device optimizer: one slot per parameter, both sides built from them
         flat = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])]
         side = Side([local_tensor(p) for _, _, p in flat])
-        host = choose_offloaded([p for _, _, p in flat], float(offload_fraction),
-                                lambda p: not side.cuda or local_tensor(p).is_cuda)
+        host = choose_offloaded([p for _, _, p in flat], float(offload_fraction), side.cuda)
         self._slots = [Slot(p, i, gi, pi, host[i], param_update_in_fp32) for i, (gi, pi, p) in enumerate(flat)]
         self.pipeline = HostPipeline([s for s in self._slots if s.host], self.param_groups, cpu_cls, self._impl,
                                      self.defaults, side=side, threads=threads, begin=self._begin)
