@@ -150,14 +150,11 @@ class Side:
         self.can_pin = self.cuda = bool(devices)
         self.device = devices.pop() if devices else torch.device("cpu")
 
-    def new_stream(self) -> Any:
-        return torch.cuda.Stream(device=self.device) if self.cuda else None
-
     def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device) if self.cuda else None
 
     def bind_thread(self, stream: Any) -> None:
-        """Make this thread use the device, and ``stream`` (one of :meth:`new_stream`) as its current stream."""
+        """Make this thread use the device, and ``stream`` (a stream of that device) as its current stream."""
         if self.cuda:
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(stream)
@@ -491,7 +488,7 @@ class HostPipeline:
                 slots[i].chunk = ci
             opt = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
             self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
-        self.d2h, self.h2d = (side.new_stream(), side.new_stream()) if overlap else (None, None)
+        self.d2h, self.h2d = [torch.cuda.Stream(side.device) if overlap and side.cuda else None for _ in range(2)]
         self.closed = self.device_done = self.sharded = False  # device_done: Note [Failed steps]
         self._owned = [True] * len(self.chunks)  # per chunk: this process steps it (set_owner)
         self._buf = self._seq = 0
