@@ -447,9 +447,8 @@ def _on_grad(ref: weakref.ref, param: torch.Tensor) -> None:
 def _sparse(s: Slot, g: torch.Tensor) -> TypeError:
     return TypeError(
         f"HybridDeviceOptimizer: parameter {s.index} of param group {s.group} (shape {tuple(s.local.shape)}) has a "
-        f"sparse gradient (layout={g.layout}); the host step copies gradients into dense buffers. Use a dense "
-        "embedding (nn.Embedding(..., sparse=False), the default), or step it with torch.optim.SparseAdam outside "
-        "this optimizer.")
+        f"sparse gradient (layout={g.layout}); host gradient buffers are dense. Use a dense embedding (nn.Embedding("
+        "..., sparse=False), the default), or step it with torch.optim.SparseAdam outside this optimizer.")
 
 
 class HostPipeline:
@@ -825,9 +824,8 @@ class HostPipeline:
         """Drop the host copies (with ``offload_gradients`` and ``set_to_none=False`` a held gradient
         becomes zero, as torch keeps a zero ``p.grad``)."""
         if self.in_backward and any(s.state is S.SUBMITTED or s.state is S.STEPPED for s in self.slots):
-            raise OffloadError("HybridDeviceOptimizer.zero_grad: step_in_backward=True stepped host chunks in the last "
-                               "backward, so this step cannot be skipped. Call step() to finish it, or use "
-                               "step_in_backward=False in a loop that skips steps.")
+            raise OffloadError("HybridDeviceOptimizer.zero_grad: step_in_backward=True stepped chunks in backward, so "
+                               "this step cannot be skipped. Call step(), or skip steps with step_in_backward=False.")
         self.device_done = False
         for c in self.chunks:
             c.landed = 0
@@ -972,8 +970,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         number = isinstance(offload_fraction, (int, float)) and not isinstance(offload_fraction, bool)
         if not number or not 0 <= offload_fraction <= 1:
             raise (ValueError if number else TypeError)(
-                f"HybridDeviceOptimizer: offload_fraction={offload_fraction!r}: pass a number in [0, 1] (the host's "
-                "share of the numel).")
+                f"HybridDeviceOptimizer: offload_fraction={offload_fraction!r}: pass the host's share, in [0, 1].")
         flags = dict(param_update_in_fp32=param_update_in_fp32, pin_cpu_grads=pin_cpu_grads,
                      pin_cpu_params=pin_cpu_params, overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
                      offload_gradients=offload_gradients, step_in_backward=step_in_backward,
