@@ -1068,10 +1068,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             raise
 
     def _check_group(self, params: list[torch.Tensor], hyper: dict[str, Any], where: str) -> None:
-        """Let each torch class judge the hyper-parameters it takes: build it over tensors like those it would
-        step for ``params`` (host masters; device parameters or masters) and step it once (:func:`_probe`);
-        its refusal is re-raised naming the value and the fix first. Refused here, though torch takes them: a
-        non-bool switch, a non-finite ``lr``."""
+        """Let each torch class judge its hyper-parameters: step it once (:func:`_probe`) over tensors like those it
+        steps for ``params`` (host masters; device parameters or masters) and re-raise its refusal naming value and
+        fix. Refused here, though torch takes them: a non-bool switch, a non-finite ``lr``."""
         lr = hyper.get("lr")
         if (type(lr) in (int, float) or torch.is_tensor(lr) and lr.numel() == 1) and not math.isfinite(float(lr)):
             raise ValueError(f"HybridDeviceOptimizer: lr={lr!r}{where}: pass a finite learning rate.")
