@@ -447,8 +447,8 @@ def _on_grad(ref: weakref.ref, param: torch.Tensor) -> None:
 def _sparse(s: Slot, g: torch.Tensor) -> TypeError:
     return TypeError(
         f"HybridDeviceOptimizer: parameter {s.index} of param group {s.group} (shape {tuple(s.local.shape)}) has a "
-        f"sparse gradient (layout={g.layout}); host gradient buffers are dense. Use a dense embedding (nn.Embedding("
-        "..., sparse=False), the default), or step it with torch.optim.SparseAdam outside this optimizer.")
+        f"sparse gradient (layout={g.layout}); host gradient buffers are dense. Use a dense embedding "
+        "(nn.Embedding(..., sparse=False), the default), or torch.optim.SparseAdam outside this optimizer.")
 
 
 class HostPipeline:
@@ -1189,9 +1189,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return None
         for flag in ("offload_gradients", "step_in_backward"):
             if self.defaults[flag]:
-                raise OffloadError(f"HybridDeviceOptimizer: GradScaler with {flag}=True is not supported (Note "
-                                   "[GradScaler]): the host gradients miss the scaler's inf/NaN check. Build the "
-                                   f"optimizer with {flag}=False to train with GradScaler (fp16).")
+                raise OffloadError(f"HybridDeviceOptimizer: GradScaler with {flag}=True is not supported "
+                                   "(Note [GradScaler]): the host gradients miss the scaler's inf/NaN check. Build "
+                                   f"the optimizer with {flag}=False to train with GradScaler (fp16).")
         if bool(found.item()):
             return AmpStep(True)
         if (scale := getattr(self, "grad_scale", None)) is None:  # unscale_ ran: p.grad changed, its version not
