@@ -325,7 +325,7 @@ class Slot:
 
     __slots__ = ("param", "flat", "group", "index", "local", "host", "inner", "master", "opt", "sub_group", "bufs",
                  "staging", "scratch", "chunk", "grad_ref", "grad_ver", "grad_ptr", "d2h_ev", "ready_ev", "scales",
-                 "p_ver", "seq", "state", "st", "unscaled")
+                 "p_ver", "seq", "state", "st", "seen", "unscaled")
 
     def __init__(self, param: torch.Tensor, flat: int, group: int, index: int, host: bool, fp32: bool) -> None:
         self.param, self.flat, self.group, self.index, self.host = param, flat, group, index, host
@@ -337,6 +337,7 @@ class Slot:
         self.opt: Any = None  # its sub-optimizer and group there (set when they are built)
         self.sub_group: dict = {}
         self.st: Optional[dict] = None  # its state dict as last placed in the sub-optimizer
+        self.seen: tuple = ()  # that dict's values after the last _sync_hdo_state_to_sub_optimizers
         self.bufs: list[torch.Tensor] = []  # host gradient buffers (two in delayed mode)
         self.staging: Optional[torch.Tensor] = None  # model-dtype pinned copy for the H2D
         self.scratch: Optional[torch.Tensor] = None  # landing buffer for accumulation (lazy)
@@ -1165,6 +1166,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for p, st in self.state.items():  # no tensor-keyed lookups: they hash through Python
             if not st or (s := self._by_id.get(id(p))) is None:
                 continue
+            if s.st is st and len(st) == len(s.seen) and all(map(operator.is_, st.values(), s.seen)):
+                continue  # nothing replaced since the last call (in-place changes need nothing)
             if adopt and s.master is not None and st.get("master_param", s.master) is not s.master:
                 s.p_ver = s.param._version
             if s.st is not st:
@@ -1182,6 +1185,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     st[k] = _step(v, s)  # v itself when in place
                 elif v.get_device() != dev:
                     st[k] = v.to(s.inner.device)
+            s.seen = tuple(st.values())
 
     def _amp_begin(self) -> Optional[AmpStep]:
         """What a GradScaler set on this optimizer for this ``step()``, or ``None`` (Note [GradScaler])."""
@@ -1365,7 +1369,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 else:
                     self.state.pop(s.param, None)
                     s.opt.state.pop(s.inner, None)
-                s.p_ver = s.param._version
+                s.p_ver, s.seen = s.param._version, ()  # no reference to the replaced state
         self._fresh = [s for s in self._slots if s.param not in self.state]
         self._sync_hyper()
         if delayed:

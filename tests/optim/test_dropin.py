@@ -105,6 +105,25 @@ def test_state_written_into_hdo_state_reaches_the_sub_optimizers(f):
     src.close()
 
 
+@pytest.mark.parametrize("f", [0.0, 1.0])
+def test_a_state_value_replaced_between_steps_is_adopted_by_the_next_step(f):
+    """A value assigned into ``state[p]`` between steps, with no sync call, is put where the class keeps it
+    (an int64 ``step`` becomes the fused class's fp32 one) before the next step, after steps that replaced nothing."""
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, lr=1e-2)
+    ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
+    train(m, opt, inputs(2, 11))
+    train(r, ref, inputs(2, 11))
+    for p, q in zip(m.parameters(), r.parameters()):
+        opt.state[p]["step"] = torch.tensor(7)
+        ref.state[q]["step"] = torch.tensor(7.0)
+    train(m, opt, inputs(2, 3))
+    train(r, ref, inputs(2, 3))
+    assert_same(m, r)
+    assert all(opt.state[p]["step"].dtype == torch.float32 for p in m.parameters())
+    opt.close()
+
+
 def test_rebuild_from_defaults_keeps_the_classes():
     """Megatron's DistributedOptimizer rebuilds the optimizer as ``HybridDeviceOptimizer(groups, **old.defaults)``."""
     m = Tiny()
