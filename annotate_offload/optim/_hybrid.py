@@ -492,7 +492,7 @@ class HostPipeline:
         self.closed = self.device_done = self.sharded = False  # device_done: Note [Failed steps]
         self._owned = [True] * len(self.chunks)  # per chunk: this process steps it (set_owner)
         self._buf = self._seq = 0
-        self._begun = self._applying = self._retry = False
+        self._begun = self._applying = self._retry = self.raised = False  # raised: the last step() raised
         self._jobs: dict[int, tuple] = {}  # delayed mode: _run's arguments of chunks submitted, not finished
         self._applied: set[int] = set()  # delayed mode: parameters whose weights this call wrote
         self._lock = threading.Lock()  # delayed mode: the worker and step() on Chunk.pending, _applying
@@ -697,7 +697,7 @@ class HostPipeline:
                 self._buf ^= self.delayed
             for c in self.chunks:  # step_in_backward's count of landed gradients
                 c.landed = 0
-            self._begun = False
+            self._begun, self.raised = False, failed
 
     def _prepare(self) -> None:
         if not self._begun:  # once per step: the optimizer syncs hyper-parameters, state and masters
@@ -824,10 +824,11 @@ class HostPipeline:
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop the host copies (with ``offload_gradients`` and ``set_to_none=False`` a held gradient
         becomes zero, as torch keeps a zero ``p.grad``)."""
-        if self.in_backward and any(s.state is S.SUBMITTED or s.state is S.STEPPED for s in self.slots):
+        unfinished = [s for s in self.slots if s.state is S.SUBMITTED or s.state is S.STEPPED and not self.raised]
+        if self.in_backward and unfinished:
             raise OffloadError("HybridDeviceOptimizer.zero_grad: step_in_backward=True stepped chunks in backward, so "
                                "this step cannot be skipped. Call step(), or skip steps with step_in_backward=False.")
-        self.device_done = False
+        self.device_done = self.raised = False
         for c in self.chunks:
             c.landed = 0
         keep = self.offload_grads and not set_to_none
@@ -1270,7 +1271,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient, host-held ones included; with ``step_in_backward`` a step whose chunks
-        were stepped in backward cannot be skipped (``OffloadError``)."""
+        were stepped in backward cannot be skipped (``OffloadError``) unless its ``step()`` raised."""
         self.pipeline.zero_grad(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
 

@@ -89,6 +89,25 @@ def test_a_gradient_changed_after_a_failed_step_is_refused_and_zero_grad_skips_t
     opt.close()
 
 
+def test_a_step_in_backward_step_refused_for_a_clipped_gradient_is_dropped_by_zero_grad():
+    """step_in_backward: clipping after backward changes gradients whose chunks were stepped in backward, so
+    step() raises; zero_grad() then drops the unfinished step, as the error's note says, and training goes on."""
+    m, _, opt, _ = _build("step_in_backward")
+    x = inputs(1, 7)[0]
+    loss_of(m, x).backward()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-6)
+    with pytest.raises(OffloadError, match="after step_in_backward=True stepped it") as info:
+        opt.step()
+    untouched = set(info.value.untouched_params)
+    assert "zero_grad()" in "".join(info.value.__notes__)
+    opt.zero_grad()
+    loss_of(m, x).backward()
+    opt.step()
+    steps = [int(opt.state[p]["step"]) for p in m.parameters()]
+    assert steps == [1 if i in untouched else 2 for i in range(len(steps))] and 0 < len(untouched) < len(steps)
+    opt.close()
+
+
 @pytest.mark.parametrize("clip", [False, True], ids=["", "clipped"])
 def test_a_failed_host_chunk_in_delayed_mode_runs_again_before_the_next_step(clip, monkeypatch):
     """Delayed mode: step t's host work runs during step t + 1; a chunk that failed is reported by the
