@@ -952,7 +952,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     ``state[p]`` *is* the sub-optimizer's state of ``p`` (``master_param`` where a separate master exists), empty
     before the first step. After an exception in ``step()`` each parameter is stepped or untouched; the exception's
-    ``untouched_params`` lists the untouched (``param_groups`` order), and ``step()`` again steps exactly those, once.
+    ``untouched_params`` (list[int]) holds the untouched ones' indices in ``param_groups`` order, and ``step()`` again
+    steps exactly those, once.
 
     Example::
 
@@ -1462,7 +1463,7 @@ def _probe(cls: type, kw: dict[str, Any], like: list[tuple[torch.dtype, Any, int
         opt = cls([{**kw, "params": ps}]) if group else cls(ps, **kw)
         opt.step()
         return dict(opt.state.get(ps[0], {})), None
-    except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError) as err:
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, AssertionError, IndexError) as err:
         return None, err
 
 

@@ -47,6 +47,7 @@ def test_unknown_keyword_is_type_error(kw, match):
         ({"betas": (1.5, 0.9)}, r"betas=\(1.5, 0.9\) in param group 0: .*Invalid beta parameter at index 0: 1.5"),
         ({"betas": (0.9, 1.0)}, r"betas=\(0.9, 1.0\) in param group 0: .*Invalid beta parameter at index 1: 1.0"),
         ({"betas": (0.9, -0.1)}, r"betas=\(0.9, -0.1\) in param group 0"),
+        ({"betas": (0.9,)}, r"betas=\(0.9,\) in param group 0: pass a value that torch.optim.AdamW accepts"),
     ],
 )
 def test_out_of_range_is_value_error(kw, match):
