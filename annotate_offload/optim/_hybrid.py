@@ -1139,6 +1139,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             vals, seen = list(g.values()), self._seen[gi]
             if len(vals) != len(seen) or not all(map(operator.is_, vals, seen)):
+                if k := next((k for k in STRUCTURAL_KEYS if k in g and not _same(g[k], self.defaults[k])), None):
+                    raise ValueError(f"HybridDeviceOptimizer: param_groups[{gi}][{k!r}]={g[k]!r}: it is fixed when the "
+                                     f"optimizer is built ({self.defaults[k]!r}); build a new one to change it.")
                 self._seen[gi] = vals
                 for sub, keys in self._links[gi]:
                     sub.update((k, g[k]) for k in keys)

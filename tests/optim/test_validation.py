@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from _hdo_util import Tiny
+from _hdo_util import Tiny, inputs, loss_of
 from annotate_offload.errors import OffloadError
 from annotate_offload.optim import HybridDeviceOptimizer
 
@@ -410,4 +410,22 @@ def test_a_class_that_checks_parameter_shapes_still_builds():
     opt = HybridDeviceOptimizer([w], offload_fraction=1.0, cpu_optimizer_cls=torch.optim.Muon, lr=0.02)
     w.grad = torch.randn(16, 16)
     opt.step()
+    opt.close()
+
+
+@pytest.mark.parametrize("key, value", [("offload_fraction", 0.1), ("step_in_backward", True)])
+def test_a_per_optimizer_option_changed_in_param_groups_is_refused_by_the_next_step(key, value):
+    """The split, buffers and mode are built once: a new value in ``param_groups`` is refused, not ignored,
+    before anything is stepped; put back, the same step goes on."""
+    m = Tiny()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.5, lr=1e-2)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.param_groups[0][key] = value
+    loss_of(m, inputs(1, 3)[0]).backward()
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]\['{key}'\]={value}: it is fixed when the optimizer"):
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, m.parameters()))
+    opt.param_groups[0][key] = opt.defaults[key]
+    opt.step()
+    assert not any(torch.equal(b, p) for b, p in zip(before, m.parameters()))
     opt.close()
