@@ -1356,6 +1356,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         self.flush()
+        self._sync_hyper()  # a per-optimizer option changed in param_groups is refused before anything changes
         hypers, states = _check_load(self, state_dict)
         delayed = self.defaults["delayed_param_update"]
         for g, h in zip(self.param_groups, hypers):

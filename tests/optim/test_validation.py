@@ -3,6 +3,7 @@ the hyper-parameters, and the error names the value and the fix before the class
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -425,6 +426,11 @@ def test_a_per_optimizer_option_changed_in_param_groups_is_refused_by_the_next_s
     with pytest.raises(ValueError, match=rf"param_groups\[0\]\['{key}'\]={value}: it is fixed when the optimizer"):
         opt.step()
     assert all(torch.equal(b, p) for b, p in zip(before, m.parameters()))
+    saved = copy.deepcopy(opt.state_dict())  # a load is refused too, before it changes anything
+    saved["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(ValueError, match="it is fixed when the optimizer"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 1e-2
     opt.param_groups[0][key] = opt.defaults[key]
     opt.step()
     assert not any(torch.equal(b, p) for b, p in zip(before, m.parameters()))
