@@ -336,8 +336,7 @@ class Slot:
         self.master: Optional[torch.Tensor] = self.inner if wide else None
         self.opt: Any = None  # its sub-optimizer and group there (set when they are built)
         self.sub_group: dict = {}
-        self.st: Optional[dict] = None  # its state dict as last placed in the sub-optimizer
-        self.seen: tuple = ()  # that dict's values after the last _sync_hdo_state_to_sub_optimizers
+        self.st, self.seen = None, ()  # its state dict as last placed in the sub-optimizer; its values at the last sync
         self.bufs: list[torch.Tensor] = []  # host gradient buffers (two in delayed mode)
         self.staging: Optional[torch.Tensor] = None  # model-dtype pinned copy for the H2D
         self.scratch: Optional[torch.Tensor] = None  # landing buffer for accumulation (lazy)
@@ -1257,6 +1256,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Raises:
             OffloadError: closed; a gradient changed after ``step_in_backward`` stepped it; GradScaler with
                 ``offload_gradients`` or ``step_in_backward``. Any exception carries ``untouched_params``.
+            ValueError: an option fixed at construction (``offload_fraction``, a mode) changed in ``param_groups``.
         """
         if self.pipeline.closed:
             raise OffloadError("HybridDeviceOptimizer.step: this optimizer was closed (close() stopped its worker and "
