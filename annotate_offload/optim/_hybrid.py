@@ -160,22 +160,14 @@ class Side:
             torch.cuda.set_stream(stream)
 
     @staticmethod
-    def use(stream: Any) -> Any:
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    def use(stream: Any) -> Any:  # torch.cuda.stream also sets the device, at half as much again per hook: each op
+        # runs on its tensors' device, under that device's current stream, so only the stream is set
+        return _NULL if stream is None else swapped(lambda: torch.cuda.current_stream(stream.device),
+                                                    torch.cuda.set_stream, stream)
 
-    @staticmethod
-    def record(stream: Any) -> Any:
-        return stream.record_event() if stream is not None else None
-
-    @staticmethod
-    def wait_event(stream: Any, event: Any) -> None:
-        if stream is not None and event is not None:
-            stream.wait_event(event)
-
-    @staticmethod
-    def synchronize(event: Any) -> None:
-        if event is not None:
-            event.synchronize()
+    record = staticmethod(lambda stream: stream.record_event() if stream is not None else None)
+    wait_event = staticmethod(lambda stream, event: stream is None or event is None or stream.wait_event(event))
+    synchronize = staticmethod(lambda event: event is None or event.synchronize())
 
 
 def carve(numels: list[int], dtypes: list[torch.dtype], *, pin: bool, what: str) -> list[torch.Tensor]:
@@ -236,16 +228,17 @@ def thread_budget(cpu_threads: Optional[int] = None, *, beside_training: bool = 
 
 
 @contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    """Run the body with ``torch.set_num_threads(n)`` and restore the previous value."""
-    old = torch.get_num_threads()
-    if old != n:
-        torch.set_num_threads(n)
+def swapped(get: Callable[[], Any], put: Callable[[Any], Any], value: Any) -> Iterator[None]:
+    """Run the body with ``put(value)`` in effect, then put back what ``get()`` returned."""
+    old = get()
+    put(value)
     try:
         yield
     finally:
-        if old != n:
-            torch.set_num_threads(old)
+        put(old)
+
+
+num_threads = functools.partial(swapped, torch.get_num_threads, torch.set_num_threads)  # (n): n threads in the body
 
 
 class CpuWorker:
@@ -590,6 +583,9 @@ class HostPipeline:
                     "untouched_params). Retry step() before the next backward, or call zero_grad() to leave the "
                     "failed step unfinished.")
         with self.side.use(stream):
+            plain = [(s.bufs[self._buf], g) for s, g in todo if not (self.offload_grads and s.state is S.COPIED)]
+            if plain:  # one call: the copies are looped in C++
+                torch._foreach_copy_(*map(list, zip(*plain)), non_blocking=True)
             for s, g in todo:
                 buf = s.bufs[self._buf]
                 if self.offload_grads and s.state is S.COPIED:  # the buffer holds earlier micro-batches: add
@@ -600,7 +596,6 @@ class HostPipeline:
                     self._apply_scales(s, buf, s.scales)  # each micro-batch keeps its own clip coefficient: c*g0 + g1
                     buf.add_(s.scratch) if buf.dtype == g.dtype else buf.copy_(buf.to(g.dtype).add_(s.scratch))
                 else:
-                    buf.copy_(g, non_blocking=True)
                     s.scales = []  # the buffer holds g alone: coefficients already in g are not applied again
             ev = self.side.record(stream)
         for s, g in todo:
