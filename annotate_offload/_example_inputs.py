@@ -1,24 +1,17 @@
 """``example_inputs`` of ``offload_transform`` and the planner: one training step's inputs (private).
 
-The meta-device estimate and the planner's profiling run ``model(*args, **kwargs)`` with them.
-Hugging Face models default to ``use_cache=True``, which hands every decoder layer one shared
-key/value cache: the planner, which profiles each layer several times on the inputs captured
-from one forward, then appended to that cache on every run (later runs attend to earlier runs'
-keys, and their backward reached a freed graph). A training step does not use the cache, so when
-the model's forward takes ``use_cache`` and the caller did not set it, profiling passes
-``use_cache=False`` (what Hugging Face's own Trainer does under gradient checkpointing). The meta
-estimate runs the forward once and keeps the caller's inputs: there the cache is empty and the
-saved shapes are a training step's (and Llama's mask code without a cache calls ``.item()``,
-which meta tensors refuse).
+The meta-device estimate and the planner's profiling run ``model(*args, **kwargs)`` with them
+(profiling without a key/value cache: Note [No key/value cache while profiling] in
+``planner/_measure.py``). The meta estimate runs the forward once, with the model's own settings: a
+cache there is empty and the saved shapes are a training step's (and Llama's mask code without a cache
+calls ``.item()``, which meta tensors refuse).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
-import torch.nn as nn
 
 __all__: list[str] = []
 
@@ -53,20 +46,3 @@ def split(example_inputs: Any, who: str) -> tuple[tuple, dict]:
         return tuple(example_inputs), {}
     raise TypeError(f"{who}: example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword "
                     f"inputs (str keys), got {type(example_inputs).__name__}; {_FIX}")
-
-
-def for_training(model: nn.Module, kwargs: dict) -> dict:
-    """``kwargs`` with ``use_cache=False`` added when the caller did not set it and the model takes
-    it: its forward names ``use_cache``, or passes ``**kwargs`` through (a peft ``PeftModel``, other
-    wrappers) to a model whose config has ``use_cache`` (Hugging Face ``PretrainedConfig``). See
-    the module docstring."""
-    if "use_cache" in kwargs:
-        return kwargs
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a forward without a signature (C++ / builtins)
-        return kwargs
-    if "use_cache" in params or (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-                                 and getattr(getattr(model, "config", None), "use_cache", None) is not None):
-        return {**kwargs, "use_cache": False}
-    return kwargs

@@ -79,11 +79,11 @@ def offload_transform(
             predicted plan that fits; a model that fits keeps everything (with a one-line warning).
             Default: ``None`` (the config's ``memory_budget``).
         example_inputs (Tensor | tuple | dict | None): one training step's inputs; used to estimate
-            bytes per layer on the meta device (and to profile with a budget, which adds
-            ``use_cache=False`` for models whose forward takes it) and to refuse a layer that runs
-            twice per forward. Without them bytes are measured on the first training step. The
-            estimate emulates bf16 autocast when ``config`` says ``bf16=True`` or the call runs
-            inside ``torch.autocast`` (Note [Autocast on meta] in ``_estimate.py``). Default: ``None``.
+            bytes per layer on the meta device (and to profile with a budget, with every
+            ``config.use_cache`` off) and to refuse a layer that runs twice per forward. Without
+            them bytes are measured on the first training step. The estimate emulates bf16 autocast
+            when ``config`` says ``bf16=True`` or the call runs inside ``torch.autocast`` (Note
+            [Autocast on meta] in ``_estimate.py``). Default: ``None``.
         config (ModelConfig | Config | None): the offload settings, Megatron Bridge names:
             ``cpu_offloading`` (``False`` returns the model unchanged), ``cpu_offloading_num_layers``,
             ``memory_budget``, the schedule ``release_lag`` and ``prefetch_layers`` (``None``: chosen

@@ -8,6 +8,14 @@ Backward uses ``torch.autograd.grad``, which returns gradients instead of accumu
 ``.grad``. The model is left as found: every module's training flag, every buffer (e.g. BatchNorm's
 running statistics and ``num_batches_tracked``), every parameter's ``.grad`` object and the CPU and CUDA
 RNG states are saved before and restored after, also when profiling raises.
+
+Note [No key/value cache while profiling]: a Hugging Face model whose ``use_cache`` is not passed reads
+``config.use_cache`` (``True`` by default) and hands every decoder layer one shared key/value cache. Each
+layer is profiled several times on the inputs captured from one forward, so it would append to that
+cache on every run: later runs attend to earlier runs' keys, and their backward reaches a freed graph.
+A training step keeps no cache (Hugging Face's Trainer turns it off under gradient checkpointing), so
+every ``config.use_cache`` in the model's modules is ``False`` while profiling, however deep the model
+sits in the caller's wrappers (PEFT, a ``LightningModule``), and put back after.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from annotate_offload._example_inputs import for_training, split
+from annotate_offload._example_inputs import split
 
 # the runtime's rule for what it never offloads (weights and their casts), so the plan counts as it moves
 from annotate_offload.runtime._layer_state import _is_weight, frozen_shapes
@@ -64,11 +72,15 @@ def discover_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class _ModelState:
     """Everything profiling may change, saved so it can be put back (see the module docstring)."""
 
-    __slots__ = ("model", "training", "buffers", "grads", "cpu_rng", "cuda_rng")
+    __slots__ = ("model", "training", "buffers", "grads", "cpu_rng", "cuda_rng", "caching")
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.training = [(m, m.training) for m in model.modules()]
+        configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}.values()
+        self.caching = [c for c in configs if getattr(c, "use_cache", None) is True]  # Note [No key/value cache ...]
+        for c in self.caching:
+            c.use_cache = False
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.grads = [(p, p.grad) for p in model.parameters()]
         self.cpu_rng = torch.get_rng_state()
@@ -77,6 +89,8 @@ class _ModelState:
     def restore(self) -> None:
         for module, flag in self.training:
             module.training = flag
+        for c in self.caching:
+            c.use_cache = True
         with torch.no_grad():
             for buf, saved in self.buffers:
                 buf.copy_(saved)
@@ -439,7 +453,6 @@ def measure(
                 )
         named = [(names[id(layer)], layer) for layer in layers]
     args, kwargs = split(example_inputs, "plan_offload")
-    kwargs = for_training(model, kwargs)
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
     in_layers = {id(p) for _, layer in named for p in layer.parameters()}

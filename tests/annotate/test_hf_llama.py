@@ -117,10 +117,25 @@ def test_auto_plan_on_a_cache_using_model_profiles_without_the_cache():
     _same(_step(model, ids), _step(ref, ids))
 
 
-def test_use_cache_is_off_only_when_the_forward_takes_it_and_the_caller_left_it_unset():
-    from annotate_offload._example_inputs import for_training
+def test_auto_plan_through_a_wrapper_that_leaves_use_cache_unset_profiles_without_the_cache():
+    # the wrapper's forward (a LightningModule's, typically) passes no use_cache: the model reads
+    # config.use_cache, so profiling turns the config off, at any depth, and puts it back
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _llama()
 
-    model = _llama()
-    assert for_training(model, {"input_ids": 1}) == {"input_ids": 1, "use_cache": False}
-    assert for_training(model, {"use_cache": True}) == {"use_cache": True}  # the caller's choice stands
-    assert for_training(torch.nn.Linear(2, 2), {"input": 1}) == {"input": 1}
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    model = Wrapper()
+    ref = copy.deepcopy(model)
+    assert model.model.config.use_cache is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offload_transform(model, num_layers="auto", memory_budget=1 << 30, example_inputs=(_ids(),))
+    assert model.model.config.use_cache is True
+    ids = _ids()
+    for m in (model, ref):
+        m(ids).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))

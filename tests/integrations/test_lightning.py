@@ -26,7 +26,6 @@ class Lit(pl.LightningModule):
     def __init__(self, optimizer) -> None:
         super().__init__()
         self.model, self.optimizer = llama(), optimizer
-        self.model.config.use_cache = False  # training (the planner profiles layers on captured inputs)
         self.losses, self.norms = [], []
 
     def forward(self, input_ids):
