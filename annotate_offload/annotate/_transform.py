@@ -244,34 +244,46 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
 
 
 def remove_offload(model: nn.Module) -> nn.Module:
-    """Undo :func:`offload_transform`: restore the layers' forwards, remove the marks it installed,
-    the plan and the runtime state.
+    """Undo :func:`offload_transform` on ``model``: restore the layers' forwards, remove the marks it
+    installed, the plan and the runtime state. Found through ``model``'s modules, so the transformed
+    model may also be one inside ``model`` (transformed before ``peft.get_peft_model``) or one around
+    it whose layers it holds (``merge_and_unload()`` of a transformed ``PeftModel``).
 
     Returns:
         nn.Module: ``model`` itself.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        OffloadError: ``model`` was not transformed.
+        OffloadError: nothing in ``model`` was transformed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"remove_offload: model must be the nn.Module passed to offload_transform, got "
             f"{type(model).__name__}"
         )
-    state = model.__dict__.get(_STATE)
-    if state is None:
+    if not (states := transforms_in(model)):
         raise OffloadError(
             f"remove_offload: {type(model).__name__} was not transformed by offload_transform (or was restored "
             "already); nothing to remove."
         )
-    state.remove()
-    for key in [k for k, hook in model._forward_pre_hooks.items() if isinstance(hook, _TuneSchedule)]:
-        del model._forward_pre_hooks[key]
-    del model.__dict__[_STATE]
-    model.__dict__.pop("offload_plan", None)
-    state.plan.model = None  # OffloadPlan.measure refuses from now on
+    for state in states:
+        state.remove()
+        state.plan.model = None  # OffloadPlan.measure refuses from now on
+        if (owner := state.model()) is not None:
+            for key in [k for k, hook in owner._forward_pre_hooks.items() if isinstance(hook, _TuneSchedule)]:
+                del owner._forward_pre_hooks[key]
+            owner.__dict__.pop(_STATE, None)
+            owner.__dict__.pop("offload_plan", None)
     return model
+
+
+def transforms_in(model: nn.Module) -> list[OffloadState]:
+    """The transforms whose layers are in ``model``: its own, one of a module inside it, one of a model around it."""
+    states = {id(st): st for m in model.modules() if (st := m.__dict__.get(_STATE)) is not None}
+    for m in model.modules():  # a transform of a model around this one: its layers' wrappers know it
+        if isinstance(w := m.__dict__.get("forward"), LayerForward) and (st := w.state()) is not None:
+            states.setdefault(id(st), st)
+    return list(states.values())
 
 
 def _check_positions(model: nn.Module, refs: list[LayerRef]) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 
 from torch import nn
 
-from ..annotate._transform import transform
+from ..annotate._transform import transform, transforms_in
 from ..annotate._settings import resolve
 from ..config import _SECTIONS, Config, ModelConfig, OptimizerConfig, _closest, _closest_key
+from ..errors import OffloadError
 from ..optim import HybridDeviceOptimizer
 
 __all__: list[str] = []
@@ -62,6 +63,9 @@ class Offload:
     def transform(self, model: nn.Module, example_inputs: Any, opt: HybridDeviceOptimizer | None) -> None:
         """``offload_transform(model, ...)``; with a budget the plan is made for the optimizer as built:
         ``opt``'s ``offload_fraction``, or on the device (``0.0``) without a ``HybridDeviceOptimizer``."""
+        if transforms_in(model):
+            raise OffloadError(f"{self.who}: {type(model).__name__} is already offloaded by an offload_transform call; "
+                               "keep one of the two (this callback or that call), or call remove_offload(model) first.")
         fraction = (0.0 if opt is None else opt.defaults["offload_fraction"]) if self.budget else None
         with warnings.catch_warnings():  # the plan keeps the note; the bytes are measured on the first step
             warnings.filterwarnings("ignore", "offload_transform: example_inputs= could not run the forward")

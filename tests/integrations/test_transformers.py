@@ -174,3 +174,16 @@ def test_offload_off_in_the_config_leaves_the_model_alone():
         warnings.simplefilter("error")
         tr, _ = run(HYBRID, [OffloadCallback.from_config({"model": {"cpu_offloading": False}})])
     assert "offload_plan" not in tr.model.__dict__
+
+
+def test_a_model_offloaded_by_hand_and_by_the_callback_is_refused_naming_both():
+    from annotate_offload import offload_transform
+    from annotate_offload.errors import OffloadError
+
+    tr = trainer(HYBRID, [OffloadCallback(**OFFLOAD)])
+    offload_transform(tr.model, **OFFLOAD)
+    plan = tr.model.offload_plan
+    with pytest.raises(OffloadError, match=r"^OffloadCallback: LlamaForCausalLM is already offloaded by an "
+                                           r"offload_transform call; keep one of the two"):
+        tr.train()
+    assert tr.state.global_step == 0 and tr.model.offload_plan is plan

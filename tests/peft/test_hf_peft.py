@@ -225,3 +225,28 @@ def test_lora_with_checkpointing_and_input_require_grads_offloads_the_first_laye
     per_layer = _sync_of(model).stats.bytes_offloaded_per_layer
     bt_hidden = x.numel() * HIDDEN * 4  # the checkpoint's saved (B, T, H) fp32 input
     assert per_layer == {i: bt_hidden for i in range(L - 1)}
+
+
+def _wrapped_layers(model):
+    return [name for name, m in model.named_modules() if "forward" in m.__dict__]
+
+
+@pytest.mark.parametrize("where", ["base_before_peft", "merged_after_peft"])
+def test_remove_offload_finds_the_transform_across_the_peft_wrapper(where):
+    from annotate_offload.annotate import remove_offload
+
+    if where == "base_before_peft":  # the transform sits on a module inside the model passed
+        base = _llama()
+        offload_transform(base, L - 1, config=_config("opt_out"))
+        model = target = _lora(base)
+    else:  # the transform sits on a model around the one passed, whose layers it holds
+        model = _hf()
+        offload_transform(model, L - 1, config=_config("opt_out"))
+        target = model.merge_and_unload().requires_grad_(True)  # the merged weights train in full
+    assert _wrapped_layers(target)
+    assert remove_offload(target) is target
+    assert _wrapped_layers(target) == [] and not hasattr(model, "offload_plan")
+    assert all("offload_plan" not in m.__dict__ for m in model.modules())
+    ref = copy.deepcopy(target)
+    assert_same(step(target, ids()), step(ref, ids()))
+    offload_transform(target, L - 1, config=_config("opt_out"))  # it can be transformed again
