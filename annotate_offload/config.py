@@ -134,7 +134,7 @@ def parse_memory_budget(value: Any, who: str = "") -> int:
     fix = "pass bytes (an int) or a string such as '20GiB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
     number, unit = value, 1
     if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
         if match is None or match.group(2).lower() not in _UNITS:
             raise ValueError(f"{name}={value!r} is not a memory size; {fix}.")
         number, unit = float(match.group(1)), _UNITS[match.group(2).lower()]

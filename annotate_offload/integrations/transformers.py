@@ -146,8 +146,9 @@ class OffloadCallback(TrainerCallback):
     def _check(self, args: Any, opt: Any) -> None:
         who = "OffloadCallback"
         if opt is not None:
-            check_modes(opt, who, (f"Trainer computes the gradient norm with clip_grad_norm_ at every step (to clip "
-                                   f"at max_grad_norm={args.max_grad_norm!r}, and to log grad_norm at 0 too)", ""),
+            why = (f"to clip at max_grad_norm={args.max_grad_norm!r} and to log grad_norm" if args.max_grad_norm else
+                   f"to log grad_norm, also with max_grad_norm={args.max_grad_norm!r}")
+            check_modes(opt, who, (f"Trainer computes the gradient norm with clip_grad_norm_ at every step ({why})", ""),
                         ("gradient_accumulation_steps", args.gradient_accumulation_steps))
         if self._offload.settings is not None and getattr(args, "activation_offloading", False):
             raise ValueError(f"{who}: {type(args).__name__}(activation_offloading=True) offloads activations with "

@@ -101,7 +101,7 @@ def test_small_budgets_name_the_smallest_feasible_budget_and_leave_the_model_alo
 @pytest.mark.parametrize("inputs", [(X,), None], ids=["example_inputs", "no_inputs"])
 @pytest.mark.parametrize("budget, error, match", [
     ("lots", ValueError, r"memory_budget='lots' is not a memory size; pass bytes .*TiB\)\.$"),
-    (0, ValueError, "memory_budget=0 must be positive"), (-5, ValueError, "memory_budget=-5 must be positive"),
+    (0, ValueError, "memory_budget=0 must be positive"), (-5, ValueError, "memory_budget=-5 must be positive"), ("-1GiB", ValueError, "memory_budget='-1GiB' must be positive"),
     ([1], TypeError, r"memory_budget must be bytes .* got \[1\] \(list\)")])
 def test_bad_budgets_are_refused_before_anything_is_measured(monkeypatch, inputs, budget, error, match):
     monkeypatch.setattr(planner, "plan_offload", lambda *a, **k: pytest.fail("measured before checking"))
