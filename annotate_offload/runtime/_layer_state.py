@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OffloadError
-from ._tensor_group import TensorGroup, TensorGroupProcessor, _rebuild, _unit_range
+from ._tensor_group import TensorGroup, TensorGroupProcessor, _holds, _rebuild, _unit_range
 
 __all__: list[str] = []
 
@@ -270,8 +270,7 @@ class _LayerState:
                 alive.untyped_storage()._cdata == sid  # not a reused storage id
                 and owner.cpu_tensor_group.tensor_list[unit] is not None
                 and version == t._version
-                and lo <= rng[0]
-                and rng[1] <= hi
+                and _holds(lo, hi, rng, t)
             ):
                 if owner is not self and (owner, unit) not in self.borrowed:
                     self.borrowed.append((owner, unit))

@@ -106,9 +106,16 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _in_func_transform() -> bool:
+    """True inside a ``torch.func`` transform (``grad``, ``jvp``, ``vmap``): its tensors are wrappers that
+    saved-tensor hooks may not see, so layers run there as without offload."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _recording() -> bool:
-    """True while a forward records for backward: grad enabled and not inside a backward."""
-    return torch.is_grad_enabled() and not _in_backward()
+    """True while a forward records for backward: grad enabled, not inside a backward or a ``torch.func``
+    transform."""
+    return torch.is_grad_enabled() and not _in_backward() and not _in_func_transform()
 
 
 def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
@@ -498,7 +505,7 @@ class OffloadSynchronizer:
     def _enter(self, index: Optional[int]) -> Optional[int]:
         """Open a layer scope: ``index``, or the next one by TE's count (``None``). Returns the
         layer index, or ``None`` without grad and in a recompute (Note [Scopes inside a checkpoint])."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _in_func_transform():
             return None
         if self._scope is not None:
             still_open = self._cur_index

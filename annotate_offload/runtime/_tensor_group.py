@@ -37,11 +37,14 @@ class _ViewMeta(NamedTuple):
     shape: tuple
     stride: tuple
     offset: int  # in elements of ``dtype``, from the unit's first byte
+    conj: bool  # the lazy conjugate and negative bits (``x.conj()``, ``x.conj().imag``): the bytes are without them
+    neg: bool
 
 
 def _view_meta(t: torch.Tensor, lo: int) -> _ViewMeta:
     """How to rebuild ``t`` from the bytes of a unit that starts at byte ``lo`` of its storage."""
-    return _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // t.element_size())
+    return _ViewMeta(t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo // t.element_size(),
+                     t.is_conj(), t.is_neg())
 
 
 def _unit_range(t: torch.Tensor, whole: bool) -> Optional[tuple[int, int]]:
@@ -60,6 +63,12 @@ def _unit_range(t: torch.Tensor, whole: bool) -> Optional[tuple[int, int]]:
     return lo, hi
 
 
+def _holds(lo: int, hi: int, rng: tuple[int, int], t: torch.Tensor) -> bool:
+    """Whether a unit's bytes ``[lo, hi)`` contain ``t``'s range ``rng`` as whole elements of ``t``'s dtype
+    (a view of another dtype over the same storage may start mid-element: ``t`` then gets a unit of its own)."""
+    return lo <= rng[0] and rng[1] <= hi and lo % t.element_size() == 0 and (hi - lo) % t.element_size() == 0
+
+
 def _flat_bytes(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """A ``uint8`` tensor aliasing bytes ``[lo, hi)`` of ``t``'s storage (no copy)."""
     flat = torch.empty(0, dtype=torch.uint8, device=t.device)
@@ -69,7 +78,9 @@ def _flat_bytes(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 def _rebuild(flat: torch.Tensor, meta: _ViewMeta) -> torch.Tensor:
     """Rebuild a saved tensor from its unit's flat ``uint8`` bytes, wherever they sit (no copy)."""
     typed = flat.view(meta.dtype)
-    return typed.as_strided(meta.shape, meta.stride, typed.storage_offset() + meta.offset)
+    t = typed.as_strided(meta.shape, meta.stride, typed.storage_offset() + meta.offset)
+    t = torch._neg_view(t) if meta.neg else t
+    return t.conj() if meta.conj else t
 
 
 @dataclasses.dataclass
@@ -148,10 +159,10 @@ class TensorGroupProcessor:
 
     @staticmethod
     def _find(units: TensorGroup, t: torch.Tensor, rng: tuple[int, int]) -> Optional[int]:
-        """The unit still holding its device bytes that contains ``t``'s range at ``t``'s version."""
+        """The unit still holding its device bytes that holds ``t``'s range (:func:`_holds`) at ``t``'s version."""
         for u in units.aux["by_storage"].get(t.untyped_storage()._cdata, ()):
             _, lo, hi, version = units.aux["units"][u]
-            if version == t._version and lo <= rng[0] and rng[1] <= hi and units.tensor_list[u] is not None:
+            if version == t._version and _holds(lo, hi, rng, t) and units.tensor_list[u] is not None:
                 return u
         return None
 

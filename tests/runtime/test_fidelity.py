@@ -283,3 +283,86 @@ def test_layer_tensors_are_grouped_deduplicated_and_rebuilt_by_tensor_group_proc
     out.backward()
     ((x * wr).sum() + (x.mT * wr).sum() + (x[:, :32] * wr[:32]).sum()).backward()
     torch.testing.assert_close(w.grad, wr.grad, rtol=0, atol=0)
+
+
+# -- what a saved tensor is besides its bytes, and where it is saved ---------------------------------------
+class _Saves(nn.Module):
+    """A block whose ops save a conjugate and a negative view (complex), or two views of one storage in two
+    dtypes, the second starting mid-element of the first's unit."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(16, 16, dtype=torch.complex64 if kind == "conj_neg" else torch.float32)
+        self.p16 = nn.Parameter(torch.ones(8, dtype=torch.float16))
+        self.p32 = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.kind == "conj_neg":  # mul saves h.conj() (conjugate bit) and imag(h.conj()) (negative bit)
+            return h * h.conj() + h * torch.imag(h.conj())
+        hd = h.detach()
+        self.aux = self.p16 * hd.view(torch.float16)[0, 0, 1:9]  # saves bytes [2, 18) of h's storage
+        return h + (self.p32 * hd[0, 0, 1:2]).sum()  # saves bytes [4, 8) as float32
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def _grads(m):
+    return {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+
+
+def _same_grads(a, b):
+    ga, gb = _grads(a), _grads(b)
+    assert ga.keys() == gb.keys() and ga and all(torch.equal(ga[k], gb[k]) for k in ga)
+
+
+@pytest.mark.parametrize("kind", ["conj_neg", "dtype_alias"])
+def test_saved_views_keep_their_conjugate_negative_bits_and_their_own_dtype(kind):
+    model = _Stack([_Saves(kind) for _ in range(3)])
+    ref = clone(model)
+    ao.offload_transform(model, num_layers=2, min_offload_numel=0)
+    x = torch.randn(2, 8, 16, dtype=model.layers[0].lin.weight.dtype)
+    for m in (model, ref):
+        m(x).abs().square().mean().backward()
+    assert model.offload_plan.bytes_per_step > 0
+    _same_grads(model, ref)
+
+
+def test_a_torch_func_transform_runs_the_layers_as_without_offload():
+    from torch.func import functional_call, grad, jvp
+
+    model = _Stack([_Mlp() for _ in range(3)])
+    ref = clone(model)
+    ao.offload_transform(model, num_layers=2, min_offload_numel=0)
+    x = torch.randn(4, 16)
+
+    def loss(m):
+        return lambda p: functional_call(m, p, (x,)).square().mean()
+
+    got, want = (grad(loss(m))(dict(m.named_parameters())) for m in (model, ref))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    (o1, t1), (o2, t2) = (jvp(m, (x,), (torch.ones_like(x),)) for m in (model, ref))
+    assert torch.equal(o1, o2) and torch.equal(t1, t2)
+    for m in (model, ref):  # and a plain step still offloads
+        m(x).square().mean().backward()
+    assert model.offload_plan.bytes_per_step > 0
+    _same_grads(model, ref)
