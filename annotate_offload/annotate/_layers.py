@@ -64,7 +64,7 @@ from annotate_offload.compile._ops import TAG, register as register_runtime
 from annotate_offload.errors import OffloadError
 from annotate_offload.runtime._context import inside_checkpoint
 from annotate_offload.runtime._marks import mark_ready
-from annotate_offload.runtime._synchronizer import _recording
+from annotate_offload.runtime._synchronizer import _in_backward, _recording
 
 __all__: list[str] = []
 
@@ -218,7 +218,7 @@ class OffloadState:
     # -- one layer call -------------------------------------------------------------------------
     def run(self, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if index in self.recompute and torch.is_grad_enabled():
-            fn = _checkpointed(fn)
+            fn = _checkpointed(fn, self.layers[index])
         if not _recording():
             if index in self.offloaded and not torch.is_grad_enabled() and _in_reentrant_checkpoint():
                 self._refuse_checkpoint(index, "torch.utils.checkpoint(use_reentrant=True), which runs it without "
@@ -367,8 +367,29 @@ def _copied_ref(ref: weakref.ref, memo: dict) -> weakref.ref:
     return ref if obj is None else weakref.ref(copy.deepcopy(obj, memo))
 
 
-def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None) -> Callable[..., Any]:
+    """``fn`` under non-reentrant ``torch.utils.checkpoint``; its recompute in backward writes into copies
+    of ``module``'s buffers.
+
+    Note [Buffers in a recompute]: a forward that updates buffers (BatchNorm's running statistics and
+    ``num_batches_tracked``) would update them a second time when the checkpoint reruns it in backward,
+    so a recomputed layer's buffers, and later its eval outputs, would differ from the run without it.
+    The rerun gets clones of the buffers, dropped after it: the buffers are written once, by the forward.
+    The rerun reads them as the forward left them; BatchNorm's training output does not read them.
+    """
+    def body(*args: Any, **kwargs: Any) -> Any:
+        if module is None or not _in_backward():
+            return fn(*args, **kwargs)
+        owned = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+        for m, name, b in owned:
+            m._buffers[name] = b.clone()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for m, name, b in owned:
+                m._buffers[name] = b
+
     def run(*args: Any, **kwargs: Any) -> Any:
-        return _ORIG_CHECKPOINT(fn, *args, use_reentrant=False, **kwargs)
+        return _ORIG_CHECKPOINT(body, *args, use_reentrant=False, **kwargs)
 
     return run

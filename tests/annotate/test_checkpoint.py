@@ -120,3 +120,28 @@ def test_layer_forwards_do_not_open_scopes_during_recompute():
     sync.enter_layer = lambda i: (entered.append(i), orig(i))[1]
     run_step(model, _x())
     assert entered == list(range(L))  # once per layer: the backward recompute opened none
+
+
+class _NormBlock(torch.nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(h, h), torch.nn.BatchNorm1d(h)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2))
+
+
+def test_a_recomputed_layer_updates_its_buffers_once_per_step():
+    # BatchNorm's running statistics: the backward's rerun of the forward must not update them again
+    model = Stack(L, block=_NormBlock)
+    ref = copy.deepcopy(model)
+    _apply(model, recompute=True)
+    for _ in range(3):
+        x = _x()
+        assert_same_step(run_step(model, x), run_step(ref, x))
+    for (name, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(a, b), name
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        x = _x()
+        assert torch.equal(model(x), ref(x))
