@@ -418,6 +418,6 @@ def _reload_point(sync: Any, key: int, j: int, reached: dict, readies: dict, tot
             break
         used += nbytes
         after.append(ready)
-        if 2 * used >= totals[(key, j + 1)]:
-            return ready, after
+        if 2 * used >= totals[(key, j + 1)]:  # a ready may precede reach(m) (a use before m's gradient): the later
+            return max(after, key=order.__getitem__), after
     return below, [below]
