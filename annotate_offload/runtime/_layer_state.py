@@ -161,8 +161,11 @@ class _Packed(int):
         return self
 
 
-def _version_error(found: int, expected: int, t: Optional[torch.Tensor] = None) -> OffloadError:
-    what = "a saved tensor" if t is None else f"[{t.type()} {list(t.shape)}]"
+def _version_error(found: int, expected: int, t: Optional[torch.Tensor] = None, meta: Any = None) -> OffloadError:
+    """Autograd's message for a saved tensor changed in place; ``meta``: the saved view, where ``t`` is its base."""
+    if t is not None:
+        kind, shape = (t.type(), t.shape) if meta is None else (t.new_empty(0, dtype=meta.dtype).type(), meta.shape)
+    what = "a saved tensor" if t is None else f"[{kind} {list(shape)}]"
     return OffloadError(
         "offload runtime: one of the variables needed for gradient computation has been modified by an "
         f"inplace operation: {what} is at version {found}; expected version {expected} instead. It was "
@@ -391,7 +394,7 @@ class _LayerState:
         unit, meta = aux["unit_index"][handle], aux["metas"][handle]
         for t in [handle.root(), *(self.watch[unit] or ())]:
             if t is not None and t._version != handle.version:
-                raise _version_error(t._version, handle.version, t)
+                raise _version_error(t._version, handle.version, t, meta)
         stale = self.stale[unit]
         if stale is not None:
             raise _version_error(stale, handle.version)

@@ -366,3 +366,30 @@ def test_a_torch_func_transform_runs_the_layers_as_without_offload():
         m(x).square().mean().backward()
     assert model.offload_plan.bytes_per_step > 0
     _same_grads(model, ref)
+
+
+class _Keeps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        self.kept = torch.tanh(self.l1(x))  # tanh saves it (2, 8, 32); l2 saves its (16, 32) view
+        return self.l2(self.kept)
+
+
+def test_an_in_place_change_names_the_saved_view_as_autograd_does():
+    import re
+
+    model = _Stack([_Keeps() for _ in range(2)])
+    ref = clone(model)
+    ao.offload_transform(model, num_layers=1, min_offload_numel=0)
+    x = torch.randn(2, 8, 16)
+    errors = []
+    for m in (ref, model):
+        out = m(x).sum()
+        m.layers[0].kept.mul_(2)  # after the forward, through the saved view's base
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as err:
+            out.backward()
+        errors.append(re.search(r"\[torch\.\w+ \[[\d, ]*\]\]", str(err.value)).group(0))
+    assert errors[1] == errors[0] == "[torch.FloatTensor [16, 32]]"
