@@ -69,10 +69,17 @@ def param_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str, str]]:
 
 
 def check_optimizer(opt: Any, who: str) -> HybridDeviceOptimizer:
-    """``opt`` as a ``HybridDeviceOptimizer``; ``TypeError`` if it is not one."""
-    if not isinstance(opt, HybridDeviceOptimizer):
+    """``opt`` as a ``HybridDeviceOptimizer``, also inside the wrappers frameworks return for it (accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: ``.optimizer``); ``TypeError`` if it is none."""
+    inner = opt
+    for _ in range(4):  # a wrapper of a wrapper at most, in practice
+        if isinstance(inner, HybridDeviceOptimizer) or not isinstance(getattr(inner, "optimizer", None),
+                                                                      torch.optim.Optimizer):
+            break
+        inner = inner.optimizer
+    if not isinstance(inner, HybridDeviceOptimizer):
         raise TypeError(f"{who}: optimizer must be an annotate_offload.optim.HybridDeviceOptimizer, got {type(opt).__name__}.")
-    return opt
+    return inner
 
 
 def check_local_shards(opt: HybridDeviceOptimizer, owners: Optional[dict[int, tuple[nn.Module, str, str]]] = None,

@@ -65,3 +65,28 @@ def test_accelerate_save_state_load_state_resumes_exactly(tmp_path):
     resumed = train(True, "after", steps=range(2, 4), ckpt=tmp_path)
     same(full[0][2:], resumed[0])
     same(full[1][2:], resumed[1])
+
+
+def test_the_distributed_helpers_take_the_optimizer_accelerate_returns(tmp_path):
+    from annotate_offload.distributed import attach_optimizer, load_checkpoint, save_checkpoint
+
+    def built():
+        accelerate.state.AcceleratorState._reset_state(True)
+        model = llama()
+        opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=1e-3)
+        return accelerate.Accelerator(cpu=True).prepare(model, opt)
+
+    model, opt = built()
+    assert type(opt).__name__ == "AcceleratedOptimizer"
+    attach_optimizer(model, opt, shard_host_step=False)  # the README's line, with accelerate's wrapper
+    torch.manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    save_checkpoint(model, opt, str(tmp_path / "ckpt"))
+    model2, opt2 = built()
+    load_checkpoint(model2, opt2, str(tmp_path / "ckpt"))
+    want, got = opt.optimizer.state_dict()["state"], opt2.optimizer.state_dict()["state"]
+    assert want.keys() == got.keys() and want
+    assert all(torch.equal(torch.as_tensor(want[i][k]), torch.as_tensor(got[i][k])) for i in want for k in want[i])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
