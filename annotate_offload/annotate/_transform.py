@@ -223,6 +223,8 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
     model.offload_plan = plan
     if tune:
         _TuneSchedule(model, tune)
+    if recompute:
+        _NoCacheWhileRecomputing.install(model)
 
     if example_inputs is not None:
         try:
@@ -270,8 +272,10 @@ def remove_offload(model: nn.Module) -> nn.Module:
         state.remove()
         state.plan.model = None  # OffloadPlan.measure refuses from now on
         if (owner := state.model()) is not None:
-            for key in [k for k, hook in owner._forward_pre_hooks.items() if isinstance(hook, _TuneSchedule)]:
-                del owner._forward_pre_hooks[key]
+            for hooks in (owner._forward_pre_hooks, owner._forward_hooks):
+                for key in [k for k, h in hooks.items() if isinstance(h, (_TuneSchedule, _NoCacheWhileRecomputing))]:
+                    del hooks[key]
+                    owner._forward_hooks_always_called.pop(key, None)
             owner.__dict__.pop(_STATE, None)
             owner.__dict__.pop("offload_plan", None)
     return model
@@ -327,6 +331,35 @@ def _plan(model: nn.Module, refs: list[LayerRef], settings: Any, example_inputs:
                             layers=[r.module for r in refs], min_offload_numel=_min_numel(settings.min_offload_numel),
                             release_lag=settings.release_lag, prefetch_layers=settings.prefetch_layers,
                             keep=[i for i, k in enumerate(declared_keep) if k])
+
+
+class _NoCacheWhileRecomputing:
+    """Note [No key/value cache under recompute]: a recomputed layer reruns its forward in backward, and a
+    Hugging Face model whose ``use_cache`` is not passed hands its layers one key/value cache, to which the
+    rerun appends a second time (attention over doubled keys, or a shape error under a mask). As Hugging
+    Face's own gradient checkpointing does, a forward with grad enabled of a model with recomputed layers
+    runs with every ``config.use_cache`` off, put back after it (its ``past_key_values`` is then ``None``)."""
+
+    def __init__(self, configs: list) -> None:
+        self.configs, self.off = configs, []
+
+    @classmethod
+    def install(cls, model: nn.Module) -> None:
+        configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None)}
+        if configs:
+            hook = cls(list(configs.values()))
+            model.register_forward_pre_hook(hook)
+            model.register_forward_hook(hook, always_call=True)
+
+    def __call__(self, _module: nn.Module, _args: tuple, *out: Any) -> None:
+        if not out:  # before the forward
+            self.off = [c for c in self.configs if c.use_cache is True] if torch.is_grad_enabled() else []
+            for c in self.off:
+                c.use_cache = False
+        else:
+            for c in self.off:
+                c.use_cache = True
+            self.off = []
 
 
 class _TuneSchedule:

@@ -139,3 +139,22 @@ def test_auto_plan_through_a_wrapper_that_leaves_use_cache_unset_profiles_withou
     for m in (model, ref):
         m(ids).backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_recomputed_layers_of_a_cache_using_model_train_exactly_and_keep_its_config():
+    # the rerun in backward would append to the key/value cache a second time: a shape error under a mask
+    model = _llama()
+    model.config._attn_implementation = "eager"
+    ref = copy.deepcopy(model)
+    assert model.config.use_cache is True
+    offload_transform(model, 2, config=cfg(recompute=True))
+    ids = _ids()
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    for m in (model, ref):
+        m(**batch).loss.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    assert model.config.use_cache is True
+    with torch.no_grad():
+        assert model(**batch).past_key_values is not None  # outside training the cache is the model's
+    remove_offload(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
