@@ -240,8 +240,10 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
             first = (str(e).splitlines() or [""])[0][:160]
             note = f"no estimate on meta tensors ({type(e).__name__}: {first}); bytes measured on the first step"
             plan.notes = plan.notes + (note,)
-            warnings.warn(f"offload_transform: example_inputs= could not run the forward: {note}. Check that "
-                          "example_inputs matches model(*example_inputs).", UserWarning, stacklevel=3)
+            warnings.warn(f"offload_transform: example_inputs= could not run the forward on meta tensors: {note}. If "
+                          "model(*example_inputs) runs, nothing is wrong (the forward has code meta tensors refuse, "
+                          "e.g. .item()); otherwise check that example_inputs matches model(*example_inputs).",
+                          UserWarning, stacklevel=3)
     return model
 
 
