@@ -86,3 +86,6 @@ if __name__ == "__main__":
     results = {"hf": hf, "lightning": lightning}[framework](out)
     if int(os.environ["RANK"]) == 0:
         torch.save(results, os.path.join(out, "results.pt"))
+    if torch.distributed.is_initialized():  # gloo's threads torn down at interpreter exit may abort the process
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
