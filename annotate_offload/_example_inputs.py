@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 __all__: list[str] = []
 
@@ -46,3 +47,17 @@ def split(example_inputs: Any, who: str) -> tuple[tuple, dict]:
         return tuple(example_inputs), {}
     raise TypeError(f"{who}: example_inputs must be a tensor, a tuple/list of positional inputs or a dict of keyword "
                     f"inputs (str keys), got {type(example_inputs).__name__}; {_FIX}")
+
+
+def cache_configs(model: nn.Module) -> list:
+    """The distinct ``config`` objects of ``model``'s modules that have ``use_cache``, Hugging Face's switch
+    for the key/value cache."""
+    return list({id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")}.values())
+
+
+def cache_off(configs: list) -> list:
+    """Set ``use_cache=False`` on the ``configs`` where it is ``True``; returns those, for the caller to put back."""
+    on = [c for c in configs if c.use_cache is True]
+    for c in on:
+        c.use_cache = False
+    return on

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from annotate_offload._example_inputs import split as split_inputs
+from annotate_offload._example_inputs import cache_configs, cache_off, split as split_inputs
 from annotate_offload.errors import OffloadError
 
 from ._discover import LayerRef, find_layers
@@ -347,21 +347,18 @@ class _NoCacheWhileRecomputing:
 
     @classmethod
     def install(cls, model: nn.Module) -> None:
-        configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None)}
-        if configs:
-            hook = cls(list(configs.values()))
+        if configs := cache_configs(model):
+            hook = cls(configs)
             model.register_forward_pre_hook(hook)
             model.register_forward_hook(hook, always_call=True)
 
     def __call__(self, _module: nn.Module, _args: tuple, *out: Any) -> None:
         if not out:  # before the forward
-            self.off = [c for c in self.configs if c.use_cache is True] if torch.is_grad_enabled() else []
-            for c in self.off:
-                c.use_cache = False
-        else:
-            for c in self.off:
-                c.use_cache = True
-            self.off = []
+            self.off = cache_off(self.configs) if torch.is_grad_enabled() else []
+            return
+        for c in self.off:
+            c.use_cache = True
+        self.off = []
 
 
 class _TuneSchedule:

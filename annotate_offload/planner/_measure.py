@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from annotate_offload._example_inputs import split
+from annotate_offload._example_inputs import cache_configs, cache_off, split
 
 # the runtime's rule for what it never offloads (weights and their casts), so the plan counts as it moves
 from annotate_offload.runtime._layer_state import _is_weight, frozen_shapes
@@ -77,10 +77,7 @@ class _ModelState:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.training = [(m, m.training) for m in model.modules()]
-        configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}.values()
-        self.caching = [c for c in configs if getattr(c, "use_cache", None) is True]  # Note [No key/value cache ...]
-        for c in self.caching:
-            c.use_cache = False
+        self.caching = cache_off(cache_configs(model))  # Note [No key/value cache while profiling]
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.grads = [(p, p.grad) for p in model.parameters()]
         self.cpu_rng = torch.get_rng_state()
