@@ -763,10 +763,12 @@ class HostPipeline:
         follow the parameter's last use: step() makes the H2D stream wait at its entry; with step_in_backward,
         whose chunks may step during backward, it also waits on each gradient-ready event)."""
         slots = [s for s in slots if s not in self._skip]
+        for s in slots if self.in_backward else ():
+            self.side.wait_event(self.h2d, s.ready_ev)
+        if slots:  # one call: the copies are looped in C++
+            torch._foreach_copy_([s.local for s in slots], [s.master if s.staging is None else s.staging for s in slots],
+                                 non_blocking=True)
         for s in slots:
-            if self.in_backward:
-                self.side.wait_event(self.h2d, s.ready_ev)
-            s.local.copy_(s.staging if s.staging is not None else s.master, non_blocking=True)
             s.p_ver = s.param._version
         if self.delayed:
             self._applied.update(s.flat for s in slots)
