@@ -936,7 +936,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             the next forward and backward (changes numerics; :meth:`flush` lands it). Default: ``False``.
         use_torch_optimizer_for_cpu_offload (bool): the host class for the GPU part too. Default: ``False``.
         cpu_threads (int | None): host step threads, at most the usable CPUs. Default: Note [Thread budget].
-        chunk_bytes (int | None): host master bytes per chunk. Default: 64 MiB (256 MiB delayed).
+        chunk_bytes (int | None): host master bytes per chunk. Default: 128 MiB (256 MiB delayed).
         **kwargs: hyper-parameters and switches (``fused``, ``foreach``, ...) of both classes; Adam(W)
             gets ``fused=True`` unless ``foreach`` or ``differentiable`` is given.
 
@@ -986,8 +986,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             raise ValueError("HybridDeviceOptimizer: step_in_backward=True, delayed_param_update=True: pick one; they "
                              "are exclusive.")
         threads = thread_budget(cpu_threads, beside_training=step_in_backward or delayed_param_update)
-        if chunk_bytes is None:
-            chunk_bytes = (256 if delayed_param_update else 64) << 20
+        if chunk_bytes is None:  # a chunk costs a host optimizer call; the last chunk's H2D follows the host step
+            chunk_bytes = (256 if delayed_param_update else 128) << 20
         elif isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"HybridDeviceOptimizer: chunk_bytes={chunk_bytes!r}: pass None or a positive int.")
         cpu_cls = torch.optim.AdamW if cpu_optimizer_cls is None else cpu_optimizer_cls

@@ -303,7 +303,7 @@ def test_host_chunks_are_stepped_in_gradient_landing_order(monkeypatch):
 
 def test_default_chunk_size_depends_on_the_mode():
     m, _ = pair()
-    assert HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0).defaults["chunk_bytes"] == 64 << 20
+    assert HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0).defaults["chunk_bytes"] == 128 << 20
     delayed = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, delayed_param_update=True)
     assert delayed.defaults["chunk_bytes"] == 256 << 20
     assert HybridDeviceOptimizer(m.parameters(), delayed_param_update=True, chunk_bytes=4096).defaults["chunk_bytes"] == 4096
