@@ -421,19 +421,14 @@ def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot]
     return opt
 
 
-# Note [One optimizer per parameter]: the newest pipeline over a parameter owns its hook (an older,
-# still referenced one copies at its own step()); building over a live, unclosed one's warns.
+# Note [One optimizer per parameter]: the newest pipeline over a parameter removes an older one's hook (the
+# older, if still referenced, copies at its own step()); building over a live, unclosed one's warns.
 _OWNERS = WeakIdKeyDictionary()  # param -> weakref to its owning pipeline; an entry dies with its param
-
-
-def _owner(p: torch.Tensor) -> Any:
-    ref = _OWNERS.get(p)
-    return ref() if ref is not None else None
 
 
 def _on_grad(ref: weakref.ref, param: torch.Tensor) -> None:
     """A host parameter's post-accumulate-grad hook (holds its pipeline weakly: no cycle through C++)."""
-    if (pl := ref()) is not None and _owner(param) is pl:
+    if (pl := ref()) is not None:
         pl.grad_ready(param)
 
 
@@ -489,15 +484,20 @@ class HostPipeline:
         self._applied: set[int] = set()  # delayed mode: parameters whose weights this call wrote
         self._lock = threading.Lock()  # delayed mode: the worker and step() on Chunk.pending, _applying
         self._skip: frozenset = frozenset()  # delayed mode: slots whose weights the user replaced
-        taken = [s for s in slots if (o := _owner(s.param)) is not None and not o.closed]
+        taken = [(s, o) for s in slots if (r := _OWNERS.get(s.param)) is not None and (o := r()) is not None
+                 and not o.closed]
+        for s, o in taken:
+            if h := o._hooks.pop(id(s.param), None):
+                h.remove()
         _OWNERS.update((s.param, weakref.ref(self)) for s in slots)
         if taken:
             warnings.warn(f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters belong to another "
                           "HybridDeviceOptimizer that is still alive and not closed. This one takes over their "
                           "gradient hooks; the older one copies their gradients at its own step() from now on. When "
                           "an optimizer replaces another, call old.close().", UserWarning, stacklevel=3)
-        self._hooks = [s.param.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(self)))
-                       for s in slots if overlap and s.param.requires_grad and not self.batched(s.param)]
+        self._hooks = {id(s.param): s.param.register_post_accumulate_grad_hook(
+            functools.partial(_on_grad, weakref.ref(self)))
+            for s in slots if overlap and s.param.requires_grad and not self.batched(s.param)}
         self._worker: Optional[CpuWorker] = None
         if overlap and (self.in_backward or self.delayed):
             self._worker = CpuWorker(threads, functools.partial(side.bind_thread, self.h2d))
@@ -527,9 +527,9 @@ class HostPipeline:
 
     def remove_grad_hooks(self) -> None:
         """Remove the gradient hooks; gradients are then copied at ``step()`` or by :meth:`grad_ready`."""
-        for h in self._hooks:
+        for h in self._hooks.values():
             h.remove()
-        self._hooks = []
+        self._hooks = {}
 
     def grad_ready(self, p: torch.Tensor) -> bool:
         """Start the D2H of host parameter ``p``'s current gradient (what its hook does in backward);
@@ -584,7 +584,9 @@ class HostPipeline:
                     "failed step unfinished.")
         with self.side.use(stream):
             plain = [(s.bufs[self._buf], g) for s, g in todo if not (self.offload_grads and s.state is S.COPIED)]
-            if plain:  # one call: the copies are looped in C++
+            if len(plain) == 1:  # a gradient hook's
+                plain[0][0].copy_(plain[0][1], non_blocking=True)
+            elif plain:  # one call: the copies are looped in C++
                 torch._foreach_copy_(*map(list, zip(*plain)), non_blocking=True)
             for s, g in todo:
                 buf = s.bufs[self._buf]
