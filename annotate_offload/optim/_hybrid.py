@@ -160,8 +160,7 @@ class Side:
             torch.cuda.set_stream(stream)
 
     @staticmethod
-    def use(stream: Any) -> Any:  # torch.cuda.stream also sets the device, at half as much again per hook: each op
-        # runs on its tensors' device, under that device's current stream, so only the stream is set
+    def use(stream: Any) -> Any:  # ops run on their tensors' device: set only the stream (torch.cuda.stream: slower)
         return _NULL if stream is None else swapped(lambda: torch.cuda.current_stream(stream.device),
                                                     torch.cuda.set_stream, stream)
 
@@ -421,8 +420,8 @@ def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot]
     return opt
 
 
-# Note [One optimizer per parameter]: the newest pipeline over a parameter removes an older one's hook (the
-# older, if still referenced, copies at its own step()); building over a live, unclosed one's warns.
+# Note [One optimizer per parameter]: the newest pipeline over a parameter takes its hook from an older one, which
+# copies at its step() (refused while the newer frees or steps gradients in backward); building over a live one warns.
 _OWNERS = WeakIdKeyDictionary()  # param -> weakref to its owning pipeline; an entry dies with its param
 
 
@@ -484,9 +483,11 @@ class HostPipeline:
         self._applied: set[int] = set()  # delayed mode: parameters whose weights this call wrote
         self._lock = threading.Lock()  # delayed mode: the worker and step() on Chunk.pending, _applying
         self._skip: frozenset = frozenset()  # delayed mode: slots whose weights the user replaced
+        self.taken_by: Callable[[], Any] = lambda: None  # weakly, the newer pipeline that took hooks over
         taken = [(s, o) for s in slots if (r := _OWNERS.get(s.param)) is not None and (o := r()) is not None
                  and not o.closed]
-        for s, o in taken:
+        for s, o in taken:  # Note [One optimizer per parameter]
+            o.taken_by = weakref.ref(self)
             if h := o._hooks.pop(id(s.param), None):
                 h.remove()
         _OWNERS.update((s.param, weakref.ref(self)) for s in slots)
@@ -532,8 +533,7 @@ class HostPipeline:
         self._hooks = {}
 
     def grad_ready(self, p: torch.Tensor) -> bool:
-        """Start the D2H of host parameter ``p``'s current gradient (what its hook does in backward);
-        False when there is none or another process steps ``p``."""
+        """Start the D2H of ``p``'s gradient, as its hook does; False when there is none or another process steps it."""
         s = self._slot[id(p)]
         g = local_tensor(p.grad)
         if g is None or not self.steps_here(p):
@@ -768,19 +768,18 @@ class HostPipeline:
         for s in slots if self.in_backward else ():
             self.side.wait_event(self.h2d, s.ready_ev)
         if slots:  # one call: the copies are looped in C++
-            torch._foreach_copy_([s.local for s in slots], [s.master if s.staging is None else s.staging for s in slots],
-                                 non_blocking=True)
+            torch._foreach_copy_([s.local for s in slots], [s.master if s.staging is None else s.staging
+                                                            for s in slots], non_blocking=True)
         for s in slots:
             s.p_ver = s.param._version
         if self.delayed:
             self._applied.update(s.flat for s in slots)
             c.h2d_ev = self.side.record(self.h2d)
 
-    def _apply_previous(self, skip_written: bool = True) -> None:
+    def _apply_previous(self) -> None:
         """Delayed mode: put the previous step's host update into the model (finished chunks now, the
         others as the worker steps them); weights written since the last step win."""
-        if skip_written:
-            self._skip = frozenset(s for s in self.slots if s.param._version != s.p_ver)
+        self._skip = frozenset(s for s in self.slots if s.param._version != s.p_ver)
         with self._lock, torch.no_grad(), self.side.use(self.h2d):
             self._applying = True
             for c in self.chunks:
@@ -815,7 +814,7 @@ class HostPipeline:
         self._applied.clear()
         side.wait_event(self.h2d, side.record(cur))
         try:
-            self._apply_previous(skip_written=False)
+            self._apply_previous()
         finally:
             side.wait_event(cur, side.record(self.h2d))
 
@@ -990,8 +989,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         threads = thread_budget(cpu_threads, beside_training=step_in_backward or delayed_param_update)
         if chunk_bytes is None:  # a chunk costs a host optimizer call; the last chunk's H2D follows the host step
             chunk_bytes = (256 if delayed_param_update else 128) << 20
-        elif isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise ValueError(f"HybridDeviceOptimizer: chunk_bytes={chunk_bytes!r}: pass None or a positive int.")
+        elif type(chunk_bytes) is not int or chunk_bytes < 1:
+            raise (ValueError if type(chunk_bytes) is int else TypeError)(
+                f"HybridDeviceOptimizer: chunk_bytes={chunk_bytes!r}: pass None or a positive int.")
         cpu_cls = torch.optim.AdamW if cpu_optimizer_cls is None else cpu_optimizer_cls
         gpu_cls = cpu_cls if use_torch_optimizer_for_cpu_offload or gpu_optimizer_cls is None else gpu_optimizer_cls
         for name, cls in (("cpu_optimizer_cls", cpu_cls), ("gpu_optimizer_cls", gpu_cls)):
@@ -1155,11 +1155,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         flush) into the masters of both halves (host: of the chunks this process steps)."""
         if everything:
             self.pipeline.flush()
-        with torch.no_grad():
-            for s in (*self._masters, *self.pipeline.slots):
-                if s.master is not None and (everything or s.param._version != s.p_ver):
-                    s.master.copy_(s.local)
-                    s.p_ver = s.param._version
+        for s in (*self._masters, *self.pipeline.slots):
+            if s.master is not None and (everything or s.param._version != s.p_ver):
+                s.master.copy_(s.local.detach())
+                s.p_ver = s.param._version
 
     def _sync_hdo_state_to_sub_optimizers(self, adopt: bool = True) -> None:
         """Make ``state[p]`` the sub-optimizer's state again after user code replaced or moved it (Megatron's
@@ -1181,9 +1180,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     if s.master is None:
                         del st[k]
                     elif v is not s.master:
-                        with torch.no_grad():
-                            s.master.copy_(v)
-                        st[k] = s.master
+                        st[k] = s.master.copy_(v.detach())
                 elif k == "step":
                     st[k] = _step(v, s)  # v itself when in place
                 elif v.get_device() != dev:
@@ -1218,7 +1215,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), inv)
         for s in self._masters:
             s.inner.grad = None if s.param.grad is None else local_tensor(s.param.grad).to(s.inner.dtype)
-        amp_step(opt, amp, host=False)
+        amp_step(opt, amp, host=False)  # fused classes write the weights without a version bump: others look
+        torch.autograd.graph.increment_version([p for g in opt.param_groups for p in g["params"] if p.grad is not None])
         for s in self._masters:
             if s.inner.grad is not None:
                 s.inner.grad = None
@@ -1257,6 +1255,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 ``offload_gradients`` or ``step_in_backward``. Any exception carries ``untouched_params``.
             ValueError: an option fixed at construction (``offload_fraction``, a mode) changed in ``param_groups``.
         """
+        if (o := self.pipeline.taken_by()) is not None and not o.closed and (o.offload_grads or o.in_backward):
+            raise OffloadError("HybridDeviceOptimizer.step: a newer HybridDeviceOptimizer over these parameters, not "
+                               "closed, takes their gradients in backward; call its close() before stepping this one.")
         if self.pipeline.closed:
             raise OffloadError("HybridDeviceOptimizer.step: this optimizer was closed (close() stopped its worker and "
                                "removed its hooks); build a new HybridDeviceOptimizer to keep training.")
@@ -1299,8 +1300,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return total.to(params[0].device)
 
     def reload_model_params(self) -> None:
-        """Re-seed every master (host and GPU) from the model's weights: call after writing weights in a
-        way that bypasses the version counter (``p.data.copy_``); ``model.load_state_dict`` is seen by itself."""
+        """Re-seed every master (host and GPU) from the model's weights: call after writes the version counter misses
+        (``p.data.copy_``, torch's fused optimizers); ``model.load_state_dict`` is seen by itself."""
         self._reseed(everything=True)
 
     update_fp32_param_by_new_param = reload_model_params  # Megatron's name

@@ -176,6 +176,19 @@ def test_delayed_mode_resumes_from_a_model_file_saved_before_the_optimizer(f):
     assert_same(m2, m)
 
 
+def test_delayed_mode_close_keeps_weights_written_since_the_last_step():
+    """An LR finder's pattern: restore the weights, then close() the optimizer; the pending update does not
+    overwrite them (as step() would not)."""
+    m, _ = pair()
+    init = {k: v.clone() for k, v in m.state_dict().items()}
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2, delayed_param_update=True)
+    train(m, opt, inputs(3, 3))
+    m.load_state_dict(init)
+    opt.close()
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, init[k]), k
+
+
 def test_delayed_mode_keeps_weights_loaded_between_steps():
     """O03 in delayed mode: weights loaded while an update is pending are not overwritten by it."""
     m, _ = pair()
@@ -219,6 +232,8 @@ def test_bad_flags_and_modes():
         HybridDeviceOptimizer(m.parameters(), cpu_threads=0)
     with pytest.raises(ValueError, match="chunk_bytes"):
         HybridDeviceOptimizer(m.parameters(), chunk_bytes=-1)
+    with pytest.raises(TypeError, match="chunk_bytes='x'"):
+        HybridDeviceOptimizer(m.parameters(), chunk_bytes="x")
 
 
 def test_gpu_only_class_refused_for_host():
@@ -592,6 +607,47 @@ def test_a_replaced_optimizer_that_is_still_alive_stands_aside(monkeypatch, old_
         train(r, old_ref, xs[:2])
         assert_same(m, r)
     old.close()
+
+
+@pytest.mark.parametrize("newer", [{"offload_gradients": True}, {"step_in_backward": True}])
+def test_an_older_optimizer_refuses_to_step_while_a_newer_one_takes_the_gradients(newer):
+    """A newer optimizer in these modes frees or steps the gradients in backward through the hooks it took
+    over: the older one's step() would miss them, so it raises before anything changes; closing the newer
+    one lets the older one train exactly."""
+    m, r = pair()
+    old = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2)
+    with pytest.warns(UserWarning, match="still alive"):
+        new = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2, **newer)
+    loss_of(m, inputs(1, 3)[0]).backward()
+    with pytest.raises(OffloadError, match="newer HybridDeviceOptimizer.*close"):
+        old.step()
+    new.close()
+    m.zero_grad()
+    r.load_state_dict(m.state_dict())
+    ref = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
+    xs = inputs(2, 4)
+    train(m, old, xs)
+    train(r, ref, xs)
+    assert_same(m, r)
+    old.close()
+
+
+def test_weights_a_device_half_wrote_reach_another_optimizers_masters():
+    """torch's fused step writes the weights without a version bump; the device half bumps them, so an
+    optimizer whose host masters hold those weights re-seeds them before its next step."""
+    m, r = pair()
+    first = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, lr=1e-2)
+    ref_first = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
+    xs = inputs(5, 3)
+    train(m, first, xs[:1])
+    train(r, ref_first, xs[:1])
+    second = HybridDeviceOptimizer(m.parameters(), offload_fraction=0.0, lr=1e-2)
+    ref_second = torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True)
+    train(m, second, xs[1:4])
+    train(r, ref_second, xs[1:4])
+    train(m, first, xs[4:])
+    train(r, ref_first, xs[4:])
+    assert_same(m, r)
 
 
 def test_no_ownership_warning_after_close_or_release(recwarn):
