@@ -111,6 +111,10 @@ class OffloadCallback(pl.Callback):
                 self._offload.transform(pl_module, example, opts[0] if len(opts) == 1 else None)
             self._log_plan = trainer.is_global_zero
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for opt in filter(None, map(hybrid_of, trainer.optimizers)):
+            opt.flush()  # delayed_param_update: the model fit() leaves holds the last update
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._log_plan and trainer.global_step > 0:
             rank_zero_info(f"annotate_offload plan after the first step:\n{pl_module.offload_plan!r}")

@@ -138,7 +138,9 @@ class OffloadCallback(TrainerCallback):
             _AttachToDDP(model, opt)
             self._attached = weakref.ref(opt)
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        if (control.should_save or control.should_training_stop) and (opt := hybrid_of(optimizer)) is not None:
+            opt.flush()  # delayed_param_update: the model Trainer saves, and returns, holds the last update
         if self._log_plan:
             logger.info("annotate_offload plan after the first step:\n%r", self._offload.model.offload_plan)
             self._log_plan = False

@@ -72,6 +72,14 @@ def test_lightning_equals_adamw(kwargs):
     assert ours.offload_plan.offloaded_layers == (0, 1) and ours.offload_plan.bytes_per_step > 0
 
 
+def test_the_model_fit_leaves_holds_the_last_delayed_update():
+    lit = fit((HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 1.0, "delayed_param_update": True}),
+              [OffloadCallback(**OFFLOAD)], epochs=1)
+    after = [p.detach().clone() for p in lit.parameters()]
+    lit.trainer.optimizers[0].flush()
+    assert all(torch.equal(a, p) for a, p in zip(after, lit.parameters()))
+
+
 def test_lightning_16_mixed_keeps_gradscaler_exact():
     # Lightning maps precision="16-mixed" to bf16 on a CPU; the plugin keeps fp16 and a GradScaler. Its scale
     # starts high enough that fp16 gradients overflow: the first steps are skipped, then halved, in both runs.

@@ -56,6 +56,15 @@ def test_trainer_equals_adamw(kwargs):
     assert len(opt.param_groups[1]["params"]) == 2 * 4 + 1  # norms: no decay
 
 
+def test_the_model_train_returns_holds_the_last_delayed_update():
+    tr = trainer((HybridDeviceOptimizer, {"lr": 1e-3, "offload_fraction": 1.0, "delayed_param_update": True}),
+                 [OffloadCallback(**OFFLOAD)])
+    tr.train()
+    after = [p.detach().clone() for p in tr.model.parameters()]
+    tr.optimizer.optimizer.flush()
+    assert all(torch.equal(a, p) for a, p in zip(after, tr.model.parameters()))
+
+
 def test_a_callback_reused_across_runs_keeps_no_model_alive():
     import gc
     import weakref
