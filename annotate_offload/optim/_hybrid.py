@@ -493,9 +493,8 @@ class HostPipeline:
         _OWNERS.update((s.param, weakref.ref(self)) for s in slots)
         if taken:
             warnings.warn(f"HybridDeviceOptimizer: {len(taken)} of its host-stepped parameters belong to another "
-                          "HybridDeviceOptimizer that is still alive and not closed. This one takes over their "
-                          "gradient hooks; the older one copies their gradients at its own step() from now on. When "
-                          "an optimizer replaces another, call old.close().", UserWarning, stacklevel=3)
+                          "HybridDeviceOptimizer that is still alive and not closed; this one takes over their hooks "
+                          "(the older one copies at its step()). Call old.close().", UserWarning, stacklevel=3)
         self._hooks = {id(s.param): s.param.register_post_accumulate_grad_hook(
             functools.partial(_on_grad, weakref.ref(self)))
             for s in slots if overlap and s.param.requires_grad and not self.batched(s.param)}
@@ -1251,8 +1250,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """One step of both halves (Note [GradScaler] under a scaler); returns the closure's loss or ``None``.
 
         Raises:
-            OffloadError: closed; a gradient changed after ``step_in_backward`` stepped it; GradScaler with
-                ``offload_gradients`` or ``step_in_backward``. Any exception carries ``untouched_params``.
+            OffloadError: closed, or a newer optimizer over its parameters takes their gradients; a gradient
+                changed after ``step_in_backward`` stepped it; GradScaler with ``offload_gradients`` or
+                ``step_in_backward``. Any exception carries ``untouched_params``.
             ValueError: an option fixed at construction (``offload_fraction``, a mode) changed in ``param_groups``.
         """
         if (o := self.pipeline.taken_by()) is not None and not o.closed and (o.offload_grads or o.in_backward):
