@@ -138,15 +138,20 @@ class _Kept:
         self.version = tensor._version
         self.pacer = pacer
         if pacer is not None:
-            pacer.total += tensor.nbytes
+            pacer.total += _dense_bytes(tensor)
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
             raise _version_error(self.tensor._version, self.version, self.tensor)
         pacer, self.pacer = self.pacer, None
         if pacer is not None:
-            pacer.use(self.tensor.nbytes)
+            pacer.use(_dense_bytes(self.tensor))
         return self.tensor
+
+
+def _dense_bytes(t: torch.Tensor) -> int:
+    """What a pacer counts for a kept tensor: its bytes when strided (a sparse tensor has no ``nbytes``)."""
+    return t.nbytes if t.layout is torch.strided else 0
 
 
 class _Packed(int):

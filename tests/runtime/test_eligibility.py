@@ -33,3 +33,38 @@ def test_a_leaf_that_requires_grad_is_offloaded_and_a_parameter_is_not():
         stats = _one_layer(lambda: F.linear(x, w))
     assert stats.bytes_offloaded == x.numel() * 2  # the bf16 cast of x; w's cast stays
     assert stats.kept["parameter"] >= 1
+
+
+def test_a_sparse_tensor_saved_in_a_kept_layer_after_an_offloaded_one_trains_as_without_offload():
+    """The layer after an offloaded one paces its reload by the bytes it keeps; a sparse tensor has no
+    ``nbytes`` and stays on the device."""
+    from annotate_offload import offload_transform
+
+    class Sparse(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return torch.sparse.mm((h * (h > 0)).to_sparse(), self.lin.weight.t()) + h
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Sparse() for _ in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    ref = Stack()
+    m = Stack()
+    m.load_state_dict(ref.state_dict())
+    offload_transform(m, num_layers=1, min_offload_numel=0)
+    x = torch.randn(4, 16)
+    ref(x).sum().backward()
+    m(x).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
