@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -278,6 +279,7 @@ def remove_offload(model: nn.Module) -> nn.Module:
                 for key in [k for k, h in hooks.items() if isinstance(h, (_TuneSchedule, _NoCacheWhileRecomputing))]:
                     del hooks[key]
                     owner._forward_hooks_always_called.pop(key, None)
+                    owner._forward_pre_hooks_with_kwargs.pop(key, None)
             owner.__dict__.pop(_STATE, None)
             owner.__dict__.pop("offload_plan", None)
     return model
@@ -336,29 +338,35 @@ def _plan(model: nn.Module, refs: list[LayerRef], settings: Any, example_inputs:
 
 
 class _NoCacheWhileRecomputing:
-    """Note [No key/value cache under recompute]: a recomputed layer reruns its forward in backward, and a
-    Hugging Face model whose ``use_cache`` is not passed hands its layers one key/value cache, to which the
-    rerun appends a second time (attention over doubled keys, or a shape error under a mask). As Hugging
-    Face's own gradient checkpointing does, a forward with grad enabled of a model with recomputed layers
-    runs with every ``config.use_cache`` off, put back after it (its ``past_key_values`` is then ``None``)."""
+    """Note [No key/value cache under recompute]: a recomputed layer reruns its forward in backward, appending to a
+    Hugging Face cache twice (doubled keys, or a shape error under a mask). As Hugging Face's gradient checkpointing
+    does, a forward with grad enabled runs with each ``config.use_cache`` off (put back after) and ``use_cache=True``
+    passed as ``False``; a ``past_key_values`` passed in is refused first (dropping it would change the result)."""
 
-    def __init__(self, configs: list) -> None:
-        self.configs, self.off = configs, []
+    def __init__(self, configs: list, off: list, before: bool) -> None:
+        self.configs, self.off, self.before = configs, off, before  # off: the configs turned off, shared
 
     @classmethod
     def install(cls, model: nn.Module) -> None:
         if configs := cache_configs(model):
-            hook = cls(configs)
-            model.register_forward_pre_hook(hook)
-            model.register_forward_hook(hook, always_call=True)
+            model.register_forward_pre_hook(cls(configs, (off := []), True), with_kwargs=True)
+            model.register_forward_hook(cls(configs, off, False), always_call=True)
 
-    def __call__(self, _module: nn.Module, _args: tuple, *out: Any) -> None:
-        if not out:  # before the forward
-            self.off = cache_off(self.configs) if torch.is_grad_enabled() else []
-            return
-        for c in self.off:
-            c.use_cache = True
-        self.off = []
+    def __call__(self, module: nn.Module, args: tuple, kwargs_or_out: Any) -> Any:
+        if not self.before:
+            for c in self.off:
+                c.use_cache = True
+            return self.off.clear()
+        if not torch.is_grad_enabled():
+            return None
+        with contextlib.suppress(TypeError):  # as the forward binds them (a wrapper's **kwargs too); else it raises
+            named = inspect.signature(module.forward).bind_partial(*args, **kwargs_or_out).arguments
+            if {**named.get("kwargs", {}), **named}.get("past_key_values") is not None:
+                raise OffloadError(f"{type(module).__name__}: a forward with grad enabled got past_key_values, but "
+                                   "its layers are recomputed in backward, which would append to the cache twice. "
+                                   "Pass no past_key_values in training, or transform with recompute=False.")
+        self.off[:] = cache_off(self.configs)
+        return (args, {**kwargs_or_out, "use_cache": False}) if kwargs_or_out.get("use_cache") else None
 
 
 class _TuneSchedule:
@@ -387,6 +395,7 @@ class _TuneSchedule:
         if (state is not None and not torch.is_grad_enabled()) or torch.compiler.is_compiling():
             return  # wait for a training forward that runs eagerly (Note [Traced layers] in _layers.py)
         root._forward_pre_hooks.pop(self.id, None)
+        root._forward_pre_hooks_with_kwargs.pop(self.id, None)
         leaf = next((t for t in tree_leaves((args, kwargs, list(root.parameters()))) if isinstance(t, torch.Tensor)),
                     None)
         if state is None or leaf is None or leaf.device.type != "cuda":

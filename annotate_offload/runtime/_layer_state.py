@@ -131,27 +131,21 @@ class _Kept:
     """Pack handle for a tensor left on the device; keeps autograd's in-place check alive. In a
     layer that paces a reload its bytes count for that layer's pacer, once."""
 
-    __slots__ = ("tensor", "version", "pacer")
+    __slots__ = ("tensor", "version", "pacer", "nbytes")
 
     def __init__(self, tensor: torch.Tensor, pacer: Optional[_Pacer] = None):
-        self.tensor = _no_graph(tensor)
-        self.version = tensor._version
-        self.pacer = pacer
+        self.tensor, self.version, self.pacer = _no_graph(tensor), tensor._version, pacer
+        self.nbytes = tensor.nbytes if tensor.layout is torch.strided else 0  # paced bytes (a sparse one has none)
         if pacer is not None:
-            pacer.total += _dense_bytes(tensor)
+            pacer.total += self.nbytes
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
             raise _version_error(self.tensor._version, self.version, self.tensor)
         pacer, self.pacer = self.pacer, None
         if pacer is not None:
-            pacer.use(_dense_bytes(self.tensor))
+            pacer.use(self.nbytes)
         return self.tensor
-
-
-def _dense_bytes(t: torch.Tensor) -> int:
-    """What a pacer counts for a kept tensor: its bytes when strided (a sparse tensor has no ``nbytes``)."""
-    return t.nbytes if t.layout is torch.strided else 0
 
 
 class _Packed(int):

@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from annotate_offload.annotate import offload_transform, remove_offload  # noqa: E402
+from annotate_offload.errors import OffloadError  # noqa: E402
 
 from ._models import cfg, sync_of  # noqa: E402
 
@@ -158,3 +159,27 @@ def test_recomputed_layers_of_a_cache_using_model_train_exactly_and_keep_its_con
         assert model(**batch).past_key_values is not None  # outside training the cache is the model's
     remove_offload(model)
     assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not model._forward_pre_hooks_with_kwargs
+
+
+def test_recomputed_layers_train_exactly_under_an_explicit_use_cache_and_a_padding_mask():
+    model = _llama()
+    ref = copy.deepcopy(model)
+    offload_transform(model, 2, config=cfg(recompute=True))
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    for m in (model, ref):
+        m(input_ids=ids, labels=ids, attention_mask=mask, use_cache=True).loss.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_a_cache_passed_to_recomputed_layers_in_training_is_refused_before_anything_runs():
+    model = _llama()
+    offload_transform(model, 2, config=cfg(recompute=True))
+    ids = _ids()
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+    with pytest.raises(OffloadError, match="past_key_values.*recompute=False"):
+        model(input_ids=ids[:, 4:], labels=ids[:, 4:], past_key_values=cache)
+    assert model.config.use_cache is True and all(p.grad is None for p in model.parameters())
