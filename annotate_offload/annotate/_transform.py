@@ -79,12 +79,12 @@ def offload_transform(
             recompute with its input offloaded, the schedule and the optimizer split, the fastest
             predicted plan that fits; a model that fits keeps everything (with a one-line warning).
             Default: ``None`` (the config's ``memory_budget``).
-        example_inputs (Tensor | tuple | dict | None): one training step's inputs; used to estimate
-            bytes per layer on the meta device (and to profile with a budget, with every
-            ``config.use_cache`` off) and to refuse a layer that runs twice per forward. Without
-            them bytes are measured on the first training step. The estimate emulates bf16 autocast
-            when ``config`` says ``bf16=True`` or the call runs inside ``torch.autocast`` (Note
-            [Autocast on meta] in ``_estimate.py``). Default: ``None``.
+        example_inputs (Tensor | tuple | dict | None): one training step's inputs, to estimate bytes per layer on
+            the meta device (and to profile with a budget, every ``config.use_cache`` off) and to refuse a layer
+            that runs twice per forward; these forwards run the model's Python code, whose own state (a step
+            counter) moves as in a step, while tensors, RNG and gradients are restored. Without them bytes are
+            measured on the first training step. The estimate emulates bf16 autocast under ``bf16=True`` or
+            ``torch.autocast`` (Note [Autocast on meta] in ``_estimate.py``). Default: ``None``.
         config (ModelConfig | Config | None): the offload settings, Megatron Bridge names:
             ``cpu_offloading`` (``False`` returns the model unchanged), ``cpu_offloading_num_layers``,
             ``memory_budget``, the schedule ``release_lag`` and ``prefetch_layers`` (``None``: chosen

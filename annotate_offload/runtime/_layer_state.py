@@ -168,7 +168,7 @@ def _version_error(found: int, expected: int, t: Optional[torch.Tensor] = None, 
     return OffloadError(
         "offload runtime: one of the variables needed for gradient computation has been modified by an "
         f"inplace operation: {what} is at version {found}; expected version {expected} instead. It was "
-        "saved for backward (and offloaded) before the in-place change. Fix: clone the tensor before "
+        "saved for backward before the in-place change. Fix: clone the tensor before "
         "modifying it, or make the operation out-of-place."
     )
 
