@@ -146,14 +146,10 @@ def _template(opt: Any, fqns: list[list[str]], md: Any, key: str) -> dict[str, A
     return {"state": state, "param_groups": ""}
 
 
-def _set_optimizer_state_dict(opt: Any, fqns: list[list[str]], state_dict: dict[str, Any]) -> None:
-    """Load the optimizer part of a DCP checkpoint, resharded into ``opt``'s current layout.
-
-    Hyper-parameters come from the checkpoint; structural options (fraction, modes) stay ``opt``'s.
-
-    Raises:
-        ValueError: the saved param groups do not hold the same FQNs as ``opt``'s, group by group.
-    """
+def _loadable(fqns: list[list[str]], state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer part of a DCP checkpoint as ``opt.load_state_dict`` takes it, resharded into the current layout
+    (``fqns``: the optimizer's parameters, group by group). Hyper-parameters come from the checkpoint; structural
+    options (fraction, modes) stay the optimizer's. ``ValueError``: the saved groups hold other FQNs."""
     saved_groups = json.loads(state_dict["param_groups"]) if isinstance(state_dict["param_groups"], str) else state_dict["param_groups"]
     if [g["params"] for g in saved_groups] != fqns:
         raise ValueError(
@@ -161,21 +157,15 @@ def _set_optimizer_state_dict(opt: Any, fqns: list[list[str]], state_dict: dict[
             f"{[g['params'][:3] for g in saved_groups]}... but the optimizer's are {[f[:3] for f in fqns]}...; build the "
             "optimizer with the same groups, in the same order, as the one that was saved."
         )
-    sd_state: dict[int, dict[str, Any]] = {}
-    groups = []
-    idx = 0
+    flat = [name for names in fqns for name in names]
+    state = {i: {k: (local_shard(v) if torch.is_tensor(v) else v) for k, v in st.items()}
+             for i, name in enumerate(flat) if (st := state_dict["state"].get(name))}
+    groups, start = [], 0
     for sg, names in zip(saved_groups, fqns):
-        g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in sg.items() if k != "params"}
-        ids = []
-        for name in names:
-            st = state_dict["state"].get(name)
-            if st:
-                sd_state[idx] = {k: (local_shard(v) if torch.is_tensor(v) else v) for k, v in st.items()}
-            ids.append(idx)
-            idx += 1
-        g["params"] = ids
-        groups.append(g)
-    opt.load_state_dict({"state": sd_state, "param_groups": groups})
+        hyper = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in sg.items() if k != "params"}
+        groups.append({**hyper, "params": list(range(start, start + len(names)))})
+        start += len(names)
+    return {"state": state, "param_groups": groups}
 
 
 def save_checkpoint(model: nn.Module, optimizer: Any, checkpoint_id: Any, *, process_group: Any = None) -> None:
@@ -201,8 +191,9 @@ def save_checkpoint(model: nn.Module, optimizer: Any, checkpoint_id: Any, *, pro
 def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: Any, *, process_group: Any = None) -> None:
     """Load a checkpoint of :func:`save_checkpoint` into ``model`` (in place) and ``optimizer``.
 
-    Weights are written in place (the optimizer's local shards stay valid), the masters are
-    re-seeded from them, then the optimizer state is loaded in its own layout (Note [DCP layout]).
+    The checkpoint is checked (keys, shapes, param groups) and its optimizer part read first; then the weights
+    are written in place (the optimizer's local shards stay valid), the masters re-seeded from them, and the
+    optimizer state loaded in its own layout (Note [DCP layout]). A refused load changes nothing.
 
     Args:
         model (nn.Module): DDP-wrapped, ``fully_shard``-ed or plain, with the saved architecture.
@@ -213,10 +204,11 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
 
     Raises:
         OffloadError: the checkpoint has no optimizer part (``optimizer`` given).
-        ValueError: the checkpoint's model keys differ from ``model``'s (nothing is loaded), or its
-            param groups hold other parameters (by FQN) than the optimizer's.
+        ValueError: the checkpoint's model keys or shapes differ from ``model``'s, or its param groups
+            hold other parameters (by FQN) than the optimizer's.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     inner = _unwrap(model)
     opt = check_optimizer(optimizer, "load_checkpoint") if optimizer is not None else None
@@ -230,14 +222,20 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
             f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
             "(keys of the model's state_dict()); load it into the architecture that saved it."
         )
+    shapes = [f"{k}: {tuple(m.size)} there, {tuple(v.shape)} here" for k, v in msd.items() if isinstance(
+        m := md.state_dict_metadata[f"{_MODEL}.{k}"], TensorStorageMetadata) and tuple(m.size) != tuple(v.shape)]
+    if shapes:
+        raise ValueError(f"load_checkpoint: {checkpoint_id!s} holds another model: {'; '.join(shapes[:5])} (shapes of "
+                         "the model's state_dict()); load it into the architecture that saved it.")
+    if opt is not None:  # read and check the optimizer part before a weight changes
+        fqns = _fqns(model, opt, "load_checkpoint")
+        osd = _template(opt, fqns, md, _OPTIM)
+        with _quiet_single_process():
+            dcp.load({_OPTIM: osd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
+        osd = _loadable(fqns, osd)
     with _quiet_single_process():
         dcp.load({_MODEL: msd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
     inner.load_state_dict(msd)
-    if opt is None:
-        return
-    opt.reload_model_params()
-    fqns = _fqns(model, opt, "load_checkpoint")
-    osd = _template(opt, fqns, md, _OPTIM)
-    with _quiet_single_process():
-        dcp.load({_OPTIM: osd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
-    _set_optimizer_state_dict(opt, fqns, osd)
+    if opt is not None:
+        opt.reload_model_params()
+        opt.load_state_dict(osd)

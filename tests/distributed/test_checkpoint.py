@@ -124,8 +124,38 @@ def test_load_rejects_a_model_with_other_parameters(tmp_path):
     model2 = make_model()
     groups = [{"params": list(model2.layers.parameters())}, {"params": [*model2.inp.parameters(), *model2.head.parameters()]}]
     opt2 = HybridDeviceOptimizer(groups, offload_fraction=0.5, lr=LR)
+    before = [p.detach().clone() for p in model2.parameters()]
     with pytest.raises(ValueError, match="param groups"):
         load_checkpoint(model2, opt2, str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))  # nothing was loaded
+
+
+def test_load_of_a_checkpoint_without_an_optimizer_part_changes_no_weight(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from annotate_offload.errors import OffloadError
+
+    dcp.save({"model": make_model().state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(OffloadError, match="param_groups"):
+        load_checkpoint(model, HybridDeviceOptimizer(model.parameters(), lr=LR), str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_load_into_other_shapes_names_them_and_loads_nothing(tmp_path):
+    from torch import nn
+
+    saved = nn.Sequential(nn.Linear(16, 33))
+    save_checkpoint(saved, HybridDeviceOptimizer(saved.parameters(), lr=LR), str(tmp_path))
+    other = nn.Sequential(nn.Linear(16, 40))
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(ValueError, match=r"holds another model: 0.weight: \(33, 16\) there, \(40, 16\) here"):
+        load_checkpoint(other, HybridDeviceOptimizer(other.parameters(), lr=LR), str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
 
 
 def test_load_into_another_architecture_names_the_keys_and_loads_nothing(tmp_path):
