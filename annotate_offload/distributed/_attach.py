@@ -98,8 +98,8 @@ class ShardedAttachment:
 def _refuse_local_clip(*_: Any, **__: Any) -> torch.Tensor:
     raise OffloadError(
         "HybridDeviceOptimizer.clip_grad_norm_: under FSDP2 its norm would cover only this rank's shard. Clip with "
-        "annotate_offload.distributed.clip_grad_norm_(model.parameters(), max_norm) (global norm over the DTensor "
-        "gradients, applied so the optimizer sees the change; needs offload_gradients=False) before optimizer.step()."
+        "annotate_offload.distributed.clip_grad_norm_(model.parameters(), max_norm, optimizer=opt) (global norm over "
+        "the DTensor gradients; it refuses offload_gradients=True, whose gradients it cannot see) before opt.step()."
     )
 
 
