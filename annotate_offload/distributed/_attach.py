@@ -133,7 +133,7 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
             or (DDP) ``shard_host_step`` not a bool.
         ValueError: the optimizer steps parameters ``model`` does not own; DDP: ``shard_host_step``
             with ``delayed_param_update=True``, or ``offload_gradients=True``.
-        OffloadError: DDP: the model already has a communication hook.
+        OffloadError: DDP: the model already has a communication hook; FSDP2: the optimizer is attached already.
 
     Warns:
         UserWarning: DDP with ``gradient_as_bucket_view=False`` (no D2H overlap with backward).
@@ -159,6 +159,8 @@ def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool 
         )
     if isinstance(model, DistributedDataParallel):
         return register_offload_comm_hook(model, opt, shard_host_step=shard_host_step)
+    if opt.__dict__.get("clip_grad_norm_") is _refuse_local_clip:
+        raise OffloadError("attach_optimizer: this optimizer is attached to an FSDP2 model already; attach it once.")
     sharded = any(is_dtensor(p) for p in params)
     att = ShardedAttachment(opt, model, sharded)
     if sharded:

@@ -190,13 +190,17 @@ def fsdp_train(rank: int, world: int, *, out_dir: str, steps: int = 3, fraction:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    refused = ""
+    refused = twice = ""
     try:
         opt.clip_grad_norm_(1.0)
     except OffloadError as e:
         refused = str(e)
+    try:
+        attach_optimizer(model, opt)
+    except OffloadError as e:
+        twice = str(e)
     return {
-        "weights": _weights(model), "losses": losses, "clip_refused": refused,
+        "weights": _weights(model), "losses": losses, "clip_refused": refused, "attached_twice": twice,
         "placements": opt.placements, "recopied": att.recopied, "copied_at_step": att.copied_at_step,
         "bytes_per_step": model.offload_plan.bytes_per_step if offload else None,
     }

@@ -119,6 +119,10 @@ def test_fsdp_refuses_the_optimizers_shard_local_clip(runs):
     assert "only this rank's shard" in msg and "annotate_offload.distributed.clip_grad_norm_" in msg
 
 
+def test_fsdp_refuses_a_second_attachment(runs):
+    assert "attached to an FSDP2 model already" in runs[0]["half"]["attached_twice"]
+
+
 @pytest.mark.parametrize("case", ["replaced", "replaced_fp32_master"])
 def test_fsdp_replaced_local_shard_is_an_error(runs, case):
     # replaced: a host-stepped parameter; replaced_fp32_master: one the device half steps through an
