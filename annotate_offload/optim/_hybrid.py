@@ -1214,7 +1214,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 torch._amp_foreach_non_finite_check_and_unscale_(gs, torch.zeros((), device=dev), inv)
         for s in self._masters:
             s.inner.grad = None if s.param.grad is None else local_tensor(s.param.grad).to(s.inner.dtype)
-        amp_step(opt, amp, host=False)  # fused classes write the weights without a version bump: others look
+        amp_step(opt, amp, host=False)  # fused classes skip the version bump other optimizers' masters check
         torch.autograd.graph.increment_version([p for g in opt.param_groups for p in g["params"] if p.grad is not None])
         for s in self._masters:
             if s.inner.grad is not None:
