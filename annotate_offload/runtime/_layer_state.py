@@ -16,14 +16,18 @@ custom ``backward`` reading ``ctx.saved_tensors`` twice) reloads its unit alone.
 
 Note [Version check]. Saved-tensor hooks switch off autograd's own check that a saved tensor was
 not modified in place before backward, so the runtime does it: each handle records the tensor's
-version at save. While a unit's device bytes are held, the layer holds the saved tensors too (it
-costs no memory: the bytes are the same); when it releases them it records whether any version
-moved (the copy may then hold either value), and an unpack raises autograd's error if that
-happened or if a tensor still alive has a newer version. Nothing is read from a modified tensor.
-Handles and layers hold a saved tensor that has a ``grad_fn`` as a detached alias (same bytes,
-same version counter): the tensor's node holds its handle, so holding the tensor would close a
-cycle through autograd's C++ nodes that the garbage collector cannot see, and a forward whose
-backward never runs would keep its graph and the model's parameters alive.
+version at save, and each unit watches the version counters of the tensors saved from it. While a
+unit's device bytes are held it holds those tensors (it costs no memory: the bytes are the same);
+when it releases them it keeps, per tensor, a counter alias: a tensor of no storage that shares the
+tensor's version counter (``_counter``), so an in-place edit made after the release, even through a
+tensor object that has since died, is still seen. An unpack raises autograd's error if any watched
+version differs from the handle's. Nothing is read from a modified tensor. Handles and layers hold a
+saved tensor that has a ``grad_fn`` as a detached alias (same bytes, same version counter): the
+tensor's node holds its handle, so holding the tensor would close a cycle through autograd's C++
+nodes that the garbage collector cannot see, and a forward whose backward never runs would keep its
+graph and the model's parameters alive. A compiled graph's layers (``track=False``) watch nothing
+after the release: the graph reuses a released buffer for later values, and never edits a saved
+tensor in place.
 """
 
 from __future__ import annotations
@@ -127,6 +131,14 @@ def _no_graph(t: torch.Tensor) -> torch.Tensor:
     return t if t.grad_fn is None else t.detach()
 
 
+def _counter(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of no storage sharing ``t``'s version counter (Note [Version check]); ``t``'s version stays."""
+    alias = torch.Tensor._make_subclass(torch.Tensor, t)  # a detached alias whose storage may be replaced
+    with torch.autograd._unsafe_preserve_version_counter(alias):
+        alias.set_()
+    return alias
+
+
 class _Kept:
     """Pack handle for a tensor left on the device; keeps autograd's in-place check alive. In a
     layer that paces a reload its bytes count for that layer's pacer, once."""
@@ -150,13 +162,11 @@ class _Kept:
 
 class _Packed(int):
     """Pack handle of an offloaded tensor. As TransformerEngine's, an ``int``: the tensor's position
-    in its layer's group; it also carries that layer, the tensor's version at save, and a weak
-    reference to its base (which shares its version counter)."""
+    in its layer's group; it also carries that layer and the tensor's version at save."""
 
     def __new__(cls, layer: "_LayerState", pos: int, t: torch.Tensor) -> "_Packed":
         self = super().__new__(cls, pos)
         self.layer, self.version = layer, t._version
-        self.root = weakref.ref(t if t._base is None else t._base)
         return self
 
 
@@ -190,11 +200,11 @@ class _LayerState:
     __slots__ = (
         "index", "backend", "pool", "stats", "eager_d2h", "shared", "state", "d2h_done",
         "fwd_gpu_tensor_group", "cpu_tensor_group", "bwd_gpu_tensor_group",
-        "watch", "stale", "borrowed", "users", "pending", "pacer", "__weakref__",
+        "watch", "track", "borrowed", "users", "pending", "pacer", "__weakref__",
     )
 
-    def __init__(self, index: int, sync: Any, shared: Optional[dict]):
-        self.index = index
+    def __init__(self, index: int, sync: Any, shared: Optional[dict], track: bool = True):
+        self.index, self.track = index, track
         self.backend, self.pool, self.stats = sync.backend, sync.pool, sync.stats
         self.eager_d2h = not sync._manual  # copy at save time (default) or at start_offload (manual)
         # storage id -> [(weak references to a saved tensor and its owner, unit)] of the step's
@@ -205,8 +215,7 @@ class _LayerState:
         self.fwd_gpu_tensor_group = TensorGroup(aux=TensorGroupProcessor._new_aux())
         self.cpu_tensor_group = TensorGroup()
         self.bwd_gpu_tensor_group = TensorGroup()
-        self.watch: list = []  # per unit: the saved tensors, held with its device bytes
-        self.stale: list[Optional[int]] = []  # per unit: a version seen at release other than the saved one
+        self.watch: list = []  # per unit: the saved tensors, held with its device bytes, then their counters
         self.borrowed: list[tuple[_LayerState, int]] = []
         self.users: list[list[int]] = []  # per unit: the handles (positions) that rebuild from it
         # per unit: the handles its reload has not served yet (empty: all served and the reload
@@ -243,7 +252,7 @@ class _LayerState:
             return borrowed
         unit = TensorGroupProcessor._add_unit(group, t, rng, self._ready_now() if ready is None else ready)
         for per_unit in (self.cpu_tensor_group.tensor_list, self.bwd_gpu_tensor_group.tensor_list,
-                         self.bwd_gpu_tensor_group.events, self.stale, self.pending):
+                         self.bwd_gpu_tensor_group.events, self.pending):
             per_unit.append(None)
         self.watch.append([_no_graph(t)])
         self.users.append([])
@@ -257,8 +266,8 @@ class _LayerState:
 
     def _watch(self, unit: int, t: torch.Tensor) -> None:
         watched = self.watch[unit]
-        if watched is not None:
-            watched.append(_no_graph(t))
+        if watched is not None:  # a released unit watches the counter only: its bytes are gone
+            watched.append(_no_graph(t) if self.fwd_gpu_tensor_group.tensor_list[unit] is not None else _counter(t))
 
     def _borrow(self, t: torch.Tensor, rng: tuple[int, int]) -> Optional[tuple["_LayerState", int]]:
         """An earlier layer's copied unit with the same bytes (same live storage, same version)."""
@@ -317,12 +326,8 @@ class _LayerState:
         return self.d2h_done is None or self.backend.is_done(self.d2h_done)
 
     def _drop(self, unit: int) -> None:
-        """Drop unit's device bytes, noting whether a saved tensor changed since its save."""
-        version = self.fwd_gpu_tensor_group.aux["units"][unit][3]
-        moved = [t._version for t in self.watch[unit] if t._version != version]
-        if moved and self.stale[unit] is None:
-            self.stale[unit] = moved[0]
-        self.watch[unit] = None
+        """Drop unit's device bytes; its saved tensors are then watched through their counters."""
+        self.watch[unit] = [_counter(t) for t in self.watch[unit]] if self.track else None
         src, self.fwd_gpu_tensor_group.tensor_list[unit] = self.fwd_gpu_tensor_group.tensor_list[unit], None
         self.stats._resident(-src.numel())
 
@@ -391,12 +396,9 @@ class _LayerState:
     def unpack(self, handle: _Packed, allow_on_demand: bool = True, wait: bool = True) -> torch.Tensor:
         aux = self.fwd_gpu_tensor_group.aux
         unit, meta = aux["unit_index"][handle], aux["metas"][handle]
-        for t in [handle.root(), *(self.watch[unit] or ())]:
-            if t is not None and t._version != handle.version:
+        for t in self.watch[unit] or ():
+            if t._version != handle.version:
                 raise _version_error(t._version, handle.version, t, meta)
-        stale = self.stale[unit]
-        if stale is not None:
-            raise _version_error(stale, handle.version)
         flat = self.fwd_gpu_tensor_group.tensor_list[unit]
         if flat is None:
             bwd, pending = self.bwd_gpu_tensor_group, self.pending[unit]

@@ -132,10 +132,6 @@ def _identity(t: Any) -> Any:
     return t
 
 
-def _no_root() -> None:
-    return None
-
-
 class _Step:
     """One forward's layer states and its backward bookkeeping."""
 
@@ -396,15 +392,11 @@ class OffloadSynchronizer:
                 if other.index < index and other.d2h_done is None and other.state == "offload_started":
                     other.finish_forward()
             # no units shared across layers: once a layer is released, a compiled graph may reuse its
-            # buffers (same storage, same version) for new values of a later layer
-            state = step.layers[index] = _LayerState(index, self, None)
+            # buffers (same storage, same version) for new values of a later layer; so no version
+            # check after the release either (Note [Version check])
+            state = step.layers[index] = _LayerState(index, self, None, track=False)
         state.d2h_done = None  # a copy enqueued after the end was marked moves the end (release marks it again)
-        handle = state.pack(t)
-        if type(handle) is _Packed:
-            # a graph never changes a saved tensor in place, but it reuses a dead tensor object for a
-            # later buffer: no version check on the original after its release
-            handle.root = _no_root
-        return handle, step
+        return state.pack(t), step
 
     def graph_release(self, records: Iterable[tuple]) -> None:
         """Drop the device bytes of the records' layers, each layer once (the compute stream waits for

@@ -61,6 +61,37 @@ def test_in_place_change_after_save_raises_after_the_tensor_is_gone(mode):
         out.backward()
 
 
+class _Tanh(nn.Module):
+    def __init__(self, edit_input: bool = False):
+        super().__init__()
+        self.lin, self.edit_input = nn.Linear(8, 8), edit_input
+
+    def forward(self, x):
+        if self.edit_input:
+            x.mul_(2)  # the previous layer's output, which its tanh saved (and the layer released)
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("when", ["in_the_next_layer", "between_two_backwards"])
+def test_in_place_change_after_the_release_raises_once_the_tensor_died(when):
+    torch.manual_seed(0)
+    ref = nn.Sequential(_Tanh(), _Tanh(when == "in_the_next_layer"), _Tanh())
+    model = clone(ref)
+    ao.offload_transform(model, num_layers=2, min_offload_numel=0)
+    for m in (ref, model):  # the released layer's tensor object is dead when backward reads it
+        x = torch.randn(4, 8, requires_grad=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            if when == "in_the_next_layer":
+                m(x * 1).sum().backward()
+            else:
+                h0 = m[0](x)
+                y = m[2](m[1](h0))
+                y.sum().backward(retain_graph=True)
+                h0.add_(1)
+                del h0
+                y.sum().backward()
+
+
 # -- views at a non-zero storage offset --------------------------------------------------------
 def _split_layer(x, w):
     return sum((chunk @ w).sum() for chunk in torch.split(x, 1024))  # each chunk saved: a view at an offset
