@@ -22,6 +22,7 @@ import os
 from typing import Literal
 
 import torch
+import torch.utils._pytree as pytree
 
 __all__ = [
     "mark_activation_offload",
@@ -56,19 +57,15 @@ def check_policy(policy: object) -> Policy:
     return policy  # type: ignore[return-value]
 
 
-def _tensors(args: tuple, fn: str):
-    for t in args:
-        if t is None:
-            continue
-        if isinstance(t, (list, tuple)):
-            yield from _tensors(tuple(t), fn)
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"{fn}() takes tensors, got {type(t).__name__}; pass the tensors themselves "
-                "(lists and tuples of tensors are accepted)"
-            )
-        yield t
+def _tensors(args: tuple, fn: str) -> list[torch.Tensor]:
+    """The tensors of ``args`` (nested lists and tuples flattened, ``None`` skipped), all checked first."""
+    flat = [t for t in pytree.tree_leaves(list(args)) if t is not None]
+    if (bad := next((t for t in flat if not isinstance(t, torch.Tensor)), None)) is not None:
+        raise TypeError(
+            f"{fn}() takes tensors, got {type(bad).__name__}; pass the tensors themselves "
+            "(lists and tuples of tensors are accepted)"
+        )
+    return flat
 
 
 def mark_not_offload(*tensors: torch.Tensor) -> None:

@@ -255,6 +255,9 @@ def test_marks_are_honoured_including_te_attribute():
     assert s.stats.kept["marked"] == 2 and s.stats.bytes_offloaded == c.nbytes
     with pytest.raises(TypeError, match="mark_not_offload\\(\\) takes tensors"):
         mark_not_offload("x")
+    with pytest.raises(TypeError, match="got str"):  # checked before any tensor is marked
+        mark_not_offload([c], "x")
+    assert not hasattr(c, "_TE_do_not_offload")
 
 
 def test_start_offload_copies_before_save_and_detects_inplace_change():
