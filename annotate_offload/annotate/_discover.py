@@ -131,7 +131,7 @@ def _discover(model: nn.Module) -> tuple[list[LayerRef], str]:
         found.append((fqn, module))
     if not found:
         return [], "@offload_layer marks, then at least two nn.ModuleList/nn.Sequential children of one class"
-    size = [sum(p.numel() for p in c.parameters()) for _, c in found]
+    size = [sum(0 if nn.parameter.is_lazy(p) else p.numel() for p in c.parameters()) for _, c in found]
     fqn, container = found[max(range(len(found)), key=lambda k: (size[k], -k))]
     names = [name for name, _ in container.named_children()]
     refs = [_ref(f"{fqn}.{n}" if fqn else n, getattr(container, n)) for n in names]

@@ -63,6 +63,11 @@ def test_discovers_modulelist_blocks():
     assert "discovered layers: 3 x MLPBlock" in how
 
 
+def test_discovers_blocks_of_lazy_modules_before_they_are_materialised():
+    refs, how = find_layers(nn.Sequential(nn.Linear(4, 4), nn.Sequential(*[nn.LazyLinear(8) for _ in range(3)])))
+    assert [r.fqn for r in refs] == ["1.0", "1.1", "1.2"], how  # a parameter of unknown size counts as none
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_builtin_models_declare_their_layers(n):
     """Discovery needs repeated blocks; GPTBlock and LlamaDecoderLayer are declared with
