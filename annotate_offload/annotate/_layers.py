@@ -145,10 +145,12 @@ class LayerForward:
         return inspect.signature(self.target())
 
     def __deepcopy__(self, memo: dict) -> "LayerForward":
-        # the copy belongs to the copied layer and the copied model's state (both reached through memo)
+        # the copy of a copied model's layer belongs to the copied model's state (reached through memo); a
+        # layer copied alone belongs to no model: a plain module, which a later transform may take
         new = LayerForward.__new__(LayerForward)
         memo[id(self)] = new
-        new.state, new.module = _copied_ref(self.state, memo), _copied_ref(self.module, memo)
+        whole = (state := self.state()) is not None and id(state.model()) in memo
+        new.state, new.module = _copied_ref(self.state, memo) if whole else _gone, _copied_ref(self.module, memo)
         new.index, new.prev = self.index, copy.deepcopy(self.prev, memo)
         return new
 
@@ -196,8 +198,10 @@ class OffloadState:
         return w if isinstance(w, LayerForward) and w.state() is self and w.index == i else None
 
     def wrap(self, i: int) -> None:
-        module = self.layers[i]
-        module.__dict__["forward"] = LayerForward(self, module, i, module.__dict__.get("forward"))
+        module, prev = self.layers[i], self.layers[i].__dict__.get("forward")
+        if isinstance(prev, LayerForward):  # the wrapper of a model that is gone (_check_positions)
+            prev = prev.prev
+        module.__dict__["forward"] = LayerForward(self, module, i, prev)
 
     def unwrap(self, i: int) -> None:
         w = self.wrapper(i)
@@ -359,6 +363,10 @@ class OffloadState:
         new.generation = self.generation
         new._fresh()
         return new
+
+
+def _gone() -> None:  # the state reference of a layer whose model is gone
+    return None
 
 
 def _copied_ref(ref: weakref.ref, memo: dict) -> weakref.ref:

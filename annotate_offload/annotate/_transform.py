@@ -308,7 +308,7 @@ def _check_positions(model: nn.Module, refs: list[LayerRef]) -> None:
                 "so it runs twice per forward); a shared layer cannot be one offload unit. Give each position its "
                 "own module, or leave it out of the layers (filter_fn=, layer_types=)."
             )
-        if isinstance(r.module.__dict__.get("forward"), LayerForward):
+        if isinstance(w := r.module.__dict__.get("forward"), LayerForward) and w.state() is not None:
             raise OffloadError(
                 f"offload_transform: {r.fqn} is already a layer of another transformed model; call "
                 "remove_offload on that model first (or transform only one of the two)."

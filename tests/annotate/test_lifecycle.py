@@ -205,6 +205,25 @@ def test_deepcopy_is_an_independent_offloaded_model():
     assert sync_of(model).stats.bytes_offloaded > 0
 
 
+def test_a_layer_copied_alone_or_outliving_its_model_is_a_plain_module_a_new_transform_takes():
+    ref = Stack(3)
+    model = _apply(copy.deepcopy(ref))
+    memo: dict = {}
+    lone = copy.deepcopy(model.layers[1], memo)
+    assert not any(id(p) in memo for p in model.layers[0].parameters())  # not the whole model
+    assert torch.equal(lone(X), ref.layers[1](X))
+    layers = list(model.layers)
+    del model
+    gc.collect()
+    new = copy.deepcopy(ref)
+    new.layers = nn.ModuleList(layers)
+    _apply(new)
+    assert_same_step(run_step(new, X), run_step(ref, X))
+    assert sync_of(new).stats.bytes_offloaded > 0
+    remove_offload(new)
+    assert not any("forward" in m.__dict__ for m in new.modules())
+
+
 def test_averaged_model_of_a_transformed_model_steps():
     model = _apply(Stack(3))
     ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
