@@ -337,8 +337,7 @@ class Slot:
         self.grad_ref: Optional[weakref.ref] = None
         self.d2h_ev = self.ready_ev = None
         self.scales: list[tuple[torch.Tensor, Any]] = []  # clip coefficients pending for the buffer
-        self.unscaled = [False, False]  # per buffer: it holds GradScaler's unscale already (Note [Failed steps]);
-        # one flag per buffer, as the worker sets the one of step t while the training thread clears step t + 1's
+        self.unscaled = [False, False]  # per buffer (the worker sets step t's, step t + 1 clears its own): unscaled
         self.state = S.EMPTY
 
     def copied(self, g: torch.Tensor) -> bool:
@@ -405,15 +404,16 @@ def impl_for(cls: type, impl: dict[str, Any], *, host: bool) -> tuple[dict[str, 
 
 
 def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot], impl: dict[str, Any],
-                  split_complex: bool) -> torch.optim.Optimizer:
-    """One ``cls`` over ``slots`` (a group per HDO group); sets each slot's ``opt`` and ``sub_group``."""
+                  split_complex: bool, defaults: dict[str, Any]) -> torch.optim.Optimizer:
+    """One ``cls`` over ``slots`` (a group per HDO group), given the HDO's constructor values it takes (Adagrad reads
+    ``initial_accumulator_value`` there); sets each slot's ``opt`` and ``sub_group``."""
     parts: dict[tuple[int, bool], list[Slot]] = {}  # (HDO group, complex in a group of its own) -> slots
     for s in slots:
         parts.setdefault((s.group, split_complex and s.inner.is_complex()), []).append(s)
     keys = sorted(parts)  # in HDO group order, a group's complex parameters after the others
     subs = [{**{k: v for k, v in hdo_groups[gi].items() if k != "params" and k not in STRUCTURAL_KEYS},
              **({"fused": None} if cplx else {}), "params": [s.inner for s in parts[gi, cplx]]} for gi, cplx in keys]
-    opt = cls(subs, **impl)
+    opt = cls(subs, **{k: v for k, v in defaults.items() if k in _signature(cls)[0] and k not in impl}, **impl)
     for sub, key in zip(opt.param_groups, keys):
         for s in parts[key]:
             s.opt, s.sub_group = opt, sub
@@ -472,7 +472,7 @@ class HostPipeline:
         for ci, (idx, serial) in enumerate(split_serial(make_chunks(sizes, chunk_bytes), numels, sizes, chunk_bytes)):
             for i in idx:
                 slots[i].chunk = ci
-            opt = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split)
+            opt = sub_optimizer(cls, groups, [slots[i] for i in idx], impl, split, opts)
             self.chunks.append(Chunk([slots[i] for i in idx], opt, serial))
         self.d2h, self.h2d = [torch.cuda.Stream(side.device) if overlap and side.cuda else None for _ in range(2)]
         self.closed = self.device_done = self.sharded = False  # device_done: Note [Failed steps]
@@ -801,9 +801,8 @@ class HostPipeline:
 
     def untouched(self) -> list[int]:
         """Flat indices of host parameters the failed call left untouched (delayed mode: weights not written)."""
-        if self.delayed:
-            return [s.flat for s in self._slot.values() if s.flat not in self._applied]
-        return [s.flat for s in self._slot.values() if s.state is not S.STEPPED]
+        return [s.flat for s in self._slot.values()
+                if (s.flat not in self._applied if self.delayed else s.state is not S.STEPPED)]
 
     def flush(self) -> None:
         """Finish host work in flight; in delayed mode also put the pending update into the model."""
@@ -839,14 +838,13 @@ class HostPipeline:
             s.grad_ref, s.scales = None, []
 
     def held_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
-        """The host-held gradient of ``p`` (``offload_gradients``, no device gradient), clip
-        coefficients applied; ``None`` when the device holds it or there is none."""
+        """``p``'s host-held gradient (``offload_gradients``) in its dtype, clip coefficients applied; else None."""
         s = self._slot.get(id(p))
         if s is None or s.state is not S.COPIED or p.grad is not None or not self.offload_grads:
             return None
         self.side.synchronize(s.d2h_ev)
-        self._apply_scales(s, s.bufs[self._buf], s.scales)
-        return s.bufs[self._buf]
+        self._apply_scales(s, buf := s.bufs[self._buf], s.scales)
+        return buf if buf.dtype == s.local.dtype else buf.to(s.local.dtype)  # fp32 masters: the gradient's dtype
 
     @contextlib.contextmanager
     def scaling(self, coef: torch.Tensor) -> Iterator[None]:
@@ -856,31 +854,27 @@ class HostPipeline:
         copied = [s for s in live if (g := local_tensor(s.param.grad)) is not None and s.copied(g)]
         held = [s for s in live if s.param.grad is None and self.offload_grads]
         if copied or held:
-            host = torch.empty((), dtype=coef.dtype, pin_memory=self.side.can_pin)
-            host.copy_(coef, non_blocking=True)
+            host = torch.empty((), dtype=coef.dtype, pin_memory=self.side.can_pin).copy_(coef, non_blocking=True)
             ev = self.side.record(self.side.current_stream())
             for s in (*copied, *held):
                 s.scales.append((host, ev))
-        if self.d2h is not None:  # the multiply must not race a D2H of the same gradient still in flight
-            self.side.current_stream().wait_stream(self.d2h)
+        self.d2h is None or self.side.current_stream().wait_stream(self.d2h)  # no multiply beside its own D2H
         yield
         for s in copied:
             s.grad_ver = local_tensor(s.param.grad)._version  # the copy and its coefficient equal the new gradient
 
     def note_written(self) -> None:
-        """The current values of the host parameters are no user's load (e.g. broadcast from their owner):
-        their masters are not re-seeded from them."""
+        """The host parameters' current values are no user's load (a broadcast from their owner): no re-seed."""
         for s in self.slots:
             s.p_ver = s.param._version
 
     def push_masters(self) -> None:
         """Delayed mode: write every host master into the model now (after a load)."""
-        with torch.no_grad():
-            for ci, c in enumerate(self.chunks):
-                c.pending = list(c.slots) if self._owned[ci] else []
-                for s in c.pending:
-                    if s.staging is not None:
-                        s.staging.copy_(s.master)
+        for ci, c in enumerate(self.chunks):  # masters and staging need no grad mode
+            c.pending = list(c.slots) if self._owned[ci] else []
+            for s in c.pending:
+                if s.staging is not None:
+                    s.staging.copy_(s.master)
         self.flush()
 
     def close(self) -> None:
@@ -1024,7 +1018,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.gpu_optimizer: Optional[torch.optim.Optimizer] = None
         if dev := [s for s in self._slots if not s.host]:
             self.gpu_optimizer = sub_optimizer(gpu_cls, self.param_groups, dev,
-                                               *impl_for(gpu_cls, self._impl, host=False))
+                                               *impl_for(gpu_cls, self._impl, host=False), self.defaults)
         subs = {id(s.sub_group): s for s in self._slots}.values()  # a slot per sub-optimizer group
         self._links = [[(s.sub_group, tuple(k for k in s.sub_group if k != "params" and k in g
                                             and k not in STRUCTURAL_KEYS)) for s in subs if s.group == gi]
@@ -1133,15 +1127,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _sync_hyper(self) -> None:
         """Push the groups' hyper-parameters (LR schedulers write ``param_groups``) into the sub-optimizers'
         groups. They share the value objects, so a group none of whose values was replaced is current."""
+        own = self.defaults["delayed_param_update"]  # its host step runs after step() returns: values of its own
         for gi, g in enumerate(self.param_groups):
             vals, seen = list(g.values()), self._seen[gi]
-            if len(vals) != len(seen) or not all(map(operator.is_, vals, seen)):
+            if (own and any(map(torch.is_tensor, vals)) or len(vals) != len(seen)
+                    or not all(map(operator.is_, vals, seen))):
                 if k := next((k for k in STRUCTURAL_KEYS if k in g and not _same(g[k], self.defaults[k])), None):
                     raise ValueError(f"HybridDeviceOptimizer: param_groups[{gi}][{k!r}]={g[k]!r}: it is fixed when the "
                                      f"optimizer is built ({self.defaults[k]!r}); build a new one to change it.")
                 self._seen[gi] = vals
-                for sub, keys in self._links[gi]:
-                    sub.update((k, g[k]) for k in keys)
+                for sub, keys in self._links[gi]:  # (a scheduler writes a tensor lr in place)
+                    sub.update((k, g[k].clone() if own and torch.is_tensor(g[k]) else g[k]) for k in keys)
 
     def _begin(self) -> None:
         """Once per step, before anything is stepped."""
@@ -1155,6 +1151,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if everything:
             self.pipeline.flush()
         for s in (*self._masters, *self.pipeline.slots):
+            if s.host and s.local.dtype != (built := (s.master if s.staging is None else s.staging).dtype):
+                raise OffloadError(f"HybridDeviceOptimizer: parameter {s.index} of param group {s.group} is now "
+                                   f"{s.local.dtype}; its host copy was built for {built}. Convert the model "
+                                   "(model.to(dtype)) before building the optimizer.")
             if s.master is not None and (everything or s.param._version != s.p_ver):
                 s.master.copy_(s.local.detach())
                 s.p_ver = s.param._version

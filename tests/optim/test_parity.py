@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -304,3 +306,51 @@ def test_zero_grad_keeping_tensors_steps_a_parameter_no_backward_reached(monkeyp
     for og in (True, False):
         got = run(lambda ps: HybridDeviceOptimizer(ps, offload_fraction=1.0, lr=1e-2, offload_gradients=og))
         assert all(torch.equal(g, r) for g, r in zip(got, ref)), og
+
+
+@pytest.mark.parametrize("f", [0.0, 0.5, 1.0])
+def test_a_value_the_class_reads_at_construction_reaches_every_half(f):
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, cpu_optimizer_cls=torch.optim.Adagrad, lr=0.1,
+                                initial_accumulator_value=1.0)
+    ref = torch.optim.Adagrad(r.parameters(), lr=0.1, initial_accumulator_value=1.0)
+    train(m, opt, _xs(4))
+    train(r, ref, _xs(4))
+    assert_same(m, r)
+
+
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_offloaded_bf16_gradients_with_fp32_masters_clip_with_torchs_norm(f):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)  # hooked sizes
+    r = copy.deepcopy(m)
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=f, param_update_in_fp32=True,
+                                offload_gradients=True, lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(8, 64, dtype=torch.bfloat16)
+        m(x).float().square().mean().backward()
+        r(x).float().square().mean().backward()
+        assert any(p.grad is None for p in m.parameters())  # held on the host
+        assert torch.equal(opt.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(list(r.parameters()), 0.01))
+        opt.step()
+        opt.zero_grad()
+        r.zero_grad()
+        r.load_state_dict(m.state_dict())
+
+
+def test_delayed_mode_steps_with_the_tensor_lr_of_its_step_while_a_scheduler_moves_it():
+    m, r = pair()
+    opt = HybridDeviceOptimizer(m.parameters(), offload_fraction=1.0, delayed_param_update=True,
+                                lr=torch.tensor(0.01), chunk_bytes=4096)
+    ref = torch.optim.AdamW(r.parameters(), lr=torch.tensor(0.01), fused=True)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (opt, ref)]
+    for x in _xs(5):  # the lag is the mode's: the reference sees the same gradients, computed on its own weights
+        loss_of(r, x).backward()
+        for p, q in zip(m.parameters(), r.parameters()):
+            p.grad = q.grad.clone()
+        for o, s in zip((opt, ref), scheds):
+            o.step()
+            o.zero_grad()
+            s.step()  # writes the tensor lr in place while the host step of this step may still run
+    opt.flush()
+    assert_same(m, r)

@@ -435,3 +435,16 @@ def test_a_per_optimizer_option_changed_in_param_groups_is_refused_by_the_next_s
     opt.step()
     assert not any(torch.equal(b, p) for b, p in zip(before, m.parameters()))
     opt.close()
+
+
+@pytest.mark.parametrize("f", [0.5, 1.0])
+def test_a_model_converted_to_another_dtype_after_construction_is_refused_before_a_step(f):
+    model = Tiny()
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=f, lr=1e-2)
+    model.to(torch.bfloat16)  # param.data = ...: no version bump
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, inputs(1, 0)[0]).backward()
+    with pytest.raises(OffloadError, match=r"is now torch.bfloat16; its host copy was built for torch.float32\. "
+                                           r"Convert the model \(model.to\(dtype\)\) before building the optimizer"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
