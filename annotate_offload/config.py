@@ -521,8 +521,8 @@ def from_overrides(overrides: Iterable[str], *, base: Optional[Config] = None) -
 
     Values are parsed by the field's type: bools accept ``True/False/true/false/1/0/yes/no``,
     optional fields accept ``None``/``null``, enums their string values. All overrides of a
-    section are applied at once, so the order does not matter and a later duplicate wins;
-    the section's rules run once on the result.
+    section are applied at once (the order does not matter, a later duplicate wins), then its rules
+    run. ``model.memory_budget`` clears the base's layer count and recompute unless set here too.
 
     Args:
         overrides (Iterable[str]): e.g. ``["model.cpu_offloading=True",
@@ -563,6 +563,8 @@ def from_overrides(overrides: Iterable[str], *, base: Optional[Config] = None) -
             if not example:
                 raise
             raise ValueError(f"{str(exc).rstrip('.')}; {example}.") from None
+    if updates["model"].get("memory_budget") is not None:  # a budget replaces the base's fixed plan, unless set here
+        updates["model"] = {"cpu_offloading_num_layers": None, "recompute": False, **updates["model"]}
     return Config(**{name: dataclasses.replace(getattr(base, name), **updates[name]) if updates[name]
                      else getattr(base, name) for name in _SECTIONS})
 

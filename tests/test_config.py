@@ -314,3 +314,11 @@ def test_every_field_round_trips_through_an_override():
 def test_from_overrides_key_in_wrong_section_points_to_the_right_one():
     with pytest.raises(ValueError, match=r"did you mean 'optimizer\.optimizer_offload_fraction'\?"):
         from_overrides(["model.optimizer_offload_fraction=0.5"])
+
+
+def test_a_budget_override_replaces_the_bases_fixed_plan_unless_it_sets_one_too():
+    base = Config(model=ModelConfig(**ON, cpu_offloading_num_layers=3, recompute=True))
+    cfg = from_overrides(["model.memory_budget=20GiB"], base=base)
+    assert (cfg.model.memory_budget, cfg.model.cpu_offloading_num_layers, cfg.model.recompute) == ("20GiB", None, False)
+    with pytest.raises(ValueError, match=r"memory_budget lets the planner choose the layers"):
+        from_overrides(["model.memory_budget=20GiB", "model.cpu_offloading_num_layers=2"], base=base)
