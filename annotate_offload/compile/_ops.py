@@ -44,8 +44,8 @@ loads. Each op but the markers does host work per call, so none may be captured 
 
 ``key`` names the runtime of one transformed model: a process-wide counter, so the same script gets
 the same keys and a graph that a compile cache stored refers to the same model in a later run. It
-and a checksum of the plan are constants of the ``layer`` markers, which makes them part of the
-traced program's cache key.
+and a checksum of the plan and of the pass's source are constants of the ``layer`` markers, which makes
+them part of the traced program's cache key.
 """
 
 from __future__ import annotations
@@ -66,15 +66,17 @@ TAG = "annotate_offload"  # the node.meta["custom"] key of a layer's nodes: (run
 _RUNTIMES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 _RECORD = "_annotate_offload_record"
+_PASS_SOURCE = zlib.crc32(b"".join(open(__file__.replace("_ops.py", n), "rb").read() for n in ("_ops.py", "_pass.py")))
 
 
 def register(sync: Any) -> tuple[int, int]:
-    """A new key for ``sync`` (the runtime of one transformed model; the registry holds it weakly),
-    and a checksum of its plan, which the markers carry so that a cached graph of another plan is
-    not reused."""
+    """A new key for ``sync`` (the runtime of one transformed model; the registry holds it weakly), and a
+    checksum of its plan and of this pass's code, which the markers carry so that no cached graph of another
+    plan, or of another version of the pass, is reused."""
     key = next(_KEYS)
     _RUNTIMES[key] = sync
-    plan = (sorted(sync.offloaded_layers), sync.num_layers, sync.min_offload_numel, sync.policy, sync.release_lag)
+    plan = (sorted(sync.offloaded_layers), sync.num_layers, sync.min_offload_numel, sync.policy, sync.release_lag,
+            _PASS_SOURCE)
     return key, zlib.crc32(repr(plan).encode())
 
 
@@ -148,15 +150,15 @@ def reach(token: torch.Tensor, index: int, after: list[torch.Tensor]) -> torch.T
 
 
 @torch.library.custom_op("annotate_offload::load", mutates_args=(), tags=_UNSAFE)
-def load(tokens: list[torch.Tensor], after: list[torch.Tensor], offsets: list[int], numel: int, dtype: torch.dtype,
-         device: torch.device) -> torch.Tensor:
+def load(tokens: list[torch.Tensor], after: list[torch.Tensor], offsets: list[int], strides: list[int], numel: int,
+         dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     sync, _ = _record(tokens[0])
-    return sync.graph_unpack([_record(token)[1] for token in tokens], offsets, numel, dtype)
+    return sync.graph_unpack([_record(token)[1] for token in tokens], offsets, strides, numel, dtype)
 
 
 @load.register_fake
-def _load_fake(tokens: list[torch.Tensor], after: list[torch.Tensor], offsets: list[int], numel: int,
-               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _load_fake(tokens: list[torch.Tensor], after: list[torch.Tensor], offsets: list[int], strides: list[int],
+               numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device=device)
 
 

@@ -378,8 +378,8 @@ def _backward(bg: fx.Graph, moved: list, runtimes: dict, backward_inputs: dict) 
                     unit_val = torch.empty((b - a) // dtype.itemsize, dtype=dtype, device=vals[0].device)
                     views = [torch.as_strided(unit_val, v.shape, v.stride(), o) for v, o in zip(vals, offsets)]
                 unit = _insert(bg, bg.inserting_before(first), _OPS.load.default,
-                               (holders, after, offsets, unit_val.numel(), dtype, vals[0].device), unit_val,
-                               f"reload_{group[0].name}")
+                               (holders, after, offsets, [st for v in vals for st in v.stride()], unit_val.numel(),
+                                dtype, vals[0].device), unit_val, f"reload_{group[0].name}")
                 ready = _insert(bg, bg.inserting_before(first), _OPS.ready.default,
                                 (unit, holders, [g for g in first.all_input_nodes if g in grads] or after),
                                 _fake_token(unit), f"ready_{group[0].name}")

@@ -113,8 +113,7 @@ def _in_func_transform() -> bool:
 
 
 def _recording() -> bool:
-    """True while a forward records for backward: grad enabled, not inside a backward or a ``torch.func``
-    transform."""
+    """True while a forward records for backward: grad enabled, not inside a backward or a ``torch.func`` transform."""
     return torch.is_grad_enabled() and not _in_backward() and not _in_func_transform()
 
 
@@ -375,9 +374,8 @@ class OffloadSynchronizer:
     # device copies are released; these calls feed them to the same storage units, host buffers,
     # prefetch schedule and statistics as the hooks above.
     def graph_begin(self, first: int, last: int) -> Any:
-        """A compiled forward that runs layers ``first..last`` starts; returns its step. A new step
-        starts unless the graph continues the forward of the current one (``first`` past the last
-        layer entered, as in :meth:`enter_layer`)."""
+        """A compiled forward of layers ``first..last`` starts; returns its step: a new one unless the graph
+        continues the current forward (``first`` past the last layer entered, as in :meth:`enter_layer`)."""
         return self._step_for(first, last)
 
     def graph_pack(self, step: Any, index: int, t: torch.Tensor) -> tuple:
@@ -399,32 +397,33 @@ class OffloadSynchronizer:
         return state.pack(t), step
 
     def graph_release(self, records: Iterable[tuple]) -> None:
-        """Drop the device bytes of the records' layers, each layer once (the compute stream waits for
-        their D2H)."""
+        """Drop the device bytes of the records' layers, each layer once (the compute stream waits for their D2H)."""
         released: set = set()
         for handle, _ in records:
             if type(handle) is _Packed and handle.layer not in released:
                 released.add(handle.layer)
                 handle.layer.release_forward()
 
-    def graph_unpack(self, records: list, offsets: list, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def graph_unpack(self, records: list, offsets: list, strides: list, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """One storage unit of a compiled backward, reloaded on the compute stream, whose H2D may still run
-        until :meth:`graph_ready`: ``numel`` elements of ``dtype`` that hold the records' tensors at
-        ``offsets`` (elements), which the graph takes as views. A compiled graph may write into what an op
-        returns, and takes it for 16-byte aligned: it gets the reload itself when that is exactly this unit
-        and the runtime has handed out every tensor it holds, else a new tensor with the tensors' bytes."""
+        until :meth:`graph_ready`: ``numel`` elements of ``dtype`` holding the records' tensors at ``offsets``
+        with ``strides`` (concatenated) as the graph views them (the compiler may have laid a tensor out
+        otherwise). The graph may write into it and takes it for 16-byte aligned: the reload itself when it is
+        exactly this unit so laid out and fully handed out, else a new tensor with the tensors' values."""
         views = [h.layer.unpack(h, not self._manual, wait=False) if type(h) is _Packed else h for h, _ in records]
-        first = views[0]
-        storage = first.untyped_storage()
+        it = iter(strides)  # each view's strides, then its offset: the layout the graph reads
+        layouts = [(tuple(next(it) for _ in range(v.dim())), o) for v, o in zip(views, offsets)]
+        first, storage = views[0], views[0].untyped_storage()
         own = all(type(h) is _Packed and h.layer.served(h) for h, _ in records) and storage.data_ptr() % 16 == 0
         if own and storage.nbytes() == numel * first.element_size() and all(
-            v.untyped_storage()._cdata == storage._cdata and v.storage_offset() == o for v, o in zip(views, offsets)
+            v.untyped_storage()._cdata == storage._cdata and (v.stride(), v.storage_offset()) == layout
+            for v, layout in zip(views, layouts)
         ):
             return first.as_strided((numel,), (1,), 0)
         self.graph_ready(records, 0)  # the copy reads the reload
         unit = torch.empty(numel, dtype=dtype, device=first.device)
-        for view, offset in zip(views, offsets):
-            unit.as_strided(view.shape, view.stride(), offset).copy_(view)
+        for view, (stride, offset) in zip(views, layouts):
+            unit.as_strided(view.shape, stride, offset).copy_(view)
         return unit
 
     def graph_ready(self, records: list, nbytes: int) -> None:
@@ -577,8 +576,7 @@ class OffloadSynchronizer:
             node.register_prehook(hook)
 
     def abort(self) -> None:
-        """Recover from an exception: close the scope, release this step (Note [Errors leave
-        nothing behind])."""
+        """Recover from an exception: close the scope, release this step (Note [Errors leave nothing behind])."""
         scope, self._scope = self._scope, None
         if scope is not None:
             stack = _active_stack()
