@@ -221,7 +221,7 @@ class OffloadState:
 
     # -- one layer call -------------------------------------------------------------------------
     def run(self, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if index in self.recompute and torch.is_grad_enabled():
+        if index in self.recompute and torch.is_grad_enabled() and self.layers[index].training:  # as HF's checkpointing
             fn = _checkpointed(fn, self.layers[index])
         if not _recording():
             if index in self.offloaded and not torch.is_grad_enabled() and _in_reentrant_checkpoint():
@@ -245,7 +245,7 @@ class OffloadState:
 
     def traced(self, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """One layer call as Dynamo traces it (Note [Traced layers])."""
-        if index in self.recompute and torch.is_grad_enabled():
+        if index in self.recompute and torch.is_grad_enabled() and self.layers[index].training:
             fn = _checkpointed(fn)
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)

@@ -339,9 +339,9 @@ def _plan(model: nn.Module, refs: list[LayerRef], settings: Any, example_inputs:
 
 class _NoCacheWhileRecomputing:
     """Note [No key/value cache under recompute]: a recomputed layer reruns its forward in backward, appending to a
-    Hugging Face cache twice (doubled keys, or a shape error under a mask). As Hugging Face's gradient checkpointing
-    does, a forward with grad enabled runs with each ``config.use_cache`` off (put back after) and ``use_cache=True``
-    passed as ``False``; a ``past_key_values`` passed in is refused first (dropping it would change the result)."""
+    Hugging Face cache twice. As with HF's gradient checkpointing, layers recompute in training mode only, and a
+    training forward with grad enabled runs with each ``config.use_cache`` off (put back after) and ``use_cache=True``
+    passed as ``False``; a cache passed in (``past_key_values``, ``cache``) is refused (dropping it changes results)."""
 
     def __init__(self, configs: list, off: list, before: bool) -> None:
         self.configs, self.off, self.before = configs, off, before  # off: the configs turned off, shared
@@ -357,12 +357,12 @@ class _NoCacheWhileRecomputing:
             for c in self.off:
                 c.use_cache = True
             return self.off.clear()
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not module.training:
             return None
         with contextlib.suppress(TypeError):  # as the forward binds them (a wrapper's **kwargs too); else it raises
             named = inspect.signature(module.forward).bind_partial(*args, **kwargs_or_out).arguments
-            if {**named.get("kwargs", {}), **named}.get("past_key_values") is not None:
-                raise OffloadError(f"{type(module).__name__}: a forward with grad enabled got past_key_values, but "
+            if any({**named.get("kwargs", {}), **named}.get(k) is not None for k in ("past_key_values", "cache")):
+                raise OffloadError(f"{type(module).__name__}: a training forward got past_key_values (or cache), but "
                                    "its layers are recomputed in backward, which would append to the cache twice. "
                                    "Pass no past_key_values in training, or transform with recompute=False.")
         self.off[:] = cache_off(self.configs)

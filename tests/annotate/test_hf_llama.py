@@ -183,3 +183,24 @@ def test_a_cache_passed_to_recomputed_layers_in_training_is_refused_before_anyth
     with pytest.raises(OffloadError, match="past_key_values.*recompute=False"):
         model(input_ids=ids[:, 4:], labels=ids[:, 4:], past_key_values=cache)
     assert model.config.use_cache is True and all(p.grad is None for p in model.parameters())
+
+
+def test_recomputed_layers_keep_the_cache_in_eval_mode_with_grad_enabled():
+    model = _llama().eval()
+    ref = copy.deepcopy(model)
+    offload_transform(model, 2, config=cfg(recompute=True))
+    ids = _ids()
+    outs = [m(input_ids=ids[:, :4], use_cache=True) for m in (model, ref)]  # as Hugging Face's checkpointing
+    assert type(outs[0].past_key_values) is type(outs[1].past_key_values) and outs[0].past_key_values is not None
+    nxt = [m(input_ids=ids[:, 4:], past_key_values=o.past_key_values).logits for m, o in zip((model, ref), outs)]
+    assert torch.equal(*nxt)
+
+
+def test_a_cache_passed_by_its_newer_name_to_recomputed_layers_in_training_is_refused():
+    model = _llama()
+    offload_transform(model, 2, config=cfg(recompute=True))
+    ids = _ids()
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+    with pytest.raises(OffloadError, match=r"past_key_values \(or cache\).*recompute=False"):
+        model(input_ids=ids[:, 4:], labels=ids[:, 4:], cache=cache)
