@@ -97,7 +97,7 @@ _SMALL = Config(
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
-        Recipe("llama-tiny", "built-in Llama (RMSNorm, rotary, SwiGLU, GQA), 4 layers, 0.8M params; CPU in ~1 min",
+        Recipe("llama-tiny", "built-in Llama (RMSNorm, rotary, SwiGLU, GQA), 4 layers, 0.8M params; CPU in a few minutes",
                _SMALL, _llama("llama-tiny")),
         Recipe("llama-1b", "Llama 3.2 1B decoder shape (0.97B params, byte vocab), bf16 autocast; one GPU, "
                "planned for a 20 GiB memory budget",
