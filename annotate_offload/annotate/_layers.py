@@ -150,7 +150,8 @@ class LayerForward:
         new = LayerForward.__new__(LayerForward)
         memo[id(self)] = new
         whole = (state := self.state()) is not None and id(state.model()) in memo
-        new.state, new.module = _copied_ref(self.state, memo) if whole else _gone, _copied_ref(self.module, memo)
+        new.state = _copied_ref(self.state, memo) if whole else (lambda: None)  # a reference that stays dead
+        new.module = _copied_ref(self.module, memo)
         new.index, new.prev = self.index, copy.deepcopy(self.prev, memo)
         return new
 
@@ -363,10 +364,6 @@ class OffloadState:
         new.generation = self.generation
         new._fresh()
         return new
-
-
-def _gone() -> None:  # the state reference of a layer whose model is gone
-    return None
 
 
 def _copied_ref(ref: weakref.ref, memo: dict) -> weakref.ref:

@@ -51,6 +51,7 @@ them part of the traced program's cache key.
 from __future__ import annotations
 
 import itertools
+import pathlib
 import weakref
 import zlib
 from typing import Any
@@ -66,7 +67,7 @@ TAG = "annotate_offload"  # the node.meta["custom"] key of a layer's nodes: (run
 _RUNTIMES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 _RECORD = "_annotate_offload_record"
-_PASS_SOURCE = zlib.crc32(b"".join(open(__file__.replace("_ops.py", n), "rb").read() for n in ("_ops.py", "_pass.py")))
+_PASS_SOURCE = zlib.crc32(b"".join(pathlib.Path(__file__).with_name(n).read_bytes() for n in ("_ops.py", "_pass.py")))
 
 
 def register(sync: Any) -> tuple[int, int]:

@@ -326,8 +326,7 @@ class Slot:
         # inner: the tensor its sub-optimizer steps; master: a separate copy of it (host or fp32), else None
         self.inner = loc.detach().float() if wide else param if loc is param else loc.detach()
         self.master: Optional[torch.Tensor] = self.inner if wide else None
-        self.opt: Any = None  # its sub-optimizer and group there (set when they are built)
-        self.sub_group: dict = {}
+        self.opt, self.sub_group = None, {}  # its sub-optimizer and group there (set when they are built)
         self.st, self.seen = None, ()  # its state dict as last placed in the sub-optimizer; its values at the last sync
         self.bufs: list[torch.Tensor] = []  # host gradient buffers (two in delayed mode)
         self.staging: Optional[torch.Tensor] = None  # model-dtype pinned copy for the H2D
@@ -413,7 +412,7 @@ def sub_optimizer(cls: type, hdo_groups: list[dict[str, Any]], slots: list[Slot]
     keys = sorted(parts)  # in HDO group order, a group's complex parameters after the others
     subs = [{**{k: v for k, v in hdo_groups[gi].items() if k != "params" and k not in STRUCTURAL_KEYS},
              **({"fused": None} if cplx else {}), "params": [s.inner for s in parts[gi, cplx]]} for gi, cplx in keys]
-    opt = cls(subs, **{k: v for k, v in defaults.items() if k in _signature(cls)[0] and k not in impl}, **impl)
+    opt = cls(subs, **{k: v for k, v in defaults.items() if k in _signature(cls)[0]}, **impl)
     for sub, key in zip(opt.param_groups, keys):
         for s in parts[key]:
             s.opt, s.sub_group = opt, sub
@@ -858,7 +857,8 @@ class HostPipeline:
             ev = self.side.record(self.side.current_stream())
             for s in (*copied, *held):
                 s.scales.append((host, ev))
-        self.d2h is None or self.side.current_stream().wait_stream(self.d2h)  # no multiply beside its own D2H
+        if self.d2h is not None:  # the multiply must not race a D2H of the same gradient still in flight
+            self.side.current_stream().wait_stream(self.d2h)
         yield
         for s in copied:
             s.grad_ver = local_tensor(s.param.grad)._version  # the copy and its coefficient equal the new gradient

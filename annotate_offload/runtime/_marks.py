@@ -59,7 +59,8 @@ def check_policy(policy: object) -> Policy:
 
 def _tensors(args: tuple, fn: str) -> list[torch.Tensor]:
     """The tensors of ``args`` (nested lists and tuples flattened, ``None`` skipped), all checked first."""
-    flat = [t for t in pytree.tree_leaves(list(args)) if t is not None]
+    leaves = pytree.tree_leaves(list(args), is_leaf=lambda x: not isinstance(x, (list, tuple)))  # a dict is refused
+    flat = [t for t in leaves if t is not None]
     if (bad := next((t for t in flat if not isinstance(t, torch.Tensor)), None)) is not None:
         raise TypeError(
             f"{fn}() takes tensors, got {type(bad).__name__}; pass the tensors themselves "
