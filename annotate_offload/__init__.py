@@ -19,18 +19,9 @@ import importlib
 from typing import Any
 
 from .errors import OffloadError
-from .runtime import (
-    DefaultOffloadSynchronizer,
-    ManualOffloadSynchronizer,
-    OffloadSynchronizer,
-    TensorGroup,
-    TensorGroupProcessor,
-    get_cpu_offload_context,
-    is_cpu_offload_enabled,
-    mark_activation_offload,
-    mark_not_offload,
-    start_offload,
-)
+from .runtime import (DefaultOffloadSynchronizer, ManualOffloadSynchronizer, OffloadSynchronizer, TensorGroup,
+                      TensorGroupProcessor, get_cpu_offload_context, is_cpu_offload_enabled, mark_activation_offload,
+                      mark_not_offload, start_offload)
 
 __version__ = "0.1.0"
 
@@ -47,25 +38,13 @@ _LAZY = {
 
 __all__ = [
     # runtime (TransformerEngine-compatible)
-    "get_cpu_offload_context",
-    "is_cpu_offload_enabled",
-    "mark_activation_offload",
-    "mark_not_offload",
-    "start_offload",
-    "TensorGroup",
-    "TensorGroupProcessor",
-    "OffloadSynchronizer",
-    "DefaultOffloadSynchronizer",
+    "get_cpu_offload_context", "is_cpu_offload_enabled", "mark_activation_offload", "mark_not_offload",
+    "start_offload", "TensorGroup", "TensorGroupProcessor", "OffloadSynchronizer", "DefaultOffloadSynchronizer",
     "ManualOffloadSynchronizer",
     # annotations
-    "offload_layer",
-    "offload_transform",
-    "remove_offload",
-    "plan_offload",
-    # optimizer
-    "HybridDeviceOptimizer",
-    # errors
-    "OffloadError",
+    "offload_layer", "offload_transform", "remove_offload", "plan_offload",
+    # optimizer; errors
+    "HybridDeviceOptimizer", "OffloadError",
 ]
 
 

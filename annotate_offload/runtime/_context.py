@@ -34,15 +34,8 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OffloadError
-from ._synchronizer import (
-    DefaultOffloadSynchronizer,
-    ManualOffloadSynchronizer,
-    OffloadSynchronizer,
-    _active_synchronizer,
-    _check_int,
-    _identity,
-    _recording,
-)
+from ._synchronizer import (DefaultOffloadSynchronizer, ManualOffloadSynchronizer, OffloadSynchronizer,
+                            _active_synchronizer, _check_int, _identity, _recording)
 
 __all__ = ["get_cpu_offload_context", "is_cpu_offload_enabled", "active_offload_policy"]
 

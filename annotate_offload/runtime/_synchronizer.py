@@ -64,17 +64,8 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import OffloadError
 from ._device import _Backend, get_backend
-from ._layer_state import (
-    DEFAULT_MIN_OFFLOAD_NUMEL,
-    _is_fake,
-    _is_frozen_weight_copy,
-    _is_param_alias,
-    _Kept,
-    _LayerState,
-    _Packed,
-    _Pacer,
-    frozen_shapes,
-)
+from ._layer_state import (DEFAULT_MIN_OFFLOAD_NUMEL, _is_fake, _is_frozen_weight_copy, _is_param_alias, _Kept,
+                           _LayerState, _Packed, _Pacer, frozen_shapes)
 from ._marks import check_policy
 from ._pinned_pool import get_pool
 from ._stats import OffloadStats
