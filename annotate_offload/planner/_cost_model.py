@@ -17,8 +17,10 @@ share of the trainable numel, Megatron's split rule, which takes whole tensors i
     ``recompute``, with the checkpoint input offloaded and prefetched like ``offload``.
 
 Per layer ``i`` (:class:`LayerMeasurement`): forward and backward time ``f_i``, ``b_i`` (ms); saved bytes
-``a_i``, checkpoint-input bytes ``c_i``; ``F+_i`` and ``B+_i``, the device bytes its forward and its backward
-allocate at their peak beyond what existed before (``B+`` without its parameter gradients ``g_i``).
+``a_i``, checkpoint-input bytes ``c_i``; ``F+_i``, ``B+_i`` and ``R+_i``, the device bytes its forward, its
+backward and its backward when recomputed allocate at their peak beyond what existed before (the backward's
+without its parameter gradients ``g_i``, so negative when the peak comes after it freed saved tensors);
+``r_i``, its backward time when recomputed (the forward rerun, then the backward).
 For the step (:class:`StepMeasurement`): ``static`` bytes on the device before a step (weights, buffers,
 inputs), gradient bytes of parameters outside the layers, time outside the layers, and per trainable
 parameter its numel and Adam state bytes. The link (:class:`LinkBandwidth`) copies ``n`` bytes in
@@ -35,8 +37,7 @@ Note [Planner time model]
             entry of j: for each offloaded i with min(i + p, L-1) == j, from the highest i:
                 h2d_end[i] = max(t, h2d_free, d2h_end[i]) + bytes_i / H2D;  h2d_free = h2d_end[i]
             if j offloaded: t = max(t, h2d_end[j])                 # reload must have landed
-            if j recomputed: t += f_j                              # recompute adds the layer's forward
-            t += b_j
+            t += r_j if j recomputed else b_j
         step_ms = t + other_ms + optimizer_ms
         optimizer_ms = (numel stepped on the device * device_ms + numel stepped on the host * host_ms) / 1e9
 
@@ -64,15 +65,16 @@ Note [Planner memory model]
         held_f(i, j) = a_i (keep), c_i (recompute), moved_i + unmoved_i while j <= i + k else unmoved_i
                        (offloaded: released at the entry of layer i + 1 + k)
         held_b(i, j) = a_i (keep), c_i (recompute), unmoved_i + (moved_i while j <= min(i + p, L-1))
-        act_j  = a_j + B+_j (keep, offload);  c_j + max(F+_j, a_j - s_j + B+_j) (recompute, recompute_offload)
+        act_j  = a_j + B+_j (keep, offload);  c_j + R+_j (recompute, recompute_offload)
 
     ``c_j``: the layer's tensor inputs that are not static memory (parameters, buffers and the example
     inputs are static), and ``c_{j+1}`` in ``bwd_j`` the gradient of its output (the next layer's input;
     ``c_{L-1}`` for the last layer). ``w_i``: a recomputed layer's weight casts, which
-    autocast's cache holds to the end of the forward. ``s_j``: the part of ``a_j`` that is the layer's own
-    input, which a recomputed layer's backward holds once (as ``c_j``). Gradients exist only between their
-    backward and the optimizer step (``zero_grad(set_to_none=True)``), so in backward only those of layers
-    ``>= j`` and, an upper bound, of everything outside the layers. An offloaded layer must be released
+    autocast's cache holds to the end of the forward. ``R+_j`` is measured under non-reentrant
+    ``torch.utils.checkpoint``, not derived from ``F+_j`` and ``B+_j``: a rerun holds the layer's input once,
+    and its peak is not the plain backward's. Gradients exist only between their backward and the optimizer
+    step (``zero_grad(set_to_none=True)``), so in backward only those of layers ``>= j`` and, an upper bound,
+    of everything outside the layers. An offloaded layer must be released
     before the last layer's forward (``i + 1 + k <= L-1``), else its copy frees nothing where the peak is:
     such layers may only be kept or recomputed (:func:`allowed_choices`).
 
@@ -109,11 +111,11 @@ OFFLOADED = frozenset({"offload", "recompute_offload"})
 RECOMPUTED = frozenset({"recompute", "recompute_offload"})
 
 
-def _check_number(owner: str, name: str, value: object, *, positive: bool = False) -> None:
+def _check_number(owner: str, name: str, value: object, *, positive: bool = False, low: float = 0) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TypeError(f"{owner}: {name} must be a finite number, got {value!r}.")
-    if value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
+    if value < low or (positive and value == 0):
+        bound = "> 0" if positive else f">= {low}"
         raise ValueError(f"{owner}: {name} must be {bound}, got {value!r}; pass the measured value.")
 
 
@@ -136,17 +138,21 @@ class LayerMeasurement:
         forward_peak_bytes (int): ``F+``: device bytes the forward allocates at its peak (its saved
             tensors, output and temporaries), beyond its inputs. Default: ``0``.
         backward_peak_bytes (int): ``B+``: device bytes the backward allocates at its peak beyond its
-            saved tensors and output gradient, its parameter gradients excluded. Default: ``0``.
+            saved tensors and output gradient, its parameter gradients excluded (at least ``-grad_bytes``:
+            negative when the peak comes after it freed saved tensors). Default: ``0``.
         grad_bytes (int): ``g``: bytes of the layer's parameter gradients. Default: ``0``.
         cast_bytes (int): ``w``: the part of ``saved_bytes`` that is autocast's casts of weights: the
             runtime never offloads them (they are in ``unmoved_bytes``), and autocast's cache holds them
             to the end of the forward even when the layer is recomputed. Default: ``0``.
-        input_saved_bytes (int): ``s``: the part of ``saved_bytes`` that is the layer's own input (a block
-            whose first op saves its input, e.g. a norm). A recomputed layer's backward holds that input
-            once, as its checkpoint input, not twice. Default: ``0``.
+        recompute_ms (float | None): the backward time when recomputed (its forward rerun, then its
+            backward), ms. Default: ``None``, ``forward_ms + backward_ms``.
+        recompute_peak_bytes (int | None): ``R+``: as ``backward_peak_bytes``, for that backward under
+            non-reentrant ``torch.utils.checkpoint``, beyond the checkpoint input and output gradient.
+            Default: ``None``, ``max(forward_peak_bytes, saved_bytes + backward_peak_bytes)``.
 
     Raises:
-        TypeError, ValueError: a field that is not a finite non-negative number.
+        TypeError, ValueError: a field that is not a finite number, or one below its bound (0; for the
+            backward peaks ``-grad_bytes``).
     """
 
     forward_ms: float
@@ -160,15 +166,22 @@ class LayerMeasurement:
     backward_peak_bytes: int = 0
     grad_bytes: int = 0
     cast_bytes: int = 0
-    input_saved_bytes: int = 0
+    recompute_ms: float | None = None
+    recompute_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("forward_ms", "backward_ms", "saved_bytes", "checkpoint_input_bytes", "unmoved_bytes",
-                      "unmoved_input_bytes", "forward_peak_bytes", "backward_peak_bytes", "grad_bytes", "cast_bytes",
-                      "input_saved_bytes"):
+                      "unmoved_input_bytes", "forward_peak_bytes", "grad_bytes", "cast_bytes"):
             _check_number("LayerMeasurement", field, getattr(self, field))
-        for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes"),
-                            ("input_saved_bytes", "saved_bytes")):
+        _check_number("LayerMeasurement", "backward_peak_bytes", self.backward_peak_bytes, low=-self.grad_bytes)
+        if self.recompute_ms is None:
+            object.__setattr__(self, "recompute_ms", self.forward_ms + self.backward_ms)
+        if self.recompute_peak_bytes is None:
+            object.__setattr__(self, "recompute_peak_bytes",
+                               max(self.forward_peak_bytes, self.saved_bytes + self.backward_peak_bytes))
+        _check_number("LayerMeasurement", "recompute_ms", self.recompute_ms)
+        _check_number("LayerMeasurement", "recompute_peak_bytes", self.recompute_peak_bytes, low=-self.grad_bytes)
+        for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes")):
             if getattr(self, part) > getattr(self, whole):
                 raise ValueError(
                     f"LayerMeasurement: {part}={getattr(self, part)} exceeds {whole}={getattr(self, whole)}; it is "
@@ -379,7 +392,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
             h2d_free = h2d_end[i] = max(t, h2d_free, d2h_end[i]) + bandwidth.h2d_ms(moved[i])
         if off[j]:
             t = max(t, h2d_end[j])
-        t += layers[j].backward_ms + (layers[j].forward_ms if rec[j] else 0.0)
+        t += layers[j].recompute_ms if rec[j] else layers[j].backward_ms
         layer_ms[j] += t - start
 
     # --- memory (Note [Planner memory model]) ---
@@ -391,9 +404,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
         in_flight_f = sum(moved[i] for i in range(max(0, j - k), j))
         fwd = held_before + cached_before + in_flight_f + m.checkpoint_input_bytes + m.forward_peak_bytes
         in_flight_b = sum(moved[i] for i in range(max(0, j - p), j))  # reloads started at the entry of i + p
-        act = m.saved_bytes + m.backward_peak_bytes
-        if rec[j]:
-            act = m.checkpoint_input_bytes + max(m.forward_peak_bytes, act - m.input_saved_bytes)
+        act = m.checkpoint_input_bytes + m.recompute_peak_bytes if rec[j] else m.saved_bytes + m.backward_peak_bytes
         grad_out = layers[min(j + 1, n - 1)].checkpoint_input_bytes  # the next layer's input
         bwd = step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + grad_out + act + step.output_bytes
         peaks.append(step.static_bytes + max(fwd, bwd))

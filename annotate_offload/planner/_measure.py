@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.checkpoint import checkpoint
 
 from annotate_offload._example_inputs import cache_configs, cache_off, split
 
@@ -199,10 +200,11 @@ def _unmoved_bytes(saved: list, skip: set, min_numel: int, frozen: set = frozens
 
 def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device, min_numel: int,
                    frozen: set, grad_flags: list | None) -> tuple:
-    """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+, casts, input saved)`` of one run of
-    ``layer`` (bytes; ``F+``, ``B+`` as in Note [Planner memory model]: from the CUDA allocator's peak, on a
-    CPU the new saved tensors and output, and the input gradients). Autocast's cache of weight casts is
-    cleared first: a step's forward casts each weight anew.
+    """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+, casts, recompute ms, R+)`` of one
+    run of ``layer`` and one under non-reentrant ``torch.utils.checkpoint`` (bytes; ``F+``, ``B+``, ``R+`` as in
+    Note [Planner memory model]: from the CUDA allocator's peak; on a CPU the new saved tensors and output,
+    the input gradients, and ``max(F+, saved - saved input + B+)``). Autocast's cache of weight casts is
+    cleared before each forward: a step's forward casts each weight anew.
 
     An input that needs a gradient in the model's own forward (``grad_flags``, per tensor input in
     pytree order; unknown: every floating-point input) is a fresh leaf that requires one; the others are
@@ -243,16 +245,46 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     input_saved = _unique_storage_bytes([t for t in saved if isinstance(t, torch.Tensor)
                                          and t.untyped_storage().data_ptr() in input_ptrs], param_ptrs)
     saved.clear()
-    grads = [torch.ones_like(o) for o in outs]
+    bwd_ms, bwd_peak = _backward(outs, wrt, inputs, device)
+    del out, outs
+    torch.clear_autocast_cache()
+    with torch.enable_grad():
+        out = checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    rec_ms, rec_peak = _backward([o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad],
+                                 wrt, inputs, device)
+    if not cuda:
+        rec_peak = max(fwd_peak, saved_bytes - input_saved + bwd_peak)
+    return (fwd.ms(), bwd_ms, saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved, max(fwd_peak, 0), bwd_peak, casts,
+            rec_ms, rec_peak)
+
+
+class _OutputGradient(torch.autograd.Function):
+    """Identity whose backward makes the output's gradient (ones, in the output's layout). A step's output
+    gradient is made when its backward reaches the layer and freed once used; one the caller passed in
+    would stay held to the end, above a backward whose peak comes after it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.layout = (x.size(), x.stride())
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(*ctx.layout, dtype=grad.dtype, device=grad.device).fill_(1)
+
+
+def _backward(outs: list, wrt: list, inputs: list, device: torch.device) -> tuple[float, int]:
+    """``(ms, peak)`` of a backward from output gradients of ones: the allocator's peak beyond what was
+    allocated before, less the output gradients and the parameter gradients (both counted apart, as
+    ``c_{j+1}`` and ``LayerMeasurement.grad_bytes``); on a CPU the input gradients."""
+    roots = [_OutputGradient.apply(o).sum() for o in outs]
     before = _allocated(device)
-    with _Timer(device) as bwd:
-        if outs:
-            got = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-    bwd_peak = _peak(device) - before if cuda else _unique_storage_bytes([x for x in inputs if x.requires_grad], set())
-    if cuda and outs:  # the parameter gradients are counted apart (LayerMeasurement.grad_bytes)
-        bwd_peak -= _bytes(g for g in got[sum(x.requires_grad for x in inputs):] if g is not None)
-    return (fwd.ms(), bwd.ms(), saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved, max(fwd_peak, 0), max(bwd_peak, 0),
-            casts, input_saved)
+    with _Timer(device) as timer:
+        got = torch.autograd.grad(roots, wrt, allow_unused=True) if outs else ()
+    if device.type != "cuda":
+        return timer.ms(), _unique_storage_bytes([x for x in inputs if x.requires_grad], set())
+    params = got[sum(x.requires_grad for x in inputs):]
+    return timer.ms(), _peak(device) - before - _bytes(outs) - _bytes(g for g in params if g is not None)
 
 
 class _HeadDone(Exception):
@@ -282,8 +314,6 @@ def _measure_head(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kw
 
 
 def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_flags) -> dict:
-    from torch.utils.checkpoint import checkpoint
-
     cuda = device.type == "cuda"
     state: dict = {"after_last": False, "at_last": 0, "grad_ready": None}
     saved_after: list = []
@@ -423,7 +453,8 @@ def measure(
         (tuple[LayerMeasurement, ...], StepMeasurement): per layer, forward/backward ms (medians), saved
         bytes (unique storages saved for backward, parameters and buffers excluded), checkpoint-input
         bytes, peaks and gradient bytes; and the rest of the step (static bytes: on CUDA everything
-        allocated now but gradients, on a CPU the parameters and buffers).
+        allocated before or after profiling, whichever is more, but gradients; on a CPU the parameters
+        and buffers).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or bad ``example_inputs``.
@@ -487,12 +518,16 @@ def measure(
                     backward_peak_bytes=max(r[7] for r in runs),
                     grad_bytes=_bytes(p for p in layer.parameters() if p.requires_grad),
                     cast_bytes=max(r[8] for r in runs),
-                    input_saved_bytes=min(max(r[9] for r in runs), max(r[2] for r in runs)),
+                    recompute_ms=statistics.median(r[9] for r in runs),
+                    recompute_peak_bytes=max(r[10] for r in runs),
                     name=name,
                 )
             )
     finally:
         state.restore()
+    captured = inputs = state = None  # what stays allocated once the model has run (e.g. BLAS workspaces) is static
+    if device.type == "cuda":
+        static = max(static, _allocated(device) - _bytes(p.grad for p in params if p.grad is not None))
     device_ms, host_ms = measure_adamw(device) if optimizer and trainable else (0.0, 0.0)
     step = StepMeasurement(
         static_bytes=max(static, 0), other_grad_bytes=_bytes(p for p in trainable if id(p) not in in_layers),

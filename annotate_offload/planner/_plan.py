@@ -94,7 +94,6 @@ class PlannerResult:
     def summary(self) -> str:
         """Lines on the budget, the predicted step and peak, the schedule and the optimizer split."""
         p, k, b = self.prediction, self.keep_all, self.memory_budget
-        given = f"; planned for the optimizer's offload_fraction={self.offload_fraction:.3f}" * self.fraction_given
         if self.fits:  # with a given split, the plan is every layer kept at that split
             peak, where = ((p.peak_bytes, f"the optimizer's offload_fraction={self.offload_fraction:.3f}")
                            if self.fraction_given else (k.peak_bytes, "the optimizer on the device"))

@@ -173,10 +173,25 @@ def test_the_head_after_the_last_layer_counts_and_can_hold_the_peak():
         static_bytes=GB, other_grad_bytes=GB // 2)).layer_peak_bytes[0] + 3 * GB
 
 
-def test_a_recomputed_layer_that_saves_its_input_holds_it_once():
-    m = layers(2, a=GB, c=GB // 10, input_saved_bytes=GB // 10)
+def test_a_recomputed_layer_costs_its_measured_recompute_time_and_peak():
+    m = layers(2, a=GB, c=GB // 10, recompute_ms=25.0, recompute_peak_bytes=GB // 2)
     p = predict(m, ["recompute"] * 2, FAST)
-    # bwd_1 = c0 (held) + c1 (output gradient) + c1 (input) + a1 - s1
-    assert p.peak_bytes == 3 * (GB // 10) + GB - GB // 10
-    with pytest.raises(ValueError, match="input_saved_bytes"):
-        LayerMeasurement(1.0, 1.0, 10, 10, input_saved_bytes=11)
+    assert p.step_ms == 2 * 10.0 + 2 * 25.0
+    # bwd_1 = c0 (held) + c1 (output gradient) + c1 (input) + R+_1
+    assert p.peak_bytes == 3 * (GB // 10) + GB // 2
+    # unmeasured: the forward rerun before the backward, and the larger of its forward and backward peaks
+    plain = LayerMeasurement(10.0, 20.0, GB, 0, forward_peak_bytes=2 * GB, backward_peak_bytes=GB // 4)
+    assert (plain.recompute_ms, plain.recompute_peak_bytes) == (30.0, 2 * GB)
+    assert LayerMeasurement(10.0, 20.0, GB, 0, backward_peak_bytes=GB // 4).recompute_peak_bytes == GB + GB // 4
+
+
+def test_a_backward_peak_after_the_saved_tensors_are_freed_is_negative_down_to_the_gradients():
+    m = layers(1, a=GB, c=0, grad_bytes=GB, backward_peak_bytes=-GB // 2)
+    # bwd_0 = g0 + a0 + B+ (its gradients outweigh what it freed before its peak)
+    assert predict(m, ["keep"], FAST).peak_bytes == GB + GB // 2
+    with pytest.raises(ValueError, match="backward_peak_bytes must be >= -5"):
+        LayerMeasurement(1.0, 1.0, 10, 10, grad_bytes=5, backward_peak_bytes=-6)
+    with pytest.raises(ValueError, match="recompute_peak_bytes must be >= 0"):
+        LayerMeasurement(1.0, 1.0, 10, 10, recompute_peak_bytes=-1)
+    with pytest.raises(TypeError, match="backward_peak_bytes must be a finite number"):
+        LayerMeasurement(1.0, 1.0, 10, 10, backward_peak_bytes="1")
