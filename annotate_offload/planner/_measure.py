@@ -250,6 +250,7 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     torch.clear_autocast_cache()
     with torch.enable_grad():
         out = checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    torch.clear_autocast_cache()  # this thread's cache would hold the forward's casts; a step's forward ends
     rec_ms, rec_peak = _backward([o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad],
                                  wrt, inputs, device)
     if not cuda:
@@ -278,9 +279,10 @@ def _backward(outs: list, wrt: list, inputs: list, device: torch.device) -> tupl
     allocated before, less the output gradients and the parameter gradients (both counted apart, as
     ``c_{j+1}`` and ``LayerMeasurement.grad_bytes``); on a CPU the input gradients."""
     roots = [_OutputGradient.apply(o).sum() for o in outs]
+    ones = [torch.ones_like(r) for r in roots]  # made before the peak is reset, like the roots
     before = _allocated(device)
     with _Timer(device) as timer:
-        got = torch.autograd.grad(roots, wrt, allow_unused=True) if outs else ()
+        got = torch.autograd.grad(roots, wrt, ones, allow_unused=True) if outs else ()
     if device.type != "cuda":
         return timer.ms(), _unique_storage_bytes([x for x in inputs if x.requires_grad], set())
     params = got[sum(x.requires_grad for x in inputs):]
@@ -298,8 +300,9 @@ def _measure_head(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kw
     needs) and its backward from a gradient of ones, stopped once the last layer's output gradient is ready.
     The same forward fills ``grad_flags[i]``: which tensor inputs of layer ``i`` require a gradient.
 
-    On CUDA from the allocator: what is allocated after the forward beyond the last layer's output point
-    (outputs, the head's saved tensors), the forward's peak beyond that, and the backward's peak up to
+    On CUDA from the allocator: what is allocated after the forward beyond what was before the last layer's
+    outputs (the outputs, the head's saved tensors: a final norm's input is the last layer's output), the
+    forward's peak beyond that, and the backward's peak up to
     that gradient beyond it (the outside parameters' gradients made by then excluded). On a CPU from
     saved-tensor hooks: the unique storages saved after the last layer, the outputs, and the outputs'
     gradients as the backward's transient (the CPU convention of ``_profile_layer``).
@@ -326,9 +329,9 @@ def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_f
 
     def post_last(_module, _args, out):
         state["after_last"] = True
-        state["at_last"] = _allocated(device)
-        y = out if isinstance(out, torch.Tensor) else next(
-            (o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)), None)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        state["at_last"] = _allocated(device) - _unique_storage_bytes(outs, param_ptrs)  # the head may save them
+        y = next(iter(outs), None)
         if y is not None and y.requires_grad:
             y.register_hook(_stop)
 

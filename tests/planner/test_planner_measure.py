@@ -233,24 +233,27 @@ def test_cuda_step_measurement_reads_the_allocator():
 
 
 @pytest.mark.cuda
-def test_cuda_predicted_peaks_of_keep_and_full_recompute_are_the_measured_ones():
+@pytest.mark.parametrize("vocab", [None, 8192], ids=["layers only", "embedding and head"])
+def test_cuda_predicted_peaks_of_keep_and_full_recompute_are_the_measured_ones(vocab):
     from annotate_offload.models import GPTConfig, GPTStack
     from annotate_offload.planner._cost_model import predict
 
     torch.manual_seed(0)
-    model = GPTStack(GPTConfig(hidden=1024, heads=8, layers=4), device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(2, 2048, 1024, device="cuda", dtype=torch.bfloat16)
+    model = GPTStack(GPTConfig(hidden=1024, heads=8, layers=4, vocab=vocab), device="cuda", dtype=torch.bfloat16)
+    x = (torch.randn(2, 2048, 1024, device="cuda", dtype=torch.bfloat16) if vocab is None
+         else torch.randint(0, vocab, (2, 2048), device="cuda"))
     layers, step = measure(model, None, (x,), optimizer=False)
     for choice in ("keep", "recompute"):
+        for layer in model.layers:
+            if choice == "recompute":
+                layer.forward = (lambda f: lambda h: checkpoint(f, h, use_reentrant=False))(layer.forward)
         for _ in range(2):  # the second step is measured
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            h = x
-            for layer in model.layers:
-                h = checkpoint(layer, h, use_reentrant=False) if choice == "recompute" else layer(h)
-            h.backward(torch.ones_like(h))  # the output held, its gradient made by the step (as a loss's)
-            del h
+            out = model(x)
+            out.backward(torch.ones_like(out))  # the output held, its gradient made by the step (as a loss's)
+            del out
         measured, static = torch.cuda.max_memory_allocated(), step.static_bytes
         predicted = predict(layers, [choice] * 4, LinkBandwidth(50.0, 50.0), step).peak_bytes
         assert abs(predicted - measured) <= 0.02 * (measured - static) + 2**21, (choice, predicted, measured, static)
