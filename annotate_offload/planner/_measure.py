@@ -250,7 +250,7 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     torch.clear_autocast_cache()
     with torch.enable_grad():
         out = checkpoint(layer, *args, use_reentrant=False, **kwargs)
-    torch.clear_autocast_cache()  # this thread's cache would hold the forward's casts; a step's forward ends
+    torch.clear_autocast_cache()  # a step frees the forward's casts when autocast exits; the cache would keep them
     rec_ms, rec_peak = _backward([o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad],
                                  wrt, inputs, device)
     if not cuda:
@@ -528,7 +528,7 @@ def measure(
             )
     finally:
         state.restore()
-    captured = inputs = state = None  # what stays allocated once the model has run (e.g. BLAS workspaces) is static
+    del captured, inputs, state  # what stays allocated once the model has run (e.g. BLAS workspaces) is static
     if device.type == "cuda":
         static = max(static, _allocated(device) - _bytes(p.grad for p in params if p.grad is not None))
     device_ms, host_ms = measure_adamw(device) if optimizer and trainable else (0.0, 0.0)
