@@ -145,14 +145,14 @@ class LayerMeasurement:
             runtime never offloads them (they are in ``unmoved_bytes``), and autocast's cache holds them
             to the end of the forward even when the layer is recomputed. Default: ``0``.
         recompute_ms (float | None): the backward time when recomputed (its forward rerun, then its
-            backward), ms. Default: ``None``, ``forward_ms + backward_ms``.
+            backward), ms, at least ``backward_ms``. Default: ``None``, ``forward_ms + backward_ms``.
         recompute_peak_bytes (int | None): ``R+``: as ``backward_peak_bytes``, for that backward under
             non-reentrant ``torch.utils.checkpoint``, beyond the checkpoint input and output gradient.
             Default: ``None``, ``max(forward_peak_bytes, saved_bytes + backward_peak_bytes)``.
 
     Raises:
         TypeError, ValueError: a field that is not a finite number, or one below its bound (0; for the
-            backward peaks ``-grad_bytes``).
+            backward peaks ``-grad_bytes``; for ``recompute_ms``, ``backward_ms``).
     """
 
     forward_ms: float
@@ -179,7 +179,7 @@ class LayerMeasurement:
         if self.recompute_peak_bytes is None:
             object.__setattr__(self, "recompute_peak_bytes",
                                max(self.forward_peak_bytes, self.saved_bytes + self.backward_peak_bytes))
-        _check_number("LayerMeasurement", "recompute_ms", self.recompute_ms)
+        _check_number("LayerMeasurement", "recompute_ms", self.recompute_ms, low=self.backward_ms)
         _check_number("LayerMeasurement", "recompute_peak_bytes", self.recompute_peak_bytes, low=-self.grad_bytes)
         for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes")):
             if getattr(self, part) > getattr(self, whole):

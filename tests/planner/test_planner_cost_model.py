@@ -183,6 +183,8 @@ def test_a_recomputed_layer_costs_its_measured_recompute_time_and_peak():
     plain = LayerMeasurement(10.0, 20.0, GB, 0, forward_peak_bytes=2 * GB, backward_peak_bytes=GB // 4)
     assert (plain.recompute_ms, plain.recompute_peak_bytes) == (30.0, 2 * GB)
     assert LayerMeasurement(10.0, 20.0, GB, 0, backward_peak_bytes=GB // 4).recompute_peak_bytes == GB + GB // 4
+    with pytest.raises(ValueError, match="recompute_ms must be >= 20.0"):  # a rerun is never cheaper than none
+        LayerMeasurement(10.0, 20.0, GB, 0, recompute_ms=19.0)
 
 
 def test_a_backward_peak_after_the_saved_tensors_are_freed_is_negative_down_to_the_gradients():
