@@ -278,7 +278,8 @@ def _backward(outs: list, wrt: list, inputs: list, device: torch.device) -> tupl
     """``(ms, peak)`` of a backward from output gradients of ones: the allocator's peak beyond what was
     allocated before, less the output gradients and the parameter gradients (both counted apart, as
     ``c_{j+1}`` and ``LayerMeasurement.grad_bytes``); on a CPU the input gradients."""
-    roots = [_OutputGradient.apply(o).sum() for o in outs]
+    with torch.enable_grad():  # also when planning runs under no_grad
+        roots = [_OutputGradient.apply(o).sum() for o in outs]
     ones = [torch.ones_like(r) for r in roots]  # made before the peak is reset, like the roots
     before = _allocated(device)
     with _Timer(device) as timer:

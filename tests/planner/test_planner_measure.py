@@ -212,6 +212,15 @@ def test_importing_the_planner_does_not_initialise_cuda(run_group):
     assert out.stdout.strip() == "False"
 
 
+def test_measuring_under_no_grad_measures_as_with_grad():
+    net, x = Net(width=16, depth=2), torch.randn(8, 16)
+    with torch.no_grad():
+        quiet = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    loud = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    fields = ("saved_bytes", "checkpoint_input_bytes", "backward_peak_bytes", "recompute_peak_bytes")
+    assert [[getattr(m, f) for f in fields] for m in quiet] == [[getattr(m, f) for f in fields] for m in loud]
+
+
 @pytest.mark.cuda
 def test_cuda_measurement_restores_cuda_rng_and_times_with_events():
     net = Net(depth=2).cuda()
