@@ -394,7 +394,7 @@ def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None) -> Ca
             for m, name, b in owned:
                 m._buffers[name] = b
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return _ORIG_CHECKPOINT(body, *args, use_reentrant=False, **kwargs)
+    def run(*args: Any, **kwargs: Any) -> Any:  # the layer's keywords by closure: checkpoint takes some names
+        return _ORIG_CHECKPOINT(lambda *a: body(*a, **kwargs), *args, use_reentrant=False)
 
     return run

@@ -28,9 +28,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from torch.utils.checkpoint import checkpoint
 
 from annotate_offload._example_inputs import cache_configs, cache_off, split
+from annotate_offload.annotate._layers import _checkpointed
 
 # the runtime's rule for what it never offloads (weights and their casts), so the plan counts as it moves
 from annotate_offload.runtime._layer_state import _is_weight, frozen_shapes
@@ -249,7 +249,7 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     del out, outs
     torch.clear_autocast_cache()
     with torch.enable_grad():
-        out = checkpoint(layer, *args, use_reentrant=False, **kwargs)
+        out = _checkpointed(layer, layer)(*args, **kwargs)
     torch.clear_autocast_cache()  # a step frees the forward's casts when autocast exits; the cache would keep them
     rec_ms, rec_peak = _backward([o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad],
                                  wrt, inputs, device)
@@ -350,7 +350,7 @@ def _head_terms(model, layers, args, kwargs, device, param_ptrs, outside, grad_f
     originals = {}
     for layer in layers:
         originals[layer] = layer.__dict__.get("forward")
-        layer.forward = (lambda fwd: lambda *a, **k: checkpoint(fwd, *a, use_reentrant=False, **k))(layer.forward)
+        layer.forward = _checkpointed(layer.forward)
     handles = [last.register_forward_hook(post_last)]
     handles += [layer.register_forward_pre_hook(flags(i), with_kwargs=True) for i, layer in enumerate(layers)]
     for p in model.parameters():  # backward must not add into them; measure's _ModelState puts them back

@@ -145,3 +145,31 @@ def test_a_recomputed_layer_updates_its_buffers_once_per_step():
     with torch.no_grad():
         x = _x()
         assert torch.equal(model(x), ref(x))
+
+
+class _KeywordBlock(torch.nn.Module):
+    """A block whose keywords share names with torch.utils.checkpoint's own."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(h, h)
+
+    def forward(self, x, *, debug=None, use_reentrant=None):
+        assert debug is False and use_reentrant is True  # the caller's values, not checkpoint's
+        return torch.relu(self.lin(x))
+
+
+class _KeywordStack(Stack):
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x, debug=False, use_reentrant=True)
+        return self.out(x)
+
+
+def test_a_recomputed_layer_gets_its_own_keywords_even_where_checkpoint_takes_the_name():
+    model = _KeywordStack(L, block=_KeywordBlock)
+    ref = copy.deepcopy(model)
+    _apply(model, recompute=True)
+    _check_offloads(model, ref)
+

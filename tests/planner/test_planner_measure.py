@@ -1,6 +1,7 @@
 """Measurement: saved/checkpoint bytes, the model left as found, layer discovery, bandwidth cache."""
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -210,6 +211,34 @@ def test_importing_the_planner_does_not_initialise_cuda(run_group):
     code = "import torch, annotate_offload.planner; print(torch.cuda.is_initialized())"
     out = run_group([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+class _Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, *, debug=None, use_reentrant=None):  # names torch.utils.checkpoint also takes
+        assert debug is False and use_reentrant is True
+        return self.lin(x).relu()
+
+
+class _KeywordNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Keywords() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, debug=False, use_reentrant=True)
+        return x
+
+
+def test_layers_whose_keywords_share_checkpoints_names_are_measured_with_their_own_values():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the head too: no "could not measure" warning
+        layers, step = measure(_KeywordNet(), None, (torch.randn(8, 16),), warmup=0, repeats=1, optimizer=False)
+    assert len(layers) == 2 and all(m.recompute_ms >= m.backward_ms for m in layers)
 
 
 def test_measuring_under_no_grad_measures_as_with_grad():
