@@ -38,7 +38,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from annotate_offload.runtime import (active_offload_policy, mark_activation_offload, mark_not_offload)
+from annotate_offload.runtime import active_offload_policy, mark_activation_offload, mark_not_offload
 from annotate_offload.runtime._context import inside_checkpoint
 from annotate_offload.runtime._synchronizer import _active_synchronizer
 

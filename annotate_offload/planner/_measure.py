@@ -235,7 +235,7 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     before = _allocated(device)
     with _Timer(device) as fwd, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(*args, **kwargs)
-    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    outs = _grad_outputs(out)
     known = param_ptrs | {x.untyped_storage().data_ptr() for x in inputs}
     fwd_peak = (_peak(device) - before) if cuda else _unique_storage_bytes(saved + outs, known)
     saved_bytes = _unique_storage_bytes(saved, param_ptrs)
@@ -251,12 +251,15 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     with torch.enable_grad():
         out = _checkpointed(layer, layer)(*args, **kwargs)
     torch.clear_autocast_cache()  # a step frees the forward's casts when autocast exits; the cache would keep them
-    rec_ms, rec_peak = _backward([o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad],
-                                 wrt, inputs, device)
+    rec_ms, rec_peak = _backward(_grad_outputs(out), wrt, inputs, device)
     if not cuda:
         rec_peak = max(fwd_peak, saved_bytes - input_saved + bwd_peak)
     return (fwd.ms(), bwd_ms, saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved, max(fwd_peak, 0), bwd_peak, casts,
             rec_ms, rec_peak)
+
+
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
+    return [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
 class _OutputGradient(torch.autograd.Function):
