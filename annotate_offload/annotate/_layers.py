@@ -46,13 +46,14 @@ forward (peft's ``get_peft_model`` after the transform), the adapter marks are r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import sys
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx.traceback
@@ -190,7 +191,7 @@ class OffloadState:
         self.open_layer: int | None = None
         self.owner: int | None = None  # thread that opened the scope
         self.last_entered = -1
-        self.measured = False
+        self.measured = self.standing_aside = False
         self.estimating: set[int] | None = None  # layers entered in the meta estimate's forward
 
     # -- wrapping -------------------------------------------------------------------------------
@@ -212,6 +213,21 @@ class OffloadState:
             del self.layers[i].__dict__["forward"]
         else:
             self.layers[i].__dict__["forward"] = w.prev
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """The model's own code for a while (the planner's profile): the layers' forwards unwrapped and the
+        schedule's tuning held back, all put back after."""
+        wrapped = [i for i in range(len(self.layers)) if self.wrapper(i) is not None]
+        for i in wrapped:
+            self.unwrap(i)
+        self.standing_aside = True
+        try:
+            yield
+        finally:
+            self.standing_aside = False
+            for i in wrapped:
+                self.wrap(i)
 
     def remove(self) -> None:
         self.sync.abort()

@@ -392,7 +392,8 @@ class _TuneSchedule:
 
     def __call__(self, root: nn.Module, args: tuple, kwargs: dict) -> None:
         state = root.__dict__.get(_STATE)
-        if (state is not None and not torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        waiting = state is not None and (not torch.is_grad_enabled() or state.standing_aside)
+        if waiting or torch.compiler.is_compiling():
             return  # wait for a training forward that runs eagerly (Note [Traced layers] in _layers.py)
         root._forward_pre_hooks.pop(self.id, None)
         root._forward_pre_hooks_with_kwargs.pop(self.id, None)

@@ -20,6 +20,7 @@ sits in the caller's wrappers (PEFT, a ``LightningModule``), and put back after.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import warnings
@@ -30,7 +31,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from annotate_offload._example_inputs import cache_configs, cache_off, split
+from annotate_offload.annotate._discover import find_layers
 from annotate_offload.annotate._layers import _checkpointed
+from annotate_offload.annotate._transform import transforms_in
 
 # the runtime's rule for what it never offloads (weights and their casts), so the plan counts as it moves
 from annotate_offload.runtime._layer_state import _is_weight, frozen_shapes
@@ -38,45 +41,19 @@ from annotate_offload.runtime._layer_state import _is_weight, frozen_shapes
 from ._bandwidth import measure_adamw
 from ._cost_model import LayerMeasurement, StepMeasurement
 
-__all__ = ["measure", "measure_layers", "discover_layers"]
-
-
-def discover_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks: children of an ``nn.ModuleList``/``nn.Sequential`` sharing one class.
-
-    Of all such containers (at least two children, all of one class) the one with the most children
-    wins; ties go to the first in ``model.named_modules()`` order.
-
-    Returns:
-        list[tuple[str, nn.Module]]: ``(qualified name, layer)`` in forward (container) order.
-
-    Raises:
-        ValueError: no such container; pass ``layers=`` explicitly.
-    """
-    best: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.named_children())
-        if len(children) < 2 or len({type(c) for _, c in children}) != 1 or len(children) <= len(best):
-            continue
-        prefix = f"{name}." if name else ""
-        best = [(prefix + child_name, child) for child_name, child in children]
-    if not best:
-        raise ValueError(
-            f"plan_offload: found no repeated layers in {type(model).__name__} (no nn.ModuleList or nn.Sequential "
-            "with two or more children of one class); pass layers=[...] with the blocks to plan."
-        )
-    return best
+__all__ = ["measure", "measure_layers"]
 
 
 class _ModelState:
     """Everything profiling may change, saved so it can be put back (see the module docstring)."""
 
-    __slots__ = ("model", "training", "buffers", "grads", "cpu_rng", "cuda_rng", "caching")
+    __slots__ = ("model", "training", "buffers", "grads", "cpu_rng", "cuda_rng", "caching", "aside")
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.aside = contextlib.ExitStack()  # a transformed model is profiled as its own code
+        for state in transforms_in(model):
+            self.aside.enter_context(state.aside())
         self.training = [(m, m.training) for m in model.modules()]
         self.caching = cache_off(cache_configs(model))  # Note [No key/value cache while profiling]
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -85,6 +62,7 @@ class _ModelState:
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def restore(self) -> None:
+        self.aside.close()
         for module, flag in self.training:
             module.training = flag
         for c in self.caching:
@@ -428,6 +406,7 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
+@torch.inference_mode(False)  # profiling records for backward, also when planning runs under inference_mode
 def measure(
     model: nn.Module,
     layers: Sequence[nn.Module] | None,
@@ -445,8 +424,8 @@ def measure(
 
     Args:
         model (nn.Module): the model; ``model(*example_inputs)`` must run every layer once.
-        layers (Sequence[nn.Module] | None): the layers to plan, in forward order; ``None`` discovers
-            the repeated blocks (:func:`discover_layers`).
+        layers (Sequence[nn.Module] | None): the layers to plan, in forward order; ``None``: the layers
+            ``offload_transform`` finds (``@offload_layer`` marks, else the repeated blocks).
         example_inputs: a tensor, a tuple/list of positional inputs or a dict of keyword inputs, at the
             shapes of a training step (their batch and sequence decide the bytes).
         warmup (int): untimed runs per layer before timing. Default: ``1``.
@@ -475,7 +454,12 @@ def measure(
             raise ValueError(f"measure_layers: {name} must be an int >= {low}, got {value!r}.")
     names = {id(m): n for n, m in model.named_modules()}
     if layers is None:
-        named = discover_layers(model)
+        try:
+            named = [(ref.fqn, ref.module) for ref in find_layers(model)[0]]
+        except ValueError:
+            raise ValueError(f"plan_offload: found no layers in {type(model).__name__} (no @offload_layer marks, no "
+                             "nn.ModuleList or nn.Sequential of two or more children of one class); pass layers=[...] "
+                             "with the blocks to plan.") from None
     else:
         layers = list(layers)
         if not layers:
@@ -487,7 +471,8 @@ def measure(
                     "modules from model.modules()."
                 )
         named = [(names[id(layer)], layer) for layer in layers]
-    args, kwargs = split(example_inputs, "plan_offload")
+    args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t,
+                            split(example_inputs, "plan_offload"))
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
     in_layers = {id(p) for _, layer in named for p in layer.parameters()}

@@ -148,8 +148,8 @@ def plan_offload(
             activations), bytes or a string such as ``"20GiB"`` or ``"500MB"``.
         example_inputs: inputs of one training step (tensor, tuple/list, or dict of keyword inputs), on
             the device the step runs on; required unless ``measurements`` is given.
-        layers (Sequence[nn.Module] | None): the layers, in forward order; ``None`` discovers the
-            repeated blocks (children of an ``nn.ModuleList``/``nn.Sequential`` sharing one class).
+        layers (Sequence[nn.Module] | None): the layers, in forward order; ``None``: the layers
+            ``offload_transform`` finds (``@offload_layer`` marks, else the repeated blocks).
         measurements (Sequence[LayerMeasurement] | None), step (StepMeasurement | None): skip profiling
             and use these (``step`` ``None`` then counts nothing beyond the layers).
         bandwidth (LinkBandwidth | None): skip the link measurement and use this.

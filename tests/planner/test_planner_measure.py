@@ -1,5 +1,6 @@
 """Measurement: saved/checkpoint bytes, the model left as found, layer discovery, bandwidth cache."""
 
+import copy
 import sys
 import warnings
 
@@ -8,11 +9,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from annotate_offload import offload_transform
+from annotate_offload.config import ModelConfig
+from annotate_offload.annotate._layers import LayerForward
 from annotate_offload.planner._bandwidth import measure_adamw, measure_bandwidth
 from annotate_offload.planner._cost_model import LinkBandwidth
 from annotate_offload.planner._measure import measure, measure_layers
 from annotate_offload.planner import _bandwidth
-from annotate_offload.planner._measure import discover_layers
+from annotate_offload.annotate._discover import find_layers
 
 
 class Block(nn.Module):
@@ -58,13 +62,17 @@ class Wrapper(nn.Module):
         return self.layers[1](self.layers[0](x) * torch.ones_like(x))
 
 
-def test_discover_layers_picks_the_repeated_blocks():
-    net = Net(depth=3)
-    found = discover_layers(net)
-    assert [n for n, _ in found] == ["blocks.0", "blocks.1", "blocks.2"]
-    assert [m for _, m in found] == list(net.blocks)
-    with pytest.raises(ValueError, match="found no repeated layers in Linear.*pass layers="):
-        discover_layers(nn.Linear(2, 2))
+def test_the_planner_plans_the_layers_the_transform_finds():
+    net, x = Net(depth=3), torch.randn(8, 16)
+    assert [m.name for m in measure_layers(net, None, (x,), warmup=0, repeats=1)] == ["blocks.0", "blocks.1",
+                                                                                         "blocks.2"]
+    # two repeated containers: the one with more parameters (the transform's rule), not the one with more children
+    seq = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)),
+                        nn.Sequential(*(nn.Identity() for _ in range(3))))
+    assert [m.name for m in measure_layers(seq, None, (x,), warmup=0, repeats=1)] == ["0.0", "0.1"]
+    assert [ref.fqn for ref in find_layers(seq)[0]] == ["0.0", "0.1"]
+    with pytest.raises(ValueError, match="plan_offload: found no layers in Linear.*pass layers="):
+        measure_layers(nn.Linear(2, 2), None, (torch.randn(2, 2),))
 
 
 def test_saved_bytes_count_unique_storages_without_parameters():
@@ -241,13 +249,34 @@ def test_layers_whose_keywords_share_checkpoints_names_are_measured_with_their_o
     assert len(layers) == 2 and all(m.recompute_ms >= m.backward_ms for m in layers)
 
 
-def test_measuring_under_no_grad_measures_as_with_grad():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_measuring_under_no_grad_or_inference_mode_measures_as_with_grad(mode):
     net, x = Net(width=16, depth=2), torch.randn(8, 16)
-    with torch.no_grad():
-        quiet = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    with mode():
+        quiet = measure_layers(net, None, (x.clone(),), warmup=0, repeats=1)  # an inference tensor there
     loud = measure_layers(net, None, (x,), warmup=0, repeats=1)
     fields = ("saved_bytes", "checkpoint_input_bytes", "backward_peak_bytes", "recompute_peak_bytes")
     assert [[getattr(m, f) for f in fields] for m in quiet] == [[getattr(m, f) for f in fields] for m in loud]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_transformed_model_is_measured_as_its_own_code_and_stays_transformed(recompute):
+    torch.manual_seed(0)
+    net, x = Net(width=16, depth=3), torch.randn(8, 16)
+    plain = copy.deepcopy(net)
+    offload_transform(net, num_layers=2, config=ModelConfig(cpu_offloading=True, recompute=recompute))
+    wrappers, tuner = [b.__dict__["forward"] for b in net.blocks], dict(net._forward_pre_hooks)
+    fields = ("saved_bytes", "checkpoint_input_bytes", "backward_peak_bytes", "recompute_peak_bytes")
+    got = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    want = measure_layers(plain, None, (x,), warmup=0, repeats=1)
+    assert [[getattr(m, f) for f in fields] for m in got] == [[getattr(m, f) for f in fields] for m in want]
+    assert [b.__dict__["forward"] for b in net.blocks] != wrappers  # wrapped anew, as before
+    assert all(isinstance(b.__dict__["forward"], LayerForward) for b in net.blocks)
+    assert net._forward_pre_hooks.keys() == tuner.keys()  # the schedule is still tuned at the first step
+    for model in (net, plain):
+        torch.manual_seed(1)
+        model(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), plain.parameters()))
 
 
 @pytest.mark.cuda
