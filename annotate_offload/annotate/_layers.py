@@ -65,7 +65,7 @@ from annotate_offload.compile._ops import TAG, register as register_runtime
 from annotate_offload.errors import OffloadError
 from annotate_offload.runtime._context import inside_checkpoint
 from annotate_offload.runtime._marks import mark_ready
-from annotate_offload.runtime._synchronizer import _in_backward, _recording
+from annotate_offload.runtime._synchronizer import _recording
 
 __all__: list[str] = []
 
@@ -170,13 +170,14 @@ class OffloadState:
         layers (list[nn.Module]): the layer modules.
         sync: the ``DefaultOffloadSynchronizer`` the layers drive.
         plan (OffloadPlan): the plan attached as ``model.offload_plan``.
-        recompute (frozenset[int]): layers run under ``torch.utils.checkpoint`` (non-reentrant).
+        recompute (dict[int, bool]): layers run under ``torch.utils.checkpoint`` (non-reentrant); ``True``:
+            selectively (Note [Selective recompute]).
     """
 
     __reduce_ex__ = _refuse_pickle
 
     def __init__(self, model: nn.Module, fqns: list[str], layers: list[nn.Module], sync: Any, plan: Any,
-                 recompute: frozenset[int]) -> None:
+                 recompute: dict[int, bool]) -> None:
         self.model = weakref.ref(model)
         self.fqns, self.layers = list(fqns), list(layers)
         self.sync, self.plan, self.recompute = sync, plan, recompute
@@ -239,7 +240,7 @@ class OffloadState:
     # -- one layer call -------------------------------------------------------------------------
     def run(self, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if index in self.recompute and torch.is_grad_enabled() and self.layers[index].training:  # as HF's checkpointing
-            fn = _checkpointed(fn, self.layers[index])
+            fn = _checkpointed(fn, self.layers[index], self.recompute[index])
         if not _recording():
             if index in self.offloaded and not torch.is_grad_enabled() and _in_reentrant_checkpoint():
                 self._refuse_checkpoint(index, "torch.utils.checkpoint(use_reentrant=True), which runs it without "
@@ -263,7 +264,7 @@ class OffloadState:
     def traced(self, index: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """One layer call as Dynamo traces it (Note [Traced layers])."""
         if index in self.recompute and torch.is_grad_enabled() and self.layers[index].training:
-            fn = _checkpointed(fn)
+            fn = _checkpointed(fn, selective=self.recompute[index])
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         key, plan, layer = self.key, self.plan_id, torch.ops.annotate_offload.layer
@@ -388,29 +389,60 @@ def _copied_ref(ref: weakref.ref, memo: dict) -> weakref.ref:
     return ref if obj is None else weakref.ref(copy.deepcopy(obj, memo))
 
 
-def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None) -> Callable[..., Any]:
-    """``fn`` under non-reentrant ``torch.utils.checkpoint``; its recompute in backward writes into copies
-    of ``module``'s buffers.
+def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selective: bool = False
+                  ) -> Callable[..., Any]:
+    """``fn`` under non-reentrant ``torch.utils.checkpoint``, ``selective``: with :func:`selective_policy`;
+    its recompute in backward writes into copies of ``module``'s buffers.
 
     Note [Buffers in a recompute]: a forward that updates buffers (BatchNorm's running statistics and
     ``num_batches_tracked``) would update them a second time when the checkpoint reruns it in backward,
     so a recomputed layer's buffers, and later its eval outputs, would differ from the run without it.
     The rerun gets clones of the buffers, dropped after it: the buffers are written once, by the forward.
-    The rerun reads them as the forward left them; BatchNorm's training output does not read them.
+    The rerun reads them as the forward left them; BatchNorm's training output does not read them. The
+    clones are made by the checkpoint's recompute context, outside the rerun, which a selective
+    checkpoint requires to replay the forward's ops and no others.
     """
-    def body(*args: Any, **kwargs: Any) -> Any:
-        if module is None or not _in_backward():
-            return fn(*args, **kwargs)
-        owned = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
-        for m, name, b in owned:
-            m._buffers[name] = b.clone()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            for m, name, b in owned:
-                m._buffers[name] = b
+    def contexts() -> tuple:
+        fwd, rerun = (_cp.create_selective_checkpoint_contexts(selective_policy) if selective
+                      else _cp.noop_context_fn())
+        return fwd, _fresh_buffers(module, rerun)
+
+    if module is None:  # traced (Note [Traced layers]): Dynamo takes torch's own contexts only
+        contexts = (functools.partial(_cp.create_selective_checkpoint_contexts, selective_policy) if selective
+                    else _cp.noop_context_fn)
 
     def run(*args: Any, **kwargs: Any) -> Any:  # the layer's keywords by closure: checkpoint takes some names
-        return _ORIG_CHECKPOINT(lambda *a: body(*a, **kwargs), *args, use_reentrant=False)
+        return _ORIG_CHECKPOINT(lambda *a: fn(*a, **kwargs), *args, use_reentrant=False, context_fn=contexts)
 
     return run
+
+
+@contextlib.contextmanager
+def _fresh_buffers(module: nn.Module, inner: Any) -> Iterator[None]:
+    owned = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    for m, name, b in owned:
+        m._buffers[name] = b.clone()
+    try:
+        with inner:
+            yield
+    finally:
+        for m, name, b in owned:
+            m._buffers[name] = b
+
+
+@functools.cache
+def saved_ops() -> frozenset:
+    """The ops whose outputs a selective recompute keeps: matrix multiplies, convolutions, attention."""
+    names = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward")
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> _cp.CheckpointPolicy:
+    """Note [Selective recompute]: a layer recomputed selectively keeps, besides its input, the outputs of
+    :func:`saved_ops` (the ops that hold most of its time) and reruns the rest (norms, activations, rotary
+    embeddings, casts; most of its saved bytes, little of its time) in backward. Torch's selective
+    checkpoint caches the kept outputs and hands them back to the rerun, so the rerun's other ops see the
+    same inputs and the results are those of a plain checkpoint."""
+    return _cp.CheckpointPolicy.MUST_SAVE if op in saved_ops() else _cp.CheckpointPolicy.PREFER_RECOMPUTE

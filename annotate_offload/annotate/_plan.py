@@ -13,7 +13,7 @@ from ._layers import _copied_ref
 
 __all__ = ["LayerPlan", "OffloadPlan"]
 
-Choice = Literal["keep", "offload", "recompute", "recompute_offload"]
+Choice = Literal["keep", "offload", "recompute", "recompute_offload", "selective"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class LayerPlan:
             which must be the order they run in); the runtime's layer id.
         fqn (str): the module's fully qualified name in the model.
         module_type (str): the module's class name.
-        choice (str): ``"keep"``, ``"offload"``, ``"recompute"`` or ``"recompute_offload"``.
+        choice (str): ``"keep"``, ``"offload"``, ``"recompute"``, ``"recompute_offload"`` or ``"selective"``
+            (Note [Selective recompute] in ``_layers.py``).
         declared_keep (bool): ``@offload_layer(offload=False)`` keeps it on the GPU whatever ``num_layers`` says.
         bytes_per_step (int | None): bytes of saved activations this layer moves to host per
             training step (``0`` for a kept or recompute-only layer). ``None`` until known.

@@ -75,8 +75,8 @@ def offload_transform(
         memory_budget (int | str | None): the training step's peak device memory
             (``torch.cuda.max_memory_allocated``: weights, gradients, optimizer state on the device,
             activations), bytes or a string such as ``"20GiB"``. ``annotate_offload.planner.plan_offload``
-            measures the layers on their device and chooses per layer keep, offload, recompute or
-            recompute with its input offloaded, the schedule and the optimizer split, the fastest
+            measures the layers on their device and chooses per layer keep, offload, recompute (of the
+            whole layer, with its input offloaded, or selective), the schedule and the optimizer split, the fastest
             predicted plan that fits; a model that fits keeps everything (with a one-line warning).
             Default: ``None`` (the config's ``memory_budget``).
         example_inputs (Tensor | tuple | dict | None): one training step's inputs, to estimate bytes per layer on
@@ -207,7 +207,8 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
                      for i, (r, c) in enumerate(zip(refs, choices))),
         layer_source=how, notes=tuple(notes), runtime=sync, planner=planned, model=weakref.ref(model),
     )
-    recompute = frozenset(i for i, c in enumerate(choices) if c in ("recompute", "recompute_offload"))
+    recompute = {i: c == "selective" for i, c in enumerate(choices) if c in ("recompute", "recompute_offload",
+                                                                            "selective")}
     state = OffloadState(model, [r.fqn for r in refs], [r.module for r in refs], sync, plan, recompute)
 
     # ---- apply

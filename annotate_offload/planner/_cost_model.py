@@ -15,12 +15,16 @@ share of the trainable numel, Megatron's split rule, which takes whole tensors i
     backward reruns the layer's forward, then its backward.
 ``recompute_offload``
     ``recompute``, with the checkpoint input offloaded and prefetched like ``offload``.
+``selective``
+    ``recompute`` that keeps, besides the input, the outputs of matrix multiplies and attention and
+    reruns only the rest (Note [Selective recompute] in ``annotate/_layers.py``).
 
 Per layer ``i`` (:class:`LayerMeasurement`): forward and backward time ``f_i``, ``b_i`` (ms); saved bytes
 ``a_i``, checkpoint-input bytes ``c_i``; ``F+_i``, ``B+_i`` and ``R+_i``, the device bytes its forward, its
 backward and its backward when recomputed allocate at their peak beyond what existed before (the backward's
 without its parameter gradients ``g_i``, so negative when the peak comes after it freed saved tensors);
-``r_i``, its backward time when recomputed (the forward rerun, then the backward).
+``r_i``, its backward time when recomputed (the forward rerun, then the backward); ``s_i``, ``sr_i`` and ``S+_i``
+the bytes a selective recompute keeps beyond the input, its backward time and peak.
 For the step (:class:`StepMeasurement`): ``static`` bytes on the device before a step (weights, buffers,
 inputs), gradient bytes of parameters outside the layers, time outside the layers, and per trainable
 parameter its numel and Adam state bytes. The link (:class:`LinkBandwidth`) copies ``n`` bytes in
@@ -37,7 +41,7 @@ Note [Planner time model]
             entry of j: for each offloaded i with min(i + p, L-1) == j, from the highest i:
                 h2d_end[i] = max(t, h2d_free, d2h_end[i]) + bytes_i / H2D;  h2d_free = h2d_end[i]
             if j offloaded: t = max(t, h2d_end[j])                 # reload must have landed
-            t += r_j if j recomputed else b_j
+            t += r_j if j recomputed, sr_j if selective, else b_j
         step_ms = t + other_ms + optimizer_ms
         optimizer_ms = (numel stepped on the device * device_ms + numel stepped on the host * host_ms) / 1e9
 
@@ -62,10 +66,11 @@ Note [Planner memory model]
         bwd_head = base + other_grads + sum_i held_b(i, L) + out + h + H+b
         bwd_j    = base + other_grads + sum_{i>=j} g_i + sum_{i<j} held_b(i, j) + c_{j+1} + act_j + out
         opt      = base + other_grads + sum_i g_i
-        held_f(i, j) = a_i (keep), c_i (recompute), moved_i + unmoved_i while j <= i + k else unmoved_i
+        held_f(i, j) = a_i (keep), c_i (recompute), c_i + s_i (selective),
+                       moved_i + unmoved_i while j <= i + k else unmoved_i
                        (offloaded: released at the entry of layer i + 1 + k)
-        held_b(i, j) = a_i (keep), c_i (recompute), unmoved_i + (moved_i while j <= min(i + p, L-1))
-        act_j  = a_j + B+_j (keep, offload);  c_j + R+_j (recompute, recompute_offload)
+        held_b(i, j) = held_f(i, L) (keep, recompute, selective), unmoved_i + (moved_i while j <= min(i + p, L-1))
+        act_j  = a_j + B+_j (keep, offload);  c_j + R+_j (recompute, recompute_offload);  c_j + s_j + S+_j (selective)
 
     ``c_j``: the layer's tensor inputs that are not static memory (parameters, buffers and the example
     inputs are static), and ``c_{j+1}`` in ``bwd_j`` the gradient of its output (the next layer's input;
@@ -106,9 +111,10 @@ __all__ = ["CHOICES", "LayerMeasurement", "StepMeasurement", "LinkBandwidth", "P
            "predict"]
 
 #: The per-layer choices, in the order used for tie-breaking (least intrusive first).
-CHOICES: tuple[str, ...] = ("keep", "offload", "recompute", "recompute_offload")
+CHOICES: tuple[str, ...] = ("keep", "offload", "recompute", "recompute_offload", "selective")
 OFFLOADED = frozenset({"offload", "recompute_offload"})
-RECOMPUTED = frozenset({"recompute", "recompute_offload"})
+RECOMPUTED = frozenset({"recompute", "recompute_offload", "selective"})
+ON_DEVICE: tuple[str, ...] = ("keep", "recompute", "selective")  # the choices without copies
 
 
 def _check_number(owner: str, name: str, value: object, *, positive: bool = False, low: float = 0) -> None:
@@ -149,10 +155,16 @@ class LayerMeasurement:
         recompute_peak_bytes (int | None): ``R+``: as ``backward_peak_bytes``, for that backward under
             non-reentrant ``torch.utils.checkpoint``, beyond the checkpoint input and output gradient.
             Default: ``None``, ``max(forward_peak_bytes, saved_bytes + backward_peak_bytes)``.
+        selective_bytes (int | None): ``s``: what a selective recompute keeps beyond the checkpoint input
+            (the outputs of matrix multiplies and attention). Default: ``None``, ``saved_bytes``.
+        selective_ms (float | None): the backward time when recomputed selectively, plus what its forward
+            takes beyond ``forward_ms``, ms, at least ``backward_ms``. Default: ``None``, ``recompute_ms``.
+        selective_peak_bytes (int | None): ``S+``: as ``recompute_peak_bytes``, beyond the checkpoint input,
+            ``s`` and the output gradient. Default: ``None``, ``recompute_peak_bytes``.
 
     Raises:
         TypeError, ValueError: a field that is not a finite number, or one below its bound (0; for the
-            backward peaks ``-grad_bytes``; for ``recompute_ms``, ``backward_ms``).
+            backward peaks ``-grad_bytes``; for ``recompute_ms`` and ``selective_ms``, ``backward_ms``).
     """
 
     forward_ms: float
@@ -168,6 +180,9 @@ class LayerMeasurement:
     cast_bytes: int = 0
     recompute_ms: float | None = None
     recompute_peak_bytes: int | None = None
+    selective_bytes: int | None = None
+    selective_ms: float | None = None
+    selective_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("forward_ms", "backward_ms", "saved_bytes", "checkpoint_input_bytes", "unmoved_bytes",
@@ -179,8 +194,15 @@ class LayerMeasurement:
         if self.recompute_peak_bytes is None:
             object.__setattr__(self, "recompute_peak_bytes",
                                max(self.forward_peak_bytes, self.saved_bytes + self.backward_peak_bytes))
-        _check_number("LayerMeasurement", "recompute_ms", self.recompute_ms, low=self.backward_ms)
-        _check_number("LayerMeasurement", "recompute_peak_bytes", self.recompute_peak_bytes, low=-self.grad_bytes)
+        for field, default in (("selective_bytes", self.saved_bytes), ("selective_ms", self.recompute_ms),
+                               ("selective_peak_bytes", self.recompute_peak_bytes)):
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, default)
+        _check_number("LayerMeasurement", "selective_bytes", self.selective_bytes)
+        for field in ("recompute_ms", "selective_ms"):
+            _check_number("LayerMeasurement", field, getattr(self, field), low=self.backward_ms)
+        for field in ("recompute_peak_bytes", "selective_peak_bytes"):
+            _check_number("LayerMeasurement", field, getattr(self, field), low=-self.grad_bytes)
         for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes")):
             if getattr(self, part) > getattr(self, whole):
                 raise ValueError(
@@ -189,6 +211,15 @@ class LayerMeasurement:
                 )
         if not isinstance(self.name, str):
             raise TypeError(f"LayerMeasurement: name must be a str, got {type(self.name).__name__}.")
+
+    def terms(self, choice: str) -> tuple[int, float, int]:
+        """``(bytes held from its forward to its backward, backward ms, backward peak beyond them)`` under
+        ``choice``, before any offload (Note [Planner memory model]: ``a, b, B+``; ``c, r, R+``; ``c + s, sr, S+``)."""
+        if choice == "selective":
+            return self.checkpoint_input_bytes + self.selective_bytes, self.selective_ms, self.selective_peak_bytes
+        if choice in RECOMPUTED:
+            return self.checkpoint_input_bytes, self.recompute_ms, self.recompute_peak_bytes
+        return self.saved_bytes, self.backward_ms, self.backward_peak_bytes
 
     def moved_bytes(self, recompute: bool) -> int:
         """Bytes offloading this layer copies out and back: its saved tensors (``offload``) or its
@@ -334,7 +365,7 @@ def allowed_choices(layer: int, num_layers: int, release_lag: int) -> tuple[str,
 
     Offloading needs the release point ``layer + 1 + release_lag`` to be at most the last layer.
     """
-    return CHOICES if layer + 1 + release_lag <= num_layers - 1 else ("keep", "recompute")
+    return CHOICES if layer + 1 + release_lag <= num_layers - 1 else ON_DEVICE
 
 
 def check_schedule(who: str, release_lag: Any, prefetch_layers: Any) -> None:
@@ -354,7 +385,7 @@ def validate(layers: Sequence[LayerMeasurement], choices: Sequence[str], release
         if c in OFFLOADED and c not in allowed_choices(i, len(layers), release_lag):
             raise ValueError(
                 f"predict: choices[{i}]={c!r} but layer {i} of {len(layers)} cannot be released before the last "
-                f"layer's forward with release_lag={release_lag}; keep or recompute it."
+                f"layer's forward with release_lag={release_lag}; keep or recompute it (one of {ON_DEVICE})."
             )
 
 
@@ -365,7 +396,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
     off = [c in OFFLOADED for c in choices]
     rec = [c in RECOMPUTED for c in choices]
     moved = [m.moved_bytes(rec[i]) if off[i] else 0 for i, m in enumerate(layers)]
-    whole = [m.checkpoint_input_bytes if rec[i] else m.saved_bytes for i, m in enumerate(layers)]
+    whole, backward_ms, backward_peak = zip(*(m.terms(c) for m, c in zip(layers, choices)))
     kept = [w - moved[i] for i, w in enumerate(whole)]  # what a layer holds once released (all, if not offloaded)
     cached = [m.cast_bytes if rec[i] else 0 for i, m in enumerate(layers)]  # autocast's casts, to the end of forward
 
@@ -392,7 +423,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
             h2d_free = h2d_end[i] = max(t, h2d_free, d2h_end[i]) + bandwidth.h2d_ms(moved[i])
         if off[j]:
             t = max(t, h2d_end[j])
-        t += layers[j].recompute_ms if rec[j] else layers[j].backward_ms
+        t += backward_ms[j]
         layer_ms[j] += t - start
 
     # --- memory (Note [Planner memory model]) ---
@@ -404,7 +435,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
         in_flight_f = sum(moved[i] for i in range(max(0, j - k), j))
         fwd = held_before + cached_before + in_flight_f + m.checkpoint_input_bytes + m.forward_peak_bytes
         in_flight_b = sum(moved[i] for i in range(max(0, j - p), j))  # reloads started at the entry of i + p
-        act = m.checkpoint_input_bytes + m.recompute_peak_bytes if rec[j] else m.saved_bytes + m.backward_peak_bytes
+        act = whole[j] + backward_peak[j]
         grad_out = layers[min(j + 1, n - 1)].checkpoint_input_bytes  # the next layer's input
         bwd = step.other_grad_bytes + grads_above[j] + held_before + in_flight_b + grad_out + act + step.output_bytes
         peaks.append(step.static_bytes + max(fwd, bwd))

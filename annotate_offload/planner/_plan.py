@@ -10,8 +10,8 @@ from torch import nn
 from annotate_offload.config import parse_memory_budget
 
 from ._bandwidth import measure_bandwidth
-from ._cost_model import (OFFLOADED, RECOMPUTED, LayerMeasurement, LinkBandwidth, Prediction, StepMeasurement,
-                          check_schedule, predict)
+from ._cost_model import (CHOICES, OFFLOADED, RECOMPUTED, LayerMeasurement, LinkBandwidth, Prediction,
+                          StepMeasurement, check_schedule, predict)
 from ._measure import measure
 from ._search import SCHEDULES, Infeasible, search
 
@@ -31,17 +31,18 @@ def format_bytes(n: float, up: bool = False) -> str:
 
 @dataclass(frozen=True)
 class PlannerResult:
-    """A plan: per layer keep, offload, recompute or recompute_offload, a schedule and an optimizer split,
+    """A plan: per layer keep, offload, recompute, recompute_offload or selective, a schedule and an optimizer split,
     with what it is predicted to cost (Notes [Planner time model], [Planner memory model]).
 
     Apply it with ``offload_transform(model, memory_budget=...)`` (which calls :func:`plan_offload`), or by
-    hand: ``torch.utils.checkpoint`` around :attr:`recomputed_layers`, the runtime for
+    hand: ``torch.utils.checkpoint`` around :attr:`recomputed_layers` (with a selective policy for the
+    ``selective`` ones: Note [Selective recompute] in ``annotate/_layers.py``), the runtime for
     :attr:`offloaded_layers` (``DefaultOffloadSynchronizer(**result.runtime_kwargs())``) and
     ``HybridDeviceOptimizer(model.parameters(), **result.optimizer_kwargs())``.
 
     Attributes:
         choices (tuple[str, ...]): per layer (forward order), one of ``"keep"``, ``"offload"``,
-            ``"recompute"``, ``"recompute_offload"``.
+            ``"recompute"``, ``"recompute_offload"``, ``"selective"``.
         release_lag (int), prefetch_layers (int): the runtime schedule the prediction assumes.
         offload_fraction (float): ``HybridDeviceOptimizer``'s share of parameters stepped on the host.
         prediction (Prediction): the plan's predicted step time, peak, and per layer time and peak.
@@ -78,7 +79,7 @@ class PlannerResult:
 
     @property
     def recomputed_layers(self) -> tuple[int, ...]:
-        """Indices to wrap in ``torch.utils.checkpoint`` (``recompute``, ``recompute_offload``)."""
+        """Indices to wrap in ``torch.utils.checkpoint`` (``recompute``, ``recompute_offload``, ``selective``)."""
         return tuple(i for i, c in enumerate(self.choices) if c in RECOMPUTED)
 
     def runtime_kwargs(self) -> dict[str, Any]:
@@ -99,8 +100,7 @@ class PlannerResult:
                            if self.fraction_given else (k.peak_bytes, "the optimizer on the device"))
             return (f"the model fits memory_budget={format_bytes(b)}: predicted peak {format_bytes(peak)} with every "
                     f"layer kept and {where}; nothing is offloaded or recomputed")
-        counts = ", ".join(f"{self.choices.count(c)} {c}" for c in ("keep", "offload", "recompute", "recompute_offload")
-                           if c in self.choices)
+        counts = ", ".join(f"{self.choices.count(c)} {c}" for c in CHOICES if c in self.choices)
         return "\n".join([
             f"plan for memory_budget={format_bytes(b)} ({self.search_mode} search): {counts}; "
             f"release_lag={self.release_lag}, prefetch_layers={self.prefetch_layers}; "

@@ -10,12 +10,13 @@ Note [Planner search]
     time adds to the step: with the host slower than the device per element, fewer is faster), drops
     the candidates that cannot fit even with all of it on the host, and returns the best by :func:`plan_key`.
 
-    * Exhaustive: when the number of allowed (schedule, choices) pairs (4 choices per offloadable layer,
-      2 for the last ``release_lag + 1`` layers) is at most ``exhaustive_limit``, the candidates are all
+    * Exhaustive: when the number of allowed (schedule, choices) pairs (5 choices per offloadable layer,
+      3 for the last ``release_lag + 1`` layers) is at most ``exhaustive_limit``, the candidates are all
       of them, so the result is the exact optimum of the cost model over choices, schedules and splits.
     * Heuristic (larger models), per schedule: the all-keep plan and the one-knob families (recompute
       the first ``n`` layers; recompute and offload the inputs of the first ``n``; offload the first
-      ``n``, TransformerEngine's choice; recompute every layer and offload the first ``n`` inputs), and
+      ``n``, TransformerEngine's choice; recompute every layer and offload the first ``n`` inputs, or
+      recompute the first ``n`` of them selectively), and
       a greedy path from all-keep that repeatedly applies the one-layer change with the least predicted
       time added per byte of peak removed, until no single change lowers the peak.
     * ``plans=`` (the single strategies a user could pick: full recompute, offload-only): only those.
@@ -27,7 +28,8 @@ Note [Planner search]
     plans are candidates too.
 
     Deterministic: ties are broken by :func:`plan_key`: least predicted step time (compared at 1 ns),
-    then the least intrusive choices (sum of ranks keep 0, offload 1, recompute 2, recompute_offload 3),
+    then the least intrusive choices (sum of ranks keep 0, offload 1, recompute 2, recompute_offload 3,
+    selective 4),
     then fewer parameters on the host, lower predicted peak, the smaller schedule, and the plan whose
     changes sit on earlier layers.
 
@@ -48,8 +50,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-from ._cost_model import (CHOICES, OFFLOADED, LayerMeasurement, LinkBandwidth, Prediction, StepMeasurement,
-                          allowed_choices, simulate, validate, with_optimizer)
+from ._cost_model import (CHOICES, OFFLOADED, ON_DEVICE, LayerMeasurement, LinkBandwidth, Prediction,
+                          StepMeasurement, allowed_choices, simulate, validate, with_optimizer)
 
 __all__ = ["SCHEDULES", "SearchResult", "Infeasible", "plan_key", "search", "choose_schedule"]
 
@@ -101,12 +103,13 @@ class Infeasible(ValueError):
 
 def _allowed(i: int, n: int, k: int, keep: frozenset) -> tuple[str, ...]:
     """:func:`~._cost_model.allowed_choices`, without the copies for the layers in ``keep``."""
-    return ("keep", "recompute") if i in keep else allowed_choices(i, n, k)
+    return ON_DEVICE if i in keep else allowed_choices(i, n, k)
 
 
 def _families(n: int, k: int, keep: frozenset) -> list[tuple]:
     offloadable = [i for i in range(n) if "offload" in _allowed(i, n, k, keep)]
     plans = [tuple("recompute" if i < m else "keep" for i in range(n)) for m in range(n + 1)]
+    plans += [tuple("selective" if i < m else "recompute" for i in range(n)) for m in range(n + 1)]
     for m in range(len(offloadable) + 1):
         first = set(offloadable[:m])
         plans.append(tuple("recompute_offload" if i in first else "keep" for i in range(n)))

@@ -10,10 +10,12 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import annotate_offload as ao
 import annotate_offload.planner as planner
 from annotate_offload.annotate import offload_layer, offload_transform
+from annotate_offload.annotate._layers import saved_ops
 from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, StepMeasurement
 
 from ._models import Stack, assert_same_step, cfg, run_step, sync_of
@@ -50,6 +52,32 @@ def test_the_plans_choices_and_schedule_are_applied_and_exact(monkeypatch):
     per_layer = sync.stats.bytes_offloaded_per_layer
     assert per_layer[1] == CHUNK  # recompute_offload: only the checkpoint input moves
     assert per_layer[0] > CHUNK and set(per_layer) == {0, 1}
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] = self.counts.get(func, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_selective_layer_reruns_only_what_its_matrix_multiplies_do_not_give_and_is_exact(monkeypatch):
+    mms, plans = {}, [_stub([first] + ["keep"] * 3) for first in ("keep", "recompute", "selective")]
+    for first, stub in zip(("keep", "recompute", "selective"), plans):
+        monkeypatch.setattr(planner, "plan_offload", stub)
+        torch.manual_seed(0)
+        model, ref = Stack(4), Stack(4)
+        ref.load_state_dict(model.state_dict())
+        offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
+        with _CountOps() as ops:
+            got = run_step(model, X)
+        assert_same_step(got, run_step(ref, X))
+        mms[first] = sum(n for op, n in ops.counts.items() if op in saved_ops())
+        assert ops.counts.get(torch.ops.aten.gelu.default, 0) == 4 + (first != "keep")  # its gelu reruns
+    assert mms["recompute"] == mms["keep"] + 1 == mms["selective"] + 1  # the rerun stops after fc1's gelu
 
 
 def test_declared_keep_layers_are_passed_to_the_planner(monkeypatch):

@@ -131,11 +131,14 @@ class _NormBlock(torch.nn.Module):
         return x + torch.relu(self.bn(self.lin(x).transpose(1, 2)).transpose(1, 2))
 
 
-def test_a_recomputed_layer_updates_its_buffers_once_per_step():
+@pytest.mark.parametrize("selective", [False, True])
+def test_a_recomputed_layer_updates_its_buffers_once_per_step(selective):
     # BatchNorm's running statistics: the backward's rerun of the forward must not update them again
     model = Stack(L, block=_NormBlock)
     ref = copy.deepcopy(model)
     _apply(model, recompute=True)
+    state = model.__dict__["_annotate_offload_state"]
+    state.recompute = dict.fromkeys(state.recompute, selective)  # as a plan with "selective" layers
     for _ in range(3):
         x = _x()
         assert_same_step(run_step(model, x), run_step(ref, x))

@@ -89,6 +89,22 @@ def test_recompute_adds_the_forward_and_holds_the_input():
     assert rec_offload.step_ms == 130.0  # 0.1 GB input copies hide
 
 
+def test_a_selective_layer_holds_its_input_and_kept_outputs_and_costs_its_measured_time():
+    m = layers(3, selective_bytes=GB // 5, selective_ms=24.0, selective_peak_bytes=GB // 2)
+    p = predict(m, ["selective", "keep", "keep"], FAST)
+    assert p.step_ms == 3 * 10.0 + 24.0 + 2 * 20.0
+    assert p.layer_peak_bytes[2] == (GB // 10 + GB // 5) + GB + GB // 10 + GB  # c0 + s0 held, a1, c3, a2
+    # bwd_0 = c0 + s0 + S+_0 + the output gradient c1
+    assert p.layer_peak_bytes[0] == GB // 10 + GB // 5 + GB // 2 + GB // 10
+    # unmeasured: a selective layer keeps all it saves and costs a full recompute (never chosen)
+    plain = layers(1, recompute_ms=33.0, recompute_peak_bytes=7)[0]
+    assert (plain.selective_bytes, plain.selective_ms, plain.selective_peak_bytes) == (GB, 33.0, 7)
+    with pytest.raises(ValueError, match="selective_ms must be >= 20.0"):
+        layers(1, selective_ms=19.0)
+    with pytest.raises(ValueError, match="selective_bytes must be >= 0"):
+        layers(1, selective_bytes=-1)
+
+
 def test_autocast_holds_a_recomputed_layers_weight_casts_to_the_end_of_forward():
     m = layers(3, cast_bytes=GB // 5, forward_peak_bytes=5 * GB)  # the forward phase is each layer's peak
     rec = predict(m, ["recompute", "recompute", "keep"], FAST)

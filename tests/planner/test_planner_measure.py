@@ -88,6 +88,8 @@ def test_saved_bytes_count_unique_storages_without_parameters():
     bn_stats = 2 * width * 4
     assert m[0].saved_bytes == act + act + bn_stats + act + act
     assert m[0].forward_ms > 0 and m[0].backward_ms > 0
+    # a selective recompute keeps the Linear's output (the one matrix multiply) and reruns the rest
+    assert m[0].selective_bytes == act and m[0].selective_ms >= m[0].backward_ms
 
 
 def test_the_step_measurement_counts_weights_gradients_peaks_and_the_optimizer(monkeypatch):

@@ -13,15 +13,17 @@ GB = 10**9
 
 
 def random_layers(rng, n):
-    return tuple(
-        LayerMeasurement(
-            forward_ms=rng.uniform(1, 20), backward_ms=rng.uniform(2, 40),
-            saved_bytes=rng.randint(GB // 4, 2 * GB), checkpoint_input_bytes=rng.randint(GB // 100, GB // 10),
-            forward_peak_bytes=rng.randint(GB // 4, 2 * GB), backward_peak_bytes=rng.randint(0, GB // 2),
-            grad_bytes=rng.randint(0, GB // 2),
-        )
-        for _ in range(n)
-    )
+    out = []
+    for _ in range(n):
+        f, b, a, fp, bp = (rng.uniform(1, 20), rng.uniform(2, 40), rng.randint(GB // 4, 2 * GB),
+                           rng.randint(GB // 4, 2 * GB), rng.randint(0, GB // 2))
+        s = rng.randint(0, a)  # what a selective rerun keeps lowers its backward's peak by at most itself
+        out.append(LayerMeasurement(
+            forward_ms=f, backward_ms=b, saved_bytes=a, checkpoint_input_bytes=rng.randint(GB // 100, GB // 10),
+            forward_peak_bytes=fp, backward_peak_bytes=bp, grad_bytes=rng.randint(0, GB // 2), selective_bytes=s,
+            selective_ms=b + rng.uniform(0, f), selective_peak_bytes=max(fp, a + bp) - rng.randint(0, s),
+        ))
+    return tuple(out)
 
 
 def random_step(rng, tensors=3):
