@@ -178,8 +178,7 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
         planned = _plan(model, refs, settings, example_inputs, config, declared_keep, offload_fraction)
         choices = list(planned.choices)
         settings.release_lag, settings.prefetch_layers = planned.release_lag, planned.prefetch_layers
-        if planned.fits:
-            notes.append(planned.summary())
+        if planned.fits:  # the plan's text shows the planner's summary
             warnings.warn(f"offload_transform: {planned.summary()}.", UserWarning, stacklevel=3)
     else:
         n = settings.num_layers
@@ -243,8 +242,8 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
             note = f"no estimate on meta tensors ({type(e).__name__}: {first}); bytes measured on the first step"
             plan.notes = plan.notes + (note,)
             warnings.warn(f"offload_transform: example_inputs= could not run the forward on meta tensors: {note}. If "
-                          "model(*example_inputs) runs, nothing is wrong (the forward has code meta tensors refuse, "
-                          "e.g. .item()); otherwise check that example_inputs matches model(*example_inputs).",
+                          "the model runs on example_inputs, nothing is wrong (the forward has code meta tensors "
+                          "refuse, e.g. .item()); otherwise check them: (x,) or {'input_ids': ids} as the forward takes.",
                           UserWarning, stacklevel=3)
     return model
 
@@ -358,8 +357,9 @@ class _NoCacheWhileRecomputing:
             for c in self.off:
                 c.use_cache = True
             return self.off.clear()
-        if not torch.is_grad_enabled() or not module.training:
-            return None
+        state = module.__dict__.get(_STATE)
+        if not torch.is_grad_enabled() or not module.training or (state is not None and state.estimating is not None):
+            return None  # the meta estimate runs once, without backward, in the model's settings (_example_inputs.py)
         with contextlib.suppress(TypeError):  # as the forward binds them (a wrapper's **kwargs too); else it raises
             named = inspect.signature(module.forward).bind_partial(*args, **kwargs_or_out).arguments
             if any({**named.get("kwargs", {}), **named}.get(k) is not None for k in ("past_key_values", "cache")):

@@ -107,7 +107,8 @@ def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, 
         # prints it under the traceback)
         if hasattr(e, "add_note"):
             e.add_note("annotate_offload: raised by model(*example_inputs) while profiling the layers (plan_offload / "
-                       "memory_budget=); check that example_inputs= is what the forward takes, e.g. (x,).")
+                       "memory_budget=); check that example_inputs= is what the forward takes, e.g. (x,) "
+                       "or {'input_ids': ids}.")
         raise
     finally:
         for h in handles:

@@ -116,6 +116,7 @@ def test_a_model_that_fits_keeps_everything_with_a_one_line_warning():
     plan = model.offload_plan
     assert [lp.choice for lp in plan.layers] == ["keep"] * 4
     assert plan.optimizer_kwargs() == {"offload_fraction": 0.0}
+    assert str(plan).count("fits memory_budget=") == 1  # said once, by the planner's summary
 
 
 @pytest.mark.parametrize("budget", [1, "1KiB"])

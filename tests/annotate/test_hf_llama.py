@@ -162,6 +162,16 @@ def test_recomputed_layers_of_a_cache_using_model_train_exactly_and_keep_its_con
     assert not model._forward_pre_hooks_with_kwargs
 
 
+def test_recomputed_layers_are_estimated_on_meta_tensors_with_the_models_own_cache_setting():
+    # without the cache, Llama's mask code calls .item(), which meta tensors refuse: no estimate, a warning
+    model = _llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        offload_transform(model, 2, config=cfg(recompute=True), example_inputs={"input_ids": _ids()})
+    assert [lp.estimated_bytes for lp in model.offload_plan.layers][:2] == [2 * 16 * 64 * 4] * 2
+    assert model.config.use_cache is True
+
+
 def test_recomputed_layers_train_exactly_under_an_explicit_use_cache_and_a_padding_mask():
     model = _llama()
     ref = copy.deepcopy(model)

@@ -520,7 +520,7 @@ def test_bad_example_inputs_and_a_stray_memory_budget_are_refused_before_the_mod
 def test_example_inputs_that_cannot_run_the_forward_warn():
     """example_inputs of the wrong shape are not only a plan note."""
     model = Stack(L)
-    with pytest.warns(UserWarning, match=r"example_inputs= could not run the forward on meta tensors: no estimate on meta tensors.*check that"):
+    with pytest.warns(UserWarning, match=r"example_inputs= could not run the forward on meta tensors: no estimate on meta tensors.*check them"):
         offload_transform(model, num_layers=1, example_inputs=(torch.randn(3, 7),))
     assert any("no estimate on meta tensors" in n for n in model.offload_plan.notes)
 
