@@ -219,7 +219,7 @@ class OffloadState:
     def aside(self) -> Iterator[None]:
         """The model's own code for a while (the planner's profile): the layers' forwards unwrapped and the
         schedule's tuning held back, all put back after."""
-        wrapped = [i for i in range(len(self.layers)) if self.wrapper(i) is not None]
+        wrapped = {i: w for i in range(len(self.layers)) if (w := self.wrapper(i)) is not None}
         for i in wrapped:
             self.unwrap(i)
         self.standing_aside = True
@@ -227,8 +227,8 @@ class OffloadState:
             yield
         finally:
             self.standing_aside = False
-            for i in wrapped:
-                self.wrap(i)
+            for i, w in wrapped.items():  # the same objects: what compiled code guards on stays valid
+                self.layers[i].__dict__["forward"] = w
 
     def remove(self) -> None:
         self.sync.abort()
