@@ -184,8 +184,8 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     selective ms, S+)`` of one run of ``layer``, one under non-reentrant ``torch.utils.checkpoint`` and one
     under it selectively (bytes; ``F+``, ``B+``, ``R+``, ``s``, ``S+`` as in Note [Planner memory model]: from
     the CUDA allocator's peak; on a CPU the new saved tensors and output, the input gradients,
-    ``max(F+, saved - saved input + B+)`` and that less ``s``, at least ``B+``; ``s``: the outputs the
-    selective run keeps). Autocast's cache of weight casts is cleared before each forward: a step's
+    ``max(F+, saved - saved input + B+)`` and that less ``s``, at least ``B+``; ``s``: what the selective
+    forward leaves allocated beyond its output, on a CPU the outputs it keeps). Autocast's cache of weight casts is cleared before each forward: a step's
     forward casts each weight anew.
 
     An input that needs a gradient in the model's own forward (``grad_flags``, per tensor input in
@@ -236,11 +236,14 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     rec_ms, rec_peak = _backward(_grad_outputs(out), wrt, inputs, device)
     del out
     torch.clear_autocast_cache()
-    with _Timer(device) as sel_fwd, torch.enable_grad(), _KeptOutputs() as kept:
+    kept = _KeptOutputs() if not cuda else contextlib.nullcontext()  # on CUDA the allocator counts, untimed
+    before = _allocated(device)
+    with _Timer(device) as sel_fwd, torch.enable_grad(), kept:
         out = _checkpointed(layer, layer, selective=True)(*args, **kwargs)
     torch.clear_autocast_cache()
-    sel_bytes = _unique_storage_bytes(kept.outputs, known)
-    kept.outputs.clear()
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    sel_bytes = (max(_allocated(device) - before - _unique_storage_bytes(outs, known), 0) if cuda
+                 else _unique_storage_bytes(kept.outputs, known))
     sel_ms, sel_peak = _backward(_grad_outputs(out), wrt, inputs, device)
     if not cuda:
         rec_peak = max(fwd_peak, saved_bytes - input_saved + bwd_peak)
@@ -250,7 +253,7 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
 
 
 class _KeptOutputs(TorchDispatchMode):
-    """Records the outputs of the ops a selective recompute keeps (``saved_ops``)."""
+    """Records the outputs of the ops a selective recompute keeps (``saved_ops``), on a CPU."""
 
     def __init__(self) -> None:
         super().__init__()
