@@ -243,7 +243,8 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
             plan.notes = plan.notes + (note,)
             warnings.warn(f"offload_transform: example_inputs= could not run the forward on meta tensors: {note}. If "
                           "the model runs on example_inputs, nothing is wrong (the forward has code meta tensors "
-                          "refuse, e.g. .item()); otherwise check them: (x,) or {'input_ids': ids} as the forward takes.",
+                          "refuse, e.g. .item()); otherwise check them: (x,) or {'input_ids': ids}, as the forward "
+                          "takes.",
                           UserWarning, stacklevel=3)
     return model
 

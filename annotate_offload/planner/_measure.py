@@ -185,8 +185,8 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     under it selectively (bytes; ``F+``, ``B+``, ``R+``, ``s``, ``S+`` as in Note [Planner memory model]: from
     the CUDA allocator's peak; on a CPU the new saved tensors and output, the input gradients,
     ``max(F+, saved - saved input + B+)`` and that less ``s``, at least ``B+``; ``s``: what the selective
-    forward leaves allocated beyond its output, on a CPU the outputs it keeps). Autocast's cache of weight casts is cleared before each forward: a step's
-    forward casts each weight anew.
+    forward leaves allocated beyond its output, on a CPU the outputs it keeps). Autocast's cache of weight
+    casts is cleared before each forward: a step's forward casts each weight anew.
 
     An input that needs a gradient in the model's own forward (``grad_flags``, per tensor input in
     pytree order; unknown: every floating-point input) is a fresh leaf that requires one; the others are
