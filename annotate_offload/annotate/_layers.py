@@ -402,14 +402,14 @@ def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selec
     clones are made by the checkpoint's recompute context, outside the rerun, which a selective
     checkpoint requires to replay the forward's ops and no others.
     """
-    def contexts() -> tuple:
-        fwd, rerun = (_cp.create_selective_checkpoint_contexts(selective_policy) if selective
-                      else _cp.noop_context_fn())
-        return fwd, _fresh_buffers(module, rerun)
-
+    torch_contexts = (functools.partial(_cp.create_selective_checkpoint_contexts, selective_policy) if selective
+                      else _cp.noop_context_fn)
     if module is None:  # traced (Note [Traced layers]): Dynamo takes torch's own contexts only
-        contexts = (functools.partial(_cp.create_selective_checkpoint_contexts, selective_policy) if selective
-                    else _cp.noop_context_fn)
+        contexts = torch_contexts
+    else:
+        def contexts() -> tuple:
+            fwd, rerun = torch_contexts()
+            return fwd, _fresh_buffers(module, rerun)
 
     def run(*args: Any, **kwargs: Any) -> Any:  # the layer's keywords by closure: checkpoint takes some names
         return _ORIG_CHECKPOINT(lambda *a: fn(*a, **kwargs), *args, use_reentrant=False, context_fn=contexts)

@@ -52,15 +52,16 @@ class _ModelState:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.aside = contextlib.ExitStack()  # a transformed model is profiled as its own code
-        for state in transforms_in(model):
-            self.aside.enter_context(state.aside())
         self.training = [(m, m.training) for m in model.modules()]
         self.caching = cache_off(cache_configs(model))  # Note [No key/value cache while profiling]
         self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.grads = [(p, p.grad) for p in model.parameters()]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        # a transformed model is profiled as its own code; last, so nothing above fails with it set aside
+        self.aside = contextlib.ExitStack()
+        for state in transforms_in(model):
+            self.aside.enter_context(state.aside())
 
     def restore(self) -> None:
         self.aside.close()
@@ -528,10 +529,11 @@ def measure(
             dev = _device_of(layer, inputs)
             runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen, flags)
                     for _ in range(warmup + repeats)][warmup:]
+            backward_ms = statistics.median(r[1] for r in runs)  # no rerun is timed below the plain backward
             result.append(
                 LayerMeasurement(
                     forward_ms=statistics.median(r[0] for r in runs),
-                    backward_ms=statistics.median(r[1] for r in runs),
+                    backward_ms=backward_ms,
                     saved_bytes=max(r[2] for r in runs),
                     checkpoint_input_bytes=runs[0][3],
                     unmoved_bytes=min(max(r[4] for r in runs), max(r[2] for r in runs)),
@@ -540,10 +542,10 @@ def measure(
                     backward_peak_bytes=max(r[7] for r in runs),
                     grad_bytes=_bytes(p for p in layer.parameters() if p.requires_grad),
                     cast_bytes=max(r[8] for r in runs),
-                    recompute_ms=max(statistics.median(r[9] for r in runs), statistics.median(r[1] for r in runs)),
+                    recompute_ms=max(statistics.median(r[9] for r in runs), backward_ms),
                     recompute_peak_bytes=max(r[10] for r in runs),
                     selective_bytes=max(r[11] for r in runs),
-                    selective_ms=max(statistics.median(r[12] for r in runs), statistics.median(r[1] for r in runs)),
+                    selective_ms=max(statistics.median(r[12] for r in runs), backward_ms),
                     selective_peak_bytes=max(r[13] for r in runs),
                     name=name,
                 )
