@@ -409,7 +409,7 @@ def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selec
     else:
         def contexts() -> tuple:
             fwd, rerun = torch_contexts()
-            return fwd, _fresh_buffers(module, rerun)
+            return fwd, _FreshBuffers(module, rerun)
 
     def run(*args: Any, **kwargs: Any) -> Any:  # the layer's keywords by closure: checkpoint takes some names
         return _ORIG_CHECKPOINT(lambda *a: fn(*a, **kwargs), *args, use_reentrant=False, context_fn=contexts)
@@ -417,17 +417,33 @@ def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selec
     return run
 
 
-@contextlib.contextmanager
-def _fresh_buffers(module: nn.Module, inner: Any) -> Iterator[None]:
-    owned = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
-    for m, name, b in owned:
-        m._buffers[name] = b.clone()
-    try:
-        with inner:
-            yield
-    finally:
-        for m, name, b in owned:
+class _FreshBuffers:
+    """``inner`` with clones of ``module``'s buffers in place (Note [Buffers in a recompute]); entered once
+    per rerun (a retained graph reruns the layer in each backward)."""
+
+    def __init__(self, module: nn.Module, inner: Any) -> None:
+        self.module, self.inner, self.owned = module, inner, []
+
+    def __enter__(self) -> None:
+        self.owned = [(m, name, b) for m in self.module.modules() for name, b in m._buffers.items() if b is not None]
+        for m, name, b in self.owned:
+            m._buffers[name] = b.clone()
+        try:
+            self.inner.__enter__()
+        except BaseException:
+            self._restore()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        for m, name, b in self.owned:
             m._buffers[name] = b
+        self.owned = []
 
 
 @functools.cache

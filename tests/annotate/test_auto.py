@@ -80,6 +80,22 @@ def test_a_selective_layer_reruns_only_what_its_matrix_multiplies_do_not_give_an
     assert mms["recompute"] == mms["keep"] + 1 == mms["selective"] + 1  # the rerun stops after fc1's gelu
 
 
+@pytest.mark.parametrize("choice", ["recompute", "recompute_offload"])
+def test_a_recomputed_layer_reruns_in_each_backward_of_a_retained_graph(monkeypatch, choice):
+    monkeypatch.setattr(planner, "plan_offload", _stub([choice, choice.split("_")[0], "keep", "keep"]))
+    torch.manual_seed(0)
+    model, ref = Stack(4), Stack(4)
+    ref.load_state_dict(model.state_dict())
+    offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
+    grads = []
+    for m in (model, ref):
+        loss = m(X).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_declared_keep_layers_are_passed_to_the_planner(monkeypatch):
     seen = {}
     monkeypatch.setattr(planner, "plan_offload", _stub(["keep", "recompute_offload", "keep", "keep"], seen))
