@@ -142,13 +142,15 @@ def make_te_context(model, x, n, numel) -> Runner:
                   lambda: ctx.offload_synchronizer.stats.bytes_offloaded)
 
 
-def _synchronized(model, sync, recomputed=()) -> Callable:
+def _synchronized(model, sync, recomputed=(), selective=()) -> Callable:
+    from annotate_offload.annotate._layers import _checkpointed  # keeps a selective layer's outputs as the transform
+
     def forward(h):
         try:
             for i, layer in enumerate(model.layers):
                 if sync is not None:
                     sync.enter_layer(i)
-                h = checkpoint(layer, h, use_reentrant=False) if i in recomputed else layer(h)
+                h = _checkpointed(layer, layer, i in selective)(h) if i in recomputed else layer(h)
                 if sync is not None:
                     h = sync.commit_layer(h, i)
         except BaseException:
@@ -558,9 +560,11 @@ def make_plan(result) -> Callable:
 
     def make(model, x, n, numel) -> Runner:
         sync = DefaultOffloadSynchronizer(**result.runtime_kwargs(), **_numel(numel)) if result.offloaded_layers else None
-        codes = " ".join({"keep": "K", "offload": "O", "recompute": "R", "recompute_offload": "RO"}[c]
+        codes = " ".join({"keep": "K", "offload": "O", "recompute": "R", "recompute_offload": "RO", "selective": "S",
+                          "selective_offload": "SO"}[c]
                          for c in result.choices)
-        return Runner(_synchronized(model, sync, set(result.recomputed_layers)),
+        selective = {i for i, c in enumerate(result.choices) if c.startswith("selective")}
+        return Runner(_synchronized(model, sync, set(result.recomputed_layers), selective),
                       f"{codes}; release_lag={result.release_lag}, prefetch_layers={result.prefetch_layers}")
 
     return make

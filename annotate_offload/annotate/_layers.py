@@ -59,11 +59,13 @@ import torch
 import torch.fx.traceback
 import torch.nn as nn
 import torch.utils.checkpoint as _cp
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from annotate_offload.compile._ops import TAG, register as register_runtime
 from annotate_offload.errors import OffloadError
 from annotate_offload.runtime._context import inside_checkpoint
+from annotate_offload.runtime._layer_state import _Kept
 from annotate_offload.runtime._marks import mark_ready
 from annotate_offload.runtime._synchronizer import _recording
 
@@ -391,30 +393,75 @@ def _copied_ref(ref: weakref.ref, memo: dict) -> weakref.ref:
 
 def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selective: bool = False
                   ) -> Callable[..., Any]:
-    """``fn`` under non-reentrant ``torch.utils.checkpoint``, ``selective``: with :func:`selective_policy`;
-    its recompute in backward writes into copies of ``module``'s buffers.
+    """``fn`` under non-reentrant ``torch.utils.checkpoint``, ``selective``: keeping the outputs of
+    :func:`saved_ops` (Note [Selective recompute]); its recompute in backward writes into copies of
+    ``module``'s buffers.
 
     Note [Buffers in a recompute]: a forward that updates buffers (BatchNorm's running statistics and
     ``num_batches_tracked``) would update them a second time when the checkpoint reruns it in backward,
     so a recomputed layer's buffers, and later its eval outputs, would differ from the run without it.
     The rerun gets clones of the buffers, dropped after it: the buffers are written once, by the forward.
     The rerun reads them as the forward left them; BatchNorm's training output does not read them. The
-    clones are made by the checkpoint's recompute context, outside the rerun, which a selective
-    checkpoint requires to replay the forward's ops and no others.
+    clones are made by the checkpoint's recompute context, outside the rerun, which replays the forward's
+    kept ops and no others.
     """
-    torch_contexts = (functools.partial(_cp.create_selective_checkpoint_contexts, selective_policy) if selective
-                      else _cp.noop_context_fn)
     if module is None:  # traced (Note [Traced layers]): Dynamo takes torch's own contexts only
-        contexts = torch_contexts
+        contexts = (functools.partial(_cp.create_selective_checkpoint_contexts, selective_policy) if selective
+                    else _cp.noop_context_fn)
     else:
         def contexts() -> tuple:
-            fwd, rerun = torch_contexts()
-            return fwd, _FreshBuffers(module, rerun)
+            if not selective:
+                return contextlib.nullcontext(), _FreshBuffers(module, contextlib.nullcontext())
+            kept: list = []
+            hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) or (_Kept, _Kept.unpack)
+            return _KeepOutputs(kept, hooks[0]), _FreshBuffers(module, _ReuseOutputs(kept, hooks[1]))
 
     def run(*args: Any, **kwargs: Any) -> Any:  # the layer's keywords by closure: checkpoint takes some names
         return _ORIG_CHECKPOINT(lambda *a: fn(*a, **kwargs), *args, use_reentrant=False, context_fn=contexts)
 
     return run
+
+
+class _KeepOutputs(TorchDispatchMode):
+    """A selective checkpoint's forward (Note [Selective recompute]): saves the outputs of :func:`saved_ops`,
+    in call order, each through ``pack``."""
+
+    def __init__(self, kept: list, pack: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.kept, self.pack = kept, pack
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in saved_ops():
+            leaves, spec = tree_flatten(out)
+            self.kept.append((func, spec, [(True, self.pack(x.detach())) if isinstance(x, torch.Tensor) else (False, x)
+                                           for x in leaves]))
+        return out
+
+
+class _ReuseOutputs(TorchDispatchMode):
+    """A selective checkpoint's rerun: hands the kept outputs back, through ``unpack``, in call order."""
+
+    def __init__(self, kept: list, unpack: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.kept, self.unpack, self.next = kept, unpack, 0
+
+    def __enter__(self) -> "_ReuseOutputs":
+        self.next = 0  # each backward that reruns the layer (retain_graph=True) replays from the first
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in saved_ops():
+            return func(*args, **(kwargs or {}))
+        if self.next >= len(self.kept) or self.kept[self.next][0] is not func:
+            raise _cp.CheckpointError(
+                f"torch.utils.checkpoint: a selective recompute ran {func} where its forward ran "
+                f"{self.kept[self.next][0] if self.next < len(self.kept) else 'nothing more to keep'}; the "
+                "layer's forward must run the same ops when it is recomputed (no control flow on global state)."
+            )
+        _, spec, leaves = self.kept[self.next]
+        self.next += 1
+        return tree_unflatten([self.unpack(x).detach() if packed else x for packed, x in leaves], spec)
 
 
 class _FreshBuffers:
@@ -458,7 +505,14 @@ def saved_ops() -> frozenset:
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> _cp.CheckpointPolicy:
     """Note [Selective recompute]: a layer recomputed selectively keeps, besides its input, the outputs of
     :func:`saved_ops` (the ops that hold most of its time) and reruns the rest (norms, activations, rotary
-    embeddings, casts; most of its saved bytes, little of its time) in backward. Torch's selective
-    checkpoint caches the kept outputs and hands them back to the rerun, so the rerun's other ops see the
-    same inputs and the results are those of a plain checkpoint."""
+    embeddings, casts; most of its saved bytes, little of its time) in backward. The rerun gets the kept
+    outputs back in place of those ops, so its other ops see the same inputs and the results are those of
+    a plain checkpoint.
+
+    The kept outputs are saved as the checkpoint's input is: through the saved-tensor hooks around the
+    checkpoint (in an offloaded layer, the runtime's: they are offloaded with it, ``selective_offload``),
+    or, with none, held with their versions; either way an in-place change before backward raises
+    autograd's error. In eager code :class:`_KeepOutputs` and :class:`_ReuseOutputs` do this (torch's own
+    selective checkpoint holds its cache where no hook sees it); traced code (Note [Traced layers]) takes
+    torch's with this policy, and the compile pass offloads what it saves."""
     return _cp.CheckpointPolicy.MUST_SAVE if op in saved_ops() else _cp.CheckpointPolicy.PREFER_RECOMPUTE

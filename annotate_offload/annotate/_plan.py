@@ -13,7 +13,10 @@ from ._layers import _copied_ref
 
 __all__ = ["LayerPlan", "OffloadPlan"]
 
-Choice = Literal["keep", "offload", "recompute", "recompute_offload", "selective"]
+Choice = Literal["keep", "offload", "recompute", "recompute_offload", "selective", "selective_offload"]
+OFFLOADED = frozenset({"offload", "recompute_offload", "selective_offload"})  # through the runtime's copies
+RECOMPUTED = frozenset({"recompute", "recompute_offload", "selective", "selective_offload"})  # checkpointed
+SELECTIVE = frozenset({"selective", "selective_offload"})  # Note [Selective recompute] in _layers.py
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,8 @@ class LayerPlan:
             which must be the order they run in); the runtime's layer id.
         fqn (str): the module's fully qualified name in the model.
         module_type (str): the module's class name.
-        choice (str): ``"keep"``, ``"offload"``, ``"recompute"``, ``"recompute_offload"`` or ``"selective"``
-            (Note [Selective recompute] in ``_layers.py``).
+        choice (str): ``"keep"``, ``"offload"``, ``"recompute"``, ``"recompute_offload"``, ``"selective"`` or
+            ``"selective_offload"`` (Note [Selective recompute] in ``_layers.py``: what it keeps is offloaded).
         declared_keep (bool): ``@offload_layer(offload=False)`` keeps it on the GPU whatever ``num_layers`` says.
         bytes_per_step (int | None): bytes of saved activations this layer moves to host per
             training step (``0`` for a kept or recompute-only layer). ``None`` until known.
@@ -45,7 +48,7 @@ class LayerPlan:
     @property
     def offloaded(self) -> bool:
         """Whether the layer's saved activations go to host memory."""
-        return self.choice in ("offload", "recompute_offload")
+        return self.choice in OFFLOADED
 
 
 @dataclass

@@ -18,7 +18,7 @@ from annotate_offload.errors import OffloadError
 from ._discover import LayerRef, find_layers
 from ._estimate import autocast_dtype_of, estimate_bytes
 from ._layers import LayerForward, OffloadState, _refuse_pickle
-from ._plan import LayerPlan, OffloadPlan
+from ._plan import OFFLOADED, RECOMPUTED, SELECTIVE, LayerPlan, OffloadPlan
 from ._settings import check_count, resolve
 
 __all__ = ["offload_transform", "remove_offload"]
@@ -76,8 +76,8 @@ def offload_transform(
             (``torch.cuda.max_memory_allocated``: weights, gradients, optimizer state on the device,
             activations), bytes or a string such as ``"20GiB"``. ``annotate_offload.planner.plan_offload``
             measures the layers on their device and chooses per layer keep, offload, recompute (of the
-            whole layer, with its input offloaded, or selective), the schedule and the optimizer split, the fastest
-            predicted plan that fits; a model that fits keeps everything (with a one-line warning).
+            whole layer or selective, each also with what it keeps offloaded), the schedule and the optimizer
+            split, the fastest predicted plan that fits; a model that fits keeps everything (with a one-line warning).
             Default: ``None`` (the config's ``memory_budget``).
         example_inputs (Tensor | tuple | dict | None): one training step's inputs, to estimate bytes per layer on
             the meta device (and to profile with a budget, every ``config.use_cache`` off) and to refuse a layer
@@ -186,7 +186,7 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
         choices = ["offload" if i in eligible_idx else "keep" for i in range(len(refs))]
         if settings.recompute:
             choices = ["recompute_offload" if c == "offload" else "recompute" for c in choices]
-    offloaded = frozenset(i for i, c in enumerate(choices) if c in ("offload", "recompute_offload"))
+    offloaded = frozenset(i for i, c in enumerate(choices) if c in OFFLOADED)
     # Note [Default schedule from the link]: the overlap schedule, tuned at the first training forward
     tune = tuple(k for k in ("release_lag", "prefetch_layers") if getattr(settings, k) is None) if offloaded else ()
     for k in tune:
@@ -206,8 +206,7 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
                      for i, (r, c) in enumerate(zip(refs, choices))),
         layer_source=how, notes=tuple(notes), runtime=sync, planner=planned, model=weakref.ref(model),
     )
-    recompute = {i: c == "selective" for i, c in enumerate(choices) if c in ("recompute", "recompute_offload",
-                                                                            "selective")}
+    recompute = {i: c in SELECTIVE for i, c in enumerate(choices) if c in RECOMPUTED}
     state = OffloadState(model, [r.fqn for r in refs], [r.module for r in refs], sync, plan, recompute)
 
     # ---- apply

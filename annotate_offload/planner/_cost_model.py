@@ -18,6 +18,8 @@ share of the trainable numel, Megatron's split rule, which takes whole tensors i
 ``selective``
     ``recompute`` that keeps, besides the input, the outputs of matrix multiplies and attention and
     reruns only the rest (Note [Selective recompute] in ``annotate/_layers.py``).
+``selective_offload``
+    ``selective``, with the input and the kept outputs offloaded and prefetched like ``offload``.
 
 Per layer ``i`` (:class:`LayerMeasurement`): forward and backward time ``f_i``, ``b_i`` (ms); saved bytes
 ``a_i``, checkpoint-input bytes ``c_i``; ``F+_i``, ``B+_i`` and ``R+_i``, the device bytes its forward, its
@@ -41,12 +43,13 @@ Note [Planner time model]
             entry of j: for each offloaded i with min(i + p, L-1) == j, from the highest i:
                 h2d_end[i] = max(t, h2d_free, d2h_end[i]) + bytes_i / H2D;  h2d_free = h2d_end[i]
             if j offloaded: t = max(t, h2d_end[j])                 # reload must have landed
-            t += r_j if j recomputed, sr_j if selective, else b_j
+            t += r_j if j recomputed, sr_j if selective (or selective_offload), else b_j
         step_ms = t + other_ms + optimizer_ms
         optimizer_ms = (numel stepped on the device * device_ms + numel stepped on the host * host_ms) / 1e9
 
-    with ``bytes_j`` what an offloaded layer moves (``a_j``, or ``c_j`` for ``recompute_offload``, less the
-    tensors under ``min_offload_numel``). The runtime starts each D2H when the tensor is saved; the model
+    with ``bytes_j`` what an offloaded layer moves (``a_j``, ``c_j`` for ``recompute_offload``, ``c_j + s_j`` for
+    ``selective_offload``, less the tensors under ``min_offload_numel``). The runtime starts each D2H when the
+    tensor is saved; the model
     takes the bytes as produced evenly over the layer's forward, so a layer's D2H ends when its forward
     ends if the link keeps up, else ``bytes / D2H`` after it could start. A copy hides behind compute (its
     own layer's and the next ones') and delays the step only by what the compute stream waits for.
@@ -70,7 +73,8 @@ Note [Planner memory model]
                        moved_i + unmoved_i while j <= i + k else unmoved_i
                        (offloaded: released at the entry of layer i + 1 + k)
         held_b(i, j) = held_f(i, L) (keep, recompute, selective), unmoved_i + (moved_i while j <= min(i + p, L-1))
-        act_j  = a_j + B+_j (keep, offload);  c_j + R+_j (recompute, recompute_offload);  c_j + s_j + S+_j (selective)
+        act_j  = a_j + B+_j (keep, offload);  c_j + R+_j (recompute, recompute_offload);
+                 c_j + s_j + S+_j (selective, selective_offload)
 
     ``c_j``: the layer's tensor inputs that are not static memory (parameters, buffers and the example
     inputs are static), and ``c_{j+1}`` in ``bwd_j`` the gradient of its output (the next layer's input;
@@ -107,13 +111,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from annotate_offload.annotate._plan import OFFLOADED, RECOMPUTED, SELECTIVE
+
 __all__ = ["CHOICES", "LayerMeasurement", "StepMeasurement", "LinkBandwidth", "Prediction", "allowed_choices",
            "predict"]
 
 #: The per-layer choices, in the order used for tie-breaking (least intrusive first).
-CHOICES: tuple[str, ...] = ("keep", "offload", "recompute", "recompute_offload", "selective")
-OFFLOADED = frozenset({"offload", "recompute_offload"})
-RECOMPUTED = frozenset({"recompute", "recompute_offload", "selective"})
+CHOICES: tuple[str, ...] = ("keep", "offload", "recompute", "recompute_offload", "selective", "selective_offload")
 ON_DEVICE: tuple[str, ...] = ("keep", "recompute", "selective")  # the choices without copies
 
 
@@ -141,6 +145,8 @@ class LayerMeasurement:
             tensors under the runtime's ``min_offload_numel``). Default: ``0``.
         unmoved_input_bytes (int): the part of ``checkpoint_input_bytes`` that ``recompute_offload``
             leaves on the GPU. Default: ``0``.
+        unmoved_selective_bytes (int): the part of ``selective_bytes`` that ``selective_offload`` leaves
+            on the GPU. Default: ``0``.
         forward_peak_bytes (int): ``F+``: device bytes the forward allocates at its peak (its saved
             tensors, output and temporaries), beyond its inputs. Default: ``0``.
         backward_peak_bytes (int): ``B+``: device bytes the backward allocates at its peak beyond its
@@ -174,6 +180,7 @@ class LayerMeasurement:
     name: str = ""
     unmoved_bytes: int = 0
     unmoved_input_bytes: int = 0
+    unmoved_selective_bytes: int = 0
     forward_peak_bytes: int = 0
     backward_peak_bytes: int = 0
     grad_bytes: int = 0
@@ -186,7 +193,8 @@ class LayerMeasurement:
 
     def __post_init__(self) -> None:
         for field in ("forward_ms", "backward_ms", "saved_bytes", "checkpoint_input_bytes", "unmoved_bytes",
-                      "unmoved_input_bytes", "forward_peak_bytes", "grad_bytes", "cast_bytes"):
+                      "unmoved_input_bytes", "unmoved_selective_bytes", "forward_peak_bytes", "grad_bytes",
+                      "cast_bytes"):
             _check_number("LayerMeasurement", field, getattr(self, field))
         _check_number("LayerMeasurement", "backward_peak_bytes", self.backward_peak_bytes, low=-self.grad_bytes)
         if self.recompute_ms is None:
@@ -203,7 +211,8 @@ class LayerMeasurement:
             _check_number("LayerMeasurement", field, getattr(self, field), low=self.backward_ms)
         for field in ("recompute_peak_bytes", "selective_peak_bytes"):
             _check_number("LayerMeasurement", field, getattr(self, field), low=-self.grad_bytes)
-        for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes")):
+        for part, whole in (("unmoved_bytes", "saved_bytes"), ("unmoved_input_bytes", "checkpoint_input_bytes"),
+                            ("unmoved_selective_bytes", "selective_bytes")):
             if getattr(self, part) > getattr(self, whole):
                 raise ValueError(
                     f"LayerMeasurement: {part}={getattr(self, part)} exceeds {whole}={getattr(self, whole)}; it is "
@@ -215,18 +224,20 @@ class LayerMeasurement:
     def terms(self, choice: str) -> tuple[int, float, int]:
         """``(bytes held from its forward to its backward, backward ms, backward peak beyond them)`` under
         ``choice``, before any offload (Note [Planner memory model]: ``a, b, B+``; ``c, r, R+``; ``c + s, sr, S+``)."""
-        if choice == "selective":
+        if choice in SELECTIVE:
             return self.checkpoint_input_bytes + self.selective_bytes, self.selective_ms, self.selective_peak_bytes
         if choice in RECOMPUTED:
             return self.checkpoint_input_bytes, self.recompute_ms, self.recompute_peak_bytes
         return self.saved_bytes, self.backward_ms, self.backward_peak_bytes
 
-    def moved_bytes(self, recompute: bool) -> int:
-        """Bytes offloading this layer copies out and back: its saved tensors (``offload``) or its
-        checkpoint inputs (``recompute_offload``, ``recompute=True``), less what stays on the GPU."""
-        if recompute:
-            return self.checkpoint_input_bytes - self.unmoved_input_bytes
-        return self.saved_bytes - self.unmoved_bytes
+    def moved_bytes(self, choice: str) -> int:
+        """Bytes ``choice`` (one of ``OFFLOADED``) copies out and back: the saved tensors (``offload``), the
+        checkpoint inputs (``recompute_offload``), and what a selective recompute keeps (``selective_offload``),
+        less what stays on the GPU."""
+        if choice == "offload":
+            return self.saved_bytes - self.unmoved_bytes
+        moved = self.checkpoint_input_bytes - self.unmoved_input_bytes
+        return moved + self.selective_bytes - self.unmoved_selective_bytes if choice in SELECTIVE else moved
 
 
 @dataclass(frozen=True)
@@ -395,7 +406,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
     n, k, p = len(layers), release_lag, prefetch_layers
     off = [c in OFFLOADED for c in choices]
     rec = [c in RECOMPUTED for c in choices]
-    moved = [m.moved_bytes(rec[i]) if off[i] else 0 for i, m in enumerate(layers)]
+    moved = [m.moved_bytes(c) if c in OFFLOADED else 0 for m, c in zip(layers, choices)]
     whole, backward_ms, backward_peak = zip(*(m.terms(c) for m, c in zip(layers, choices)))
     kept = [w - moved[i] for i, w in enumerate(whole)]  # what a layer holds once released (all, if not offloaded)
     cached = [m.cast_bytes if rec[i] else 0 for i, m in enumerate(layers)]  # autocast's casts, to the end of forward

@@ -28,12 +28,11 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from annotate_offload._example_inputs import cache_configs, cache_off, split
 from annotate_offload.annotate._discover import find_layers
-from annotate_offload.annotate._layers import _checkpointed, saved_ops
+from annotate_offload.annotate._layers import _checkpointed
 from annotate_offload.annotate._transform import transforms_in
 
 # the runtime's rule for what it never offloads (weights and their casts), so the plan counts as it moves
@@ -182,12 +181,12 @@ def _unmoved_bytes(saved: list, skip: set, min_numel: int, frozen: set = frozens
 def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device, min_numel: int,
                    frozen: set, grad_flags: list | None) -> tuple:
     """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+, casts, recompute ms, R+, s,
-    selective ms, S+)`` of one run of ``layer``, one under non-reentrant ``torch.utils.checkpoint`` and one
-    under it selectively (bytes; ``F+``, ``B+``, ``R+``, ``s``, ``S+`` as in Note [Planner memory model]: from
-    the CUDA allocator's peak; on a CPU the new saved tensors and output, the input gradients,
-    ``max(F+, saved - saved input + B+)`` and that less ``s``, at least ``B+``; ``s``: what the selective
-    forward leaves allocated beyond its output, on a CPU the outputs it keeps). Autocast's cache of weight
-    casts is cleared before each forward: a step's forward casts each weight anew.
+    selective ms, S+, unmoved s)`` of one run of ``layer``, one under non-reentrant ``torch.utils.checkpoint``
+    and one under it selectively (bytes; ``F+``, ``B+``, ``R+``, ``s``, ``S+`` as in Note [Planner memory
+    model]: from the CUDA allocator's peak; on a CPU the new saved tensors and output, the input gradients,
+    ``max(F+, saved - saved input + B+)`` and that less ``s``, at least ``B+``; ``s``: the outputs the
+    selective checkpoint keeps, which it saves through the saved-tensor hooks around it). Autocast's cache of
+    weight casts is cleared before each forward: a step's forward casts each weight anew.
 
     An input that needs a gradient in the model's own forward (``grad_flags``, per tensor input in
     pytree order; unknown: every floating-point input) is a fresh leaf that requires one; the others are
@@ -216,7 +215,8 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
 
     torch.clear_autocast_cache()
     before = _allocated(device)
-    with _Timer(device) as fwd, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    record = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with _Timer(device) as fwd, torch.enable_grad(), record:
         out = layer(*args, **kwargs)
     outs = _grad_outputs(out)
     known = param_ptrs | {x.untyped_storage().data_ptr() for x in inputs}
@@ -237,34 +237,17 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     rec_ms, rec_peak = _backward(_grad_outputs(out), wrt, inputs, device)
     del out
     torch.clear_autocast_cache()
-    kept = _KeptOutputs() if not cuda else contextlib.nullcontext()  # on CUDA the allocator counts, untimed
-    before = _allocated(device)
-    with _Timer(device) as sel_fwd, torch.enable_grad(), kept:
+    with _Timer(device) as sel_fwd, torch.enable_grad(), record:
         out = _checkpointed(layer, layer, selective=True)(*args, **kwargs)
     torch.clear_autocast_cache()
-    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-    sel_bytes = (max(_allocated(device) - before - _unique_storage_bytes(outs, known), 0) if cuda
-                 else _unique_storage_bytes(kept.outputs, known))
+    sel_bytes, sel_unmoved = _unique_storage_bytes(saved, known), _unmoved_bytes(saved, known, min_numel)
+    saved.clear()
     sel_ms, sel_peak = _backward(_grad_outputs(out), wrt, inputs, device)
     if not cuda:
         rec_peak = max(fwd_peak, saved_bytes - input_saved + bwd_peak)
         sel_peak = max(rec_peak - sel_bytes, bwd_peak)
     return (fwd.ms(), bwd_ms, saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved, max(fwd_peak, 0), bwd_peak, casts,
-            rec_ms, rec_peak, sel_bytes, sel_fwd.ms() - fwd.ms() + sel_ms, sel_peak)
-
-
-class _KeptOutputs(TorchDispatchMode):
-    """Records the outputs of the ops a selective recompute keeps (``saved_ops``), on a CPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: list[torch.Tensor] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in saved_ops():
-            self.outputs += [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        return out
+            rec_ms, rec_peak, sel_bytes, sel_fwd.ms() - fwd.ms() + sel_ms, sel_peak, sel_unmoved)
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
@@ -545,6 +528,7 @@ def measure(
                     recompute_ms=max(statistics.median(r[9] for r in runs), backward_ms),
                     recompute_peak_bytes=max(r[10] for r in runs),
                     selective_bytes=max(r[11] for r in runs),
+                    unmoved_selective_bytes=min(max(r[14] for r in runs), max(r[11] for r in runs)),
                     selective_ms=max(statistics.median(r[12] for r in runs), backward_ms),
                     selective_peak_bytes=max(r[13] for r in runs),
                     name=name,

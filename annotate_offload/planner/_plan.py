@@ -31,18 +31,21 @@ def format_bytes(n: float, up: bool = False) -> str:
 
 @dataclass(frozen=True)
 class PlannerResult:
-    """A plan: per layer keep, offload, recompute, recompute_offload or selective, a schedule and an optimizer split,
-    with what it is predicted to cost (Notes [Planner time model], [Planner memory model]).
+    """A plan: per layer one of ``CHOICES``, a schedule and an optimizer split, with what it is predicted
+    to cost (Notes [Planner time model], [Planner memory model]).
 
     Apply it with ``offload_transform(model, memory_budget=...)`` (which calls :func:`plan_offload`), or by
-    hand: ``torch.utils.checkpoint`` around :attr:`recomputed_layers` (with a selective policy for the
-    ``selective`` ones: Note [Selective recompute] in ``annotate/_layers.py``), the runtime for
-    :attr:`offloaded_layers` (``DefaultOffloadSynchronizer(**result.runtime_kwargs())``) and
-    ``HybridDeviceOptimizer(model.parameters(), **result.optimizer_kwargs())``.
+    hand: the runtime for :attr:`offloaded_layers` (``DefaultOffloadSynchronizer(**result.runtime_kwargs())``)
+    with each layer's scope opened around its call, ``torch.utils.checkpoint`` inside that scope around
+    :attr:`recomputed_layers`, and ``HybridDeviceOptimizer(model.parameters(), **result.optimizer_kwargs())``.
+    By hand, a ``selective`` layer takes torch's ``create_selective_checkpoint_contexts(selective_policy)``
+    (``annotate_offload.annotate._layers``), which keeps its outputs on the device where no hook sees them:
+    ``selective_offload`` then holds what the plan predicted moved; ``offload_transform`` offloads them
+    (Note [Selective recompute]).
 
     Attributes:
         choices (tuple[str, ...]): per layer (forward order), one of ``"keep"``, ``"offload"``,
-            ``"recompute"``, ``"recompute_offload"``, ``"selective"``.
+            ``"recompute"``, ``"recompute_offload"``, ``"selective"``, ``"selective_offload"``.
         release_lag (int), prefetch_layers (int): the runtime schedule the prediction assumes.
         offload_fraction (float): ``HybridDeviceOptimizer``'s share of parameters stepped on the host.
         prediction (Prediction): the plan's predicted step time, peak, and per layer time and peak.
@@ -74,12 +77,13 @@ class PlannerResult:
 
     @property
     def offloaded_layers(self) -> tuple[int, ...]:
-        """Indices whose saved tensors go through the runtime's offload (``offload``, ``recompute_offload``)."""
+        """Indices whose saved tensors go through the runtime's offload (``offload``, ``recompute_offload``,
+        ``selective_offload``)."""
         return tuple(i for i, c in enumerate(self.choices) if c in OFFLOADED)
 
     @property
     def recomputed_layers(self) -> tuple[int, ...]:
-        """Indices to wrap in ``torch.utils.checkpoint`` (``recompute``, ``recompute_offload``, ``selective``)."""
+        """Indices to wrap in ``torch.utils.checkpoint`` (every choice but ``keep`` and ``offload``)."""
         return tuple(i for i, c in enumerate(self.choices) if c in RECOMPUTED)
 
     def runtime_kwargs(self) -> dict[str, Any]:

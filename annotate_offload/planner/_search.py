@@ -10,13 +10,14 @@ Note [Planner search]
     time adds to the step: with the host slower than the device per element, fewer is faster), drops
     the candidates that cannot fit even with all of it on the host, and returns the best by :func:`plan_key`.
 
-    * Exhaustive: when the number of allowed (schedule, choices) pairs (5 choices per offloadable layer,
+    * Exhaustive: when the number of allowed (schedule, choices) pairs (6 choices per offloadable layer,
       3 for the last ``release_lag + 1`` layers) is at most ``exhaustive_limit``, the candidates are all
       of them, so the result is the exact optimum of the cost model over choices, schedules and splits.
     * Heuristic (larger models), per schedule: the all-keep plan and the one-knob families (recompute
       the first ``n`` layers; recompute and offload the inputs of the first ``n``; offload the first
       ``n``, TransformerEngine's choice; recompute every layer and offload the first ``n`` inputs, or
-      recompute the first ``n`` of them selectively), and
+      recompute the first ``n`` of them selectively; recompute every layer selectively and offload what
+      the first ``n`` keep), and
       a greedy path from all-keep that repeatedly applies the one-layer change with the least predicted
       time added per byte of peak removed, until no single change lowers the peak.
     * ``plans=`` (the single strategies a user could pick: full recompute, offload-only): only those.
@@ -29,7 +30,7 @@ Note [Planner search]
 
     Deterministic: ties are broken by :func:`plan_key`: least predicted step time (compared at 1 ns),
     then the least intrusive choices (sum of ranks keep 0, offload 1, recompute 2, recompute_offload 3,
-    selective 4),
+    selective 4, selective_offload 5),
     then fewer parameters on the host, lower predicted peak, the smaller schedule, and the plan whose
     changes sit on earlier layers.
 
@@ -115,6 +116,7 @@ def _families(n: int, k: int, keep: frozenset) -> list[tuple]:
         plans.append(tuple("recompute_offload" if i in first else "keep" for i in range(n)))
         plans.append(tuple("offload" if i in first else "keep" for i in range(n)))
         plans.append(tuple("recompute_offload" if i in first else "recompute" for i in range(n)))
+        plans.append(tuple("selective_offload" if i in first else "selective" for i in range(n)))
     return plans
 
 

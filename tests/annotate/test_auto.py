@@ -18,7 +18,9 @@ from annotate_offload.annotate import offload_layer, offload_transform
 from annotate_offload.annotate._layers import saved_ops
 from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, StepMeasurement
 
-from ._models import Stack, assert_same_step, cfg, run_step, sync_of
+import torch.nn.functional as F
+
+from ._models import MLPBlock, Stack, assert_same_step, cfg, run_step, sync_of
 
 X = torch.randn(2, 32, 64)
 CHUNK = 2 * 32 * 64 * 4  # one (2, 32, 64) fp32 layer input, bytes
@@ -80,7 +82,42 @@ def test_a_selective_layer_reruns_only_what_its_matrix_multiplies_do_not_give_an
     assert mms["recompute"] == mms["keep"] + 1 == mms["selective"] + 1  # the rerun stops after fc1's gelu
 
 
-@pytest.mark.parametrize("choice", ["recompute", "recompute_offload"])
+def test_a_selective_offload_layer_moves_its_input_and_kept_outputs_and_is_exact(monkeypatch):
+    monkeypatch.setattr(planner, "plan_offload", _stub(["selective_offload", "selective", "keep", "keep"]))
+    torch.manual_seed(0)
+    model, ref = Stack(4), Stack(4)
+    ref.load_state_dict(model.state_dict())
+    offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
+    assert sorted(model.offload_plan.offloaded_layers) == [0]
+    with _CountOps() as ops:
+        got = run_step(model, X)
+    with _CountOps() as ref_ops:
+        want = run_step(ref, X)
+    assert_same_step(got, want)
+    # the input, fc1's (64, 128) and fc2's (64, 64) outputs; the gelu between them is rerun, not moved
+    assert dict(sync_of(model).stats.bytes_offloaded_per_layer) == {0: 4 * CHUNK}
+    mms, gelus = ([sum(n for op, n in c.counts.items() if op in ops_) for c in (ops, ref_ops)]
+                  for ops_ in (saved_ops(), {torch.ops.aten.gelu.default}))
+    assert mms[0] == mms[1] and gelus[0] == gelus[1] + 2  # no matrix multiply reruns; both layers' gelus do
+
+
+@pytest.mark.parametrize("choice", ["selective", "selective_offload"])
+def test_a_kept_output_changed_in_place_raises_autogrades_error(monkeypatch, choice):
+    class InPlace(MLPBlock):
+        def forward(self, x):
+            h = self.fc1(x)
+            out = x + self.fc2(F.gelu(h))
+            h.mul_(2)  # after gelu read it: the run without recompute needs nothing h held
+            return out
+
+    monkeypatch.setattr(planner, "plan_offload", _stub([choice] + ["keep"] * 3))
+    model = Stack(4, block=InPlace)
+    offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run_step(model, X)
+
+
+@pytest.mark.parametrize("choice", ["recompute", "recompute_offload", "selective", "selective_offload"])
 def test_a_recomputed_layer_reruns_in_each_backward_of_a_retained_graph(monkeypatch, choice):
     monkeypatch.setattr(planner, "plan_offload", _stub([choice, choice.split("_")[0], "keep", "keep"]))
     torch.manual_seed(0)
@@ -94,6 +131,16 @@ def test_a_recomputed_layer_reruns_in_each_backward_of_a_retained_graph(monkeypa
         loss.backward()
         grads.append([p.grad for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("around", ["non_reentrant", "reentrant"])
+def test_a_selective_layer_inside_the_users_checkpoint_is_exact(monkeypatch, around):
+    monkeypatch.setattr(planner, "plan_offload", _stub(["selective"] * 4))
+    torch.manual_seed(0)
+    model, ref = Stack(4, around=around), Stack(4, around=around)
+    ref.load_state_dict(model.state_dict())
+    offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
+    assert_same_step(run_step(model, X), run_step(ref, X))
 
 
 def test_declared_keep_layers_are_passed_to_the_planner(monkeypatch):

@@ -105,6 +105,19 @@ def test_a_selective_layer_holds_its_input_and_kept_outputs_and_costs_its_measur
         layers(1, selective_bytes=-1)
 
 
+def test_a_selective_offload_layer_moves_its_input_and_kept_outputs_and_reloads_them_for_its_rerun():
+    m = layers(4, selective_bytes=GB // 5, selective_ms=24.0, selective_peak_bytes=GB // 2,
+               unmoved_selective_bytes=GB // 20)
+    assert m[0].moved_bytes("selective_offload") == GB // 10 + GB // 5 - GB // 20
+    p = predict(m, ["selective_offload", "keep", "keep", "keep"], SLOW)
+    assert p.step_ms == 4 * 10.0 + 24.0 + 3 * 20.0  # 0.25 GB (12.5 ms) hides behind layer 1's forward
+    # bwd_2: what stays of layer 0 (its reload starts at layer 1), a1, the output gradient c3, a2; bwd_0 has it back
+    assert p.layer_peak_bytes[2] == GB // 20 + GB + GB // 10 + GB
+    assert p.layer_peak_bytes[0] == GB // 10 + GB // 5 + GB // 2 + GB // 10
+    with pytest.raises(ValueError, match="unmoved_selective_bytes=.* exceeds selective_bytes"):
+        layers(1, selective_bytes=1, unmoved_selective_bytes=2)
+
+
 def test_autocast_holds_a_recomputed_layers_weight_casts_to_the_end_of_forward():
     m = layers(3, cast_bytes=GB // 5, forward_peak_bytes=5 * GB)  # the forward phase is each layer's peak
     rec = predict(m, ["recompute", "recompute", "keep"], FAST)

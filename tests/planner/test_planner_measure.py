@@ -89,6 +89,9 @@ def test_saved_bytes_count_unique_storages_without_parameters():
     assert m[0].forward_ms > 0 and m[0].backward_ms > 0
     # a selective recompute keeps the Linear's output (the one matrix multiply) and reruns the rest
     assert m[0].selective_bytes == act and m[0].selective_ms >= m[0].backward_ms
+    assert m[0].unmoved_selective_bytes == 0
+    small = measure_layers(net, None, (x,), warmup=0, repeats=1, min_offload_numel=batch * width + 1)
+    assert small[0].unmoved_selective_bytes == act  # under the runtime's threshold it would stay
 
 
 def test_the_step_measurement_counts_weights_gradients_peaks_and_the_optimizer(monkeypatch):
