@@ -97,7 +97,8 @@ Note [Planner memory model]
 Assumptions (the error bars): saved bytes are produced evenly over a layer's forward; the runtime
 also releases a layer early when its D2H is done and paces a one-layer prefetch by half a layer, which
 only lowers the real peak; copies do not slow compute (they use copy engines, but also HBM bandwidth);
-a layer measured alone behaves as in the model; the loss is not the planner's to run: the head is
+a layer measured alone, with the host ahead of the device (Note [Timing with the host ahead] in
+``_measure.py``), behaves as in the model; the loss is not the planner's to run: the head is
 measured with a gradient of ones for the outputs, so a loss's own temporaries (a float32 copy of the
 logits, its softmax) are not counted; the embedding before the first layer saves nothing beyond the
 first layer's input; optimizer transients are not counted (torch's fused AdamW steps in place).

@@ -21,6 +21,7 @@ sits in the caller's wrappers (PEFT, a ``LightningModule``), and put back after.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 import warnings
@@ -138,32 +139,68 @@ def _unique_storage_bytes(tensors, skip: set) -> int:
 
 
 class _Timer:
-    __slots__ = ("cuda", "start", "stop", "t0", "t1")
+    """Milliseconds of a phase: on a CPU by the clock; on CUDA by events, and after ``wait_ms`` as a step of a
+    busy device sees them.
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    Note [Timing with the host ahead]: in a step that keeps the device busy the host queues a layer's
+    kernels while the device still runs earlier ones, so a layer costs its device time, or the host's time
+    to queue it if that is longer. A phase timed alone from an idle device also pays the host's launch
+    latency, which for a layer run through a Python dispatch mode (a selective recompute, Note [Selective
+    recompute] in ``annotate/_layers.py``) is most of what separates it from a full recompute. So the
+    profile times each phase behind a device-side wait (``torch.cuda._sleep``) a little longer than the
+    host took to queue that phase in the previous run (``wait_ms``; the first, untimed run waits for
+    nothing): the host queues the phase while the device waits, and the phase costs the larger of its
+    device time and the host's. A host that took longer than the wait (a synchronising op in the phase)
+    gets the time from its start to the device's end, less the wait: the phase timed alone.
+    """
+
+    __slots__ = ("cuda", "wait_ms", "events", "t0", "t1")
+
+    def __init__(self, device: torch.device, wait_ms: float = 0.0) -> None:
+        self.cuda, self.wait_ms = device.type == "cuda", wait_ms if device.type == "cuda" else 0.0
         if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.stop = torch.cuda.Event(enable_timing=True)
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
 
     def __enter__(self):
+        if self.wait_ms:
+            self.events[0].record()
+            torch.cuda._sleep(int(self.wait_ms * _cycles_per_ms()))
         if self.cuda:
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
+            self.events[1].record()
+        self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.t1 = time.perf_counter()
         if self.cuda:
-            self.stop.record()
-        else:
-            self.t1 = time.perf_counter()
+            self.events[2].record()
+
+    def host_ms(self) -> float:
+        return (self.t1 - self.t0) * 1e3
 
     def ms(self) -> float:
-        if self.cuda:
-            self.stop.synchronize()
-            return self.start.elapsed_time(self.stop)
-        return (self.t1 - self.t0) * 1e3
+        if not self.cuda:
+            return self.host_ms()
+        start, begin, stop = self.events
+        stop.synchronize()
+        if not self.wait_ms:
+            return begin.elapsed_time(stop)
+        if self.host_ms() < self.wait_ms:
+            return max(begin.elapsed_time(stop), self.host_ms())
+        return max(start.elapsed_time(stop) - self.wait_ms, 0.0)
+
+
+@functools.cache
+def _cycles_per_ms() -> float:
+    """``torch.cuda._sleep`` cycles per millisecond on the current device."""
+    cycles = 10_000_000
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)  # the first launch pays for loading the kernel
+    start.record()
+    torch.cuda._sleep(cycles)
+    stop.record()
+    stop.synchronize()
+    return cycles / max(start.elapsed_time(stop), 1e-3)
 
 
 def _unmoved_bytes(saved: list, skip: set, min_numel: int, frozen: set = frozenset()) -> int:
@@ -179,9 +216,10 @@ def _unmoved_bytes(saved: list, skip: set, min_numel: int, frozen: set = frozens
 
 
 def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.device, min_numel: int,
-                   frozen: set, grad_flags: list | None) -> tuple:
+                   frozen: set, grad_flags: list | None, waits: dict) -> tuple:
     """``(forward ms, backward ms, saved, input, unmoved, unmoved input, F+, B+, casts, recompute ms, R+, s,
-    selective ms, S+, unmoved s)`` of one run of ``layer``, one under non-reentrant ``torch.utils.checkpoint``
+    selective ms, S+, unmoved s)`` of one run of ``layer`` (each phase timed after ``waits[phase]`` ms, which it
+    sets for the next run: Note [Timing with the host ahead]), one under non-reentrant ``torch.utils.checkpoint``
     and one under it selectively (bytes; ``F+``, ``B+``, ``R+``, ``s``, ``S+`` as in Note [Planner memory
     model]: from the CUDA allocator's peak; on a CPU the new saved tensors and output, the input gradients,
     ``max(F+, saved - saved input + B+)`` and that less ``s``, at least ``B+``; ``s``: the outputs the
@@ -216,7 +254,8 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     torch.clear_autocast_cache()
     before = _allocated(device)
     record = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    with _Timer(device) as fwd, torch.enable_grad(), record:
+    timers = {phase: _Timer(device, waits.get(phase, 0.0)) for phase in ("f", "b", "r", "sf", "s")}
+    with timers["f"] as fwd, torch.enable_grad(), record:
         out = layer(*args, **kwargs)
     outs = _grad_outputs(out)
     known = param_ptrs | {x.untyped_storage().data_ptr() for x in inputs}
@@ -228,24 +267,25 @@ def _profile_layer(layer: nn.Module, captured, param_ptrs: set, device: torch.de
     input_saved = _unique_storage_bytes([t for t in saved if isinstance(t, torch.Tensor)
                                          and t.untyped_storage().data_ptr() in input_ptrs], param_ptrs)
     saved.clear()
-    bwd_ms, bwd_peak = _backward(outs, wrt, inputs, device)
+    bwd_ms, bwd_peak = _backward(outs, wrt, inputs, device, timers["b"])
     del out, outs
     torch.clear_autocast_cache()
     with torch.enable_grad():
         out = _checkpointed(layer, layer)(*args, **kwargs)
     torch.clear_autocast_cache()  # a step frees the forward's casts when autocast exits; the cache would keep them
-    rec_ms, rec_peak = _backward(_grad_outputs(out), wrt, inputs, device)
+    rec_ms, rec_peak = _backward(_grad_outputs(out), wrt, inputs, device, timers["r"])
     del out
     torch.clear_autocast_cache()
-    with _Timer(device) as sel_fwd, torch.enable_grad(), record:
+    with timers["sf"] as sel_fwd, torch.enable_grad(), record:
         out = _checkpointed(layer, layer, selective=True)(*args, **kwargs)
     torch.clear_autocast_cache()
     sel_bytes, sel_unmoved = _unique_storage_bytes(saved, known), _unmoved_bytes(saved, known, min_numel)
     saved.clear()
-    sel_ms, sel_peak = _backward(_grad_outputs(out), wrt, inputs, device)
+    sel_ms, sel_peak = _backward(_grad_outputs(out), wrt, inputs, device, timers["s"])
     if not cuda:
         rec_peak = max(fwd_peak, saved_bytes - input_saved + bwd_peak)
         sel_peak = max(rec_peak - sel_bytes, bwd_peak)
+    waits.update({phase: 1.25 * t.host_ms() + 0.1 for phase, t in timers.items()})  # for the next run
     return (fwd.ms(), bwd_ms, saved_bytes, ckpt_bytes, unmoved, ckpt_unmoved, max(fwd_peak, 0), bwd_peak, casts,
             rec_ms, rec_peak, sel_bytes, sel_fwd.ms() - fwd.ms() + sel_ms, sel_peak, sel_unmoved)
 
@@ -269,7 +309,7 @@ class _OutputGradient(torch.autograd.Function):
         return torch.empty_strided(*ctx.layout, dtype=grad.dtype, device=grad.device).fill_(1)
 
 
-def _backward(outs: list, wrt: list, inputs: list, device: torch.device) -> tuple[float, int]:
+def _backward(outs: list, wrt: list, inputs: list, device: torch.device, timer: _Timer) -> tuple[float, int]:
     """``(ms, peak)`` of a backward from output gradients of ones: the allocator's peak beyond what was
     allocated before, less the output gradients and the parameter gradients (both counted apart, as
     ``c_{j+1}`` and ``LayerMeasurement.grad_bytes``); on a CPU the input gradients."""
@@ -277,7 +317,7 @@ def _backward(outs: list, wrt: list, inputs: list, device: torch.device) -> tupl
         roots = [_OutputGradient.apply(o).sum() for o in outs]
     ones = [torch.ones_like(r) for r in roots]  # made before the peak is reset, like the roots
     before = _allocated(device)
-    with _Timer(device) as timer:
+    with timer:
         got = torch.autograd.grad(roots, wrt, ones, allow_unused=True) if outs else ()
     if device.type != "cuda":
         return timer.ms(), _unique_storage_bytes([x for x in inputs if x.requires_grad], set())
@@ -510,7 +550,8 @@ def measure(
         result = []
         for (name, layer), inputs, flags in zip(named, captured, grad_flags):
             dev = _device_of(layer, inputs)
-            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen, flags)
+            waits: dict = {}  # Note [Timing with the host ahead]
+            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen, flags, waits)
                     for _ in range(warmup + repeats)][warmup:]
             backward_ms = statistics.median(r[1] for r in runs)  # no rerun is timed below the plain backward
             result.append(
