@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from annotate_offload.compile._ops import TAG, register as register_runtime
 from annotate_offload.errors import OffloadError
 from annotate_offload.runtime._context import inside_checkpoint
-from annotate_offload.runtime._layer_state import _Kept
+from annotate_offload.runtime._layer_state import _counter, _Kept
 from annotate_offload.runtime._marks import mark_ready
 from annotate_offload.runtime._synchronizer import _recording
 
@@ -424,7 +424,7 @@ def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selec
 
 class _KeepOutputs(TorchDispatchMode):
     """A selective checkpoint's forward (Note [Selective recompute]): saves the outputs of :func:`saved_ops`,
-    in call order, each through ``pack``."""
+    in call order, each through ``pack``, and watches their version counters."""
 
     def __init__(self, kept: list, pack: Callable[[torch.Tensor], Any]) -> None:
         super().__init__()
@@ -434,8 +434,12 @@ class _KeepOutputs(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in saved_ops():
             leaves, spec = tree_flatten(out)
-            self.kept.append((func, spec, [(True, self.pack(x.detach())) if isinstance(x, torch.Tensor) else (False, x)
-                                           for x in leaves]))
+            # beneath autograd an alias shares its base's version counter only with ADInplaceOrView on
+            with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+                aliases = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+                watched = [(_counter(a), a._version) for a in aliases if isinstance(a, torch.Tensor)]
+            self.kept.append((func, spec, [(True, self.pack(a)) if isinstance(a, torch.Tensor) else (False, a)
+                                           for a in aliases], watched))
         return out
 
 
@@ -459,8 +463,10 @@ class _ReuseOutputs(TorchDispatchMode):
                 f"{self.kept[self.next][0] if self.next < len(self.kept) else 'nothing more to keep'}; the "
                 "layer's forward must run the same ops when it is recomputed (no control flow on global state)."
             )
-        _, spec, leaves = self.kept[self.next]
+        _, spec, leaves, watched = self.kept[self.next]
         self.next += 1
+        if any(counter._version != version for counter, version in watched):
+            return func(*args, **(kwargs or {}))  # changed in place after it was kept: the op runs again
         return tree_unflatten([self.unpack(x).detach() if packed else x for packed, x in leaves], spec)
 
 
@@ -511,8 +517,10 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> _cp.Checkp
 
     The kept outputs are saved as the checkpoint's input is: through the saved-tensor hooks around the
     checkpoint (in an offloaded layer, the runtime's: they are offloaded with it, ``selective_offload``),
-    or, with none, held with their versions; either way an in-place change before backward raises
-    autograd's error. In eager code :class:`_KeepOutputs` and :class:`_ReuseOutputs` do this (torch's own
+    or, with none, held. An output the forward changed in place after it was kept (``h = fc(x);
+    h.mul_(2)``, which saves nothing) is not handed back: its op runs again in the rerun, so the layer
+    computes what a full recompute computes (without the check, its rerun would start from the changed
+    value). In eager code :class:`_KeepOutputs` and :class:`_ReuseOutputs` do this (torch's own
     selective checkpoint holds its cache where no hook sees it); traced code (Note [Traced layers]) takes
     torch's with this policy, and the compile pass offloads what it saves."""
     return _cp.CheckpointPolicy.MUST_SAVE if op in saved_ops() else _cp.CheckpointPolicy.PREFER_RECOMPUTE

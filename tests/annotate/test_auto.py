@@ -101,20 +101,38 @@ def test_a_selective_offload_layer_moves_its_input_and_kept_outputs_and_is_exact
     assert mms[0] == mms[1] and gelus[0] == gelus[1] + 2  # no matrix multiply reruns; both layers' gelus do
 
 
-@pytest.mark.parametrize("choice", ["selective", "selective_offload"])
-def test_a_kept_output_changed_in_place_raises_autogrades_error(monkeypatch, choice):
-    class InPlace(MLPBlock):
-        def forward(self, x):
-            h = self.fc1(x)
-            out = x + self.fc2(F.gelu(h))
-            h.mul_(2)  # after gelu read it: the run without recompute needs nothing h held
-            return out
+class _ScaledInPlace(MLPBlock):
+    def forward(self, x):
+        h = self.fc1(x)
+        h.mul_(2)  # nothing has saved h yet: the run without recompute is valid
+        return x + self.fc2(F.gelu(h))
 
-    monkeypatch.setattr(planner, "plan_offload", _stub([choice] + ["keep"] * 3))
-    model = Stack(4, block=InPlace)
-    offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
+
+class _ChangedAfterUse(MLPBlock):
+    def forward(self, x):
+        h = self.fc1(x)
+        out = x + self.fc2(F.gelu(h))
+        h.mul_(2)  # gelu saved h: the run without recompute raises, a full recompute does not
+        return out
+
+
+@pytest.mark.parametrize("choice", ["selective", "selective_offload"])
+def test_a_kept_output_changed_in_place_is_computed_again_as_a_full_recompute_does(monkeypatch, choice):
+    # every layer recomputed: a kept layer of _ChangedAfterUse raises as the run without recompute does
+    stubs = {first: _stub([first] + [first.split("_")[0]] * 3) for first in (choice, "recompute")}
+
+    def step(block, first):
+        torch.manual_seed(0)
+        model = Stack(4, block=block)
+        if first != "plain":
+            monkeypatch.setattr(planner, "plan_offload", stubs[first])
+            offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
+        return run_step(model, X)
+
+    assert_same_step(step(_ScaledInPlace, choice), step(_ScaledInPlace, "plain"))
+    assert_same_step(step(_ChangedAfterUse, choice), step(_ChangedAfterUse, "recompute"))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        run_step(model, X)
+        step(_ChangedAfterUse, "plain")
 
 
 @pytest.mark.parametrize("choice", ["recompute", "recompute_offload", "selective", "selective_offload"])
