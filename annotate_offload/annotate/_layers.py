@@ -65,9 +65,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from annotate_offload.compile._ops import TAG, register as register_runtime
 from annotate_offload.errors import OffloadError
 from annotate_offload.runtime._context import inside_checkpoint
-from annotate_offload.runtime._layer_state import _counter, _Kept
+from annotate_offload.runtime._layer_state import _counter
 from annotate_offload.runtime._marks import mark_ready
-from annotate_offload.runtime._synchronizer import _recording
+from annotate_offload.runtime._synchronizer import _identity, _recording
 
 __all__: list[str] = []
 
@@ -402,8 +402,7 @@ def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selec
     so a recomputed layer's buffers, and later its eval outputs, would differ from the run without it.
     The rerun gets clones of the buffers, dropped after it: the buffers are written once, by the forward.
     The rerun reads them as the forward left them; BatchNorm's training output does not read them. The
-    clones are made by the checkpoint's recompute context, outside the rerun, which replays the forward's
-    kept ops and no others.
+    clones are made by the checkpoint's recompute context before the rerun starts.
     """
     if module is None:  # traced (Note [Traced layers]): Dynamo takes torch's own contexts only
         contexts = (functools.partial(_cp.create_selective_checkpoint_contexts, selective_policy) if selective
@@ -413,7 +412,7 @@ def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selec
             if not selective:
                 return contextlib.nullcontext(), _FreshBuffers(module, contextlib.nullcontext())
             kept: list = []
-            hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) or (_Kept, _Kept.unpack)
+            hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) or (_identity, _identity)
             return _KeepOutputs(kept, hooks[0]), _FreshBuffers(module, _ReuseOutputs(kept, hooks[1]))
 
     def run(*args: Any, **kwargs: Any) -> Any:  # the layer's keywords by closure: checkpoint takes some names
