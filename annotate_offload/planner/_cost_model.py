@@ -49,10 +49,10 @@ Note [Planner time model]
 
     with ``bytes_j`` what an offloaded layer moves (``a_j``, ``c_j`` for ``recompute_offload``, ``c_j + s_j`` for
     ``selective_offload``, less the tensors under ``min_offload_numel``). The runtime starts each D2H when the
-    tensor is saved; the model
-    takes the bytes as produced evenly over the layer's forward, so a layer's D2H ends when its forward
-    ends if the link keeps up, else ``bytes / D2H`` after it could start. A copy hides behind compute (its
-    own layer's and the next ones') and delays the step only by what the compute stream waits for.
+    tensor is saved; the model takes the bytes as produced evenly over the layer's forward, so a layer's D2H
+    ends when its forward ends if the link keeps up, else ``bytes / D2H`` after it could start. A copy hides
+    behind compute (its own layer's and the next ones') and delays the step only by what the compute stream
+    waits for.
     ``device_ms`` and ``host_ms`` are fused AdamW's time per 1e9 elements on each side; the exact mode
     steps the host part after backward, and the sum is an upper bound of the two running side by side.
     The streams are simulated, rather than each layer charged a flat cost, because the cost of a copy
@@ -407,7 +407,7 @@ def simulate(layers, choices, bandwidth, step, release_lag, prefetch_layers):
     n, k, p = len(layers), release_lag, prefetch_layers
     off = [c in OFFLOADED for c in choices]
     rec = [c in RECOMPUTED for c in choices]
-    moved = [m.moved_bytes(c) if c in OFFLOADED else 0 for m, c in zip(layers, choices)]
+    moved = [m.moved_bytes(c) if o else 0 for m, c, o in zip(layers, choices, off)]
     whole, backward_ms, backward_peak = zip(*(m.terms(c) for m, c in zip(layers, choices)))
     kept = [w - moved[i] for i, w in enumerate(whole)]  # what a layer holds once released (all, if not offloaded)
     cached = [m.cast_bytes if rec[i] else 0 for i, m in enumerate(layers)]  # autocast's casts, to the end of forward

@@ -38,10 +38,10 @@ class PlannerResult:
     hand: the runtime for :attr:`offloaded_layers` (``DefaultOffloadSynchronizer(**result.runtime_kwargs())``)
     with each layer's scope opened around its call, ``torch.utils.checkpoint`` inside that scope around
     :attr:`recomputed_layers`, and ``HybridDeviceOptimizer(model.parameters(), **result.optimizer_kwargs())``.
-    By hand, a ``selective`` layer takes torch's ``create_selective_checkpoint_contexts(selective_policy)``
-    (``annotate_offload.annotate._layers``), which keeps its outputs on the device where no hook sees them:
-    ``selective_offload`` then holds what the plan predicted moved; ``offload_transform`` offloads them
-    (Note [Selective recompute]).
+    Torch's ``create_selective_checkpoint_contexts`` with ``annotate_offload.annotate._layers.selective_policy``
+    recomputes a ``selective`` layer as planned, but holds what it keeps on the device where no hook sees it,
+    so a ``selective_offload`` layer applied that way holds more than predicted; ``offload_transform``
+    offloads it (Note [Selective recompute]).
 
     Attributes:
         choices (tuple[str, ...]): per layer (forward order), one of ``"keep"``, ``"offload"``,
