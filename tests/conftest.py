@@ -37,6 +37,30 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def plan_choices(monkeypatch) -> Callable[..., None]:
+    """``plan_choices(choices, seen=None)``: ``offload_transform(memory_budget=...)`` applies ``choices`` (one
+    per layer of a four-layer model; release lag 1, prefetch 1) instead of planning; ``seen`` (a dict) gets
+    the arguments the planner was called with."""
+    import dataclasses
+
+    import annotate_offload.planner as planner
+    from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, StepMeasurement
+
+    real = planner.plan_offload(None, memory_budget="1TiB", measurements=[LayerMeasurement(1.0, 2.0, 10**9, 10**9)] * 4,
+                                step=StepMeasurement(), bandwidth=LinkBandwidth(10.0, 10.0))
+
+    def use(choices, seen: dict | None = None) -> None:
+        def plan_offload(model, *, memory_budget, example_inputs, layers, keep, **kw):
+            if seen is not None:
+                seen.update(layers=layers, budget=memory_budget, keep=keep, **kw)
+            return dataclasses.replace(real, choices=tuple(choices), release_lag=1, prefetch_layers=1, memory_budget=1)
+
+        monkeypatch.setattr(planner, "plan_offload", plan_offload)
+
+    return use
+
+
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request) -> str:
     """Run a test on the CPU backend and, on GPU machines, on CUDA."""

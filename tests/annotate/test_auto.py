@@ -4,44 +4,28 @@ a plain ``num_layers=N`` gets the overlap schedule (Note [Default schedule from 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import re
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import annotate_offload as ao
 import annotate_offload.planner as planner
 from annotate_offload.annotate import offload_layer, offload_transform
 from annotate_offload.annotate._layers import saved_ops
-from annotate_offload.planner._cost_model import LayerMeasurement, LinkBandwidth, StepMeasurement
-
-import torch.nn.functional as F
 
 from ._models import MLPBlock, Stack, assert_same_step, cfg, run_step, sync_of
 
 X = torch.randn(2, 32, 64)
 CHUNK = 2 * 32 * 64 * 4  # one (2, 32, 64) fp32 layer input, bytes
-GB = 10**9
 
 
-def _stub(choices, seen=None):
-    real = planner.plan_offload(None, memory_budget="1TiB", measurements=[LayerMeasurement(1.0, 2.0, GB, GB)] * 4,
-                                step=StepMeasurement(), bandwidth=LinkBandwidth(10.0, 10.0))
-
-    def plan_offload(model, *, memory_budget, example_inputs, layers, keep, **kw):
-        if seen is not None:
-            seen.update(layers=layers, budget=memory_budget, keep=keep, **kw)
-        return dataclasses.replace(real, choices=tuple(choices), release_lag=1, prefetch_layers=1, memory_budget=1)
-
-    return plan_offload
-
-
-def test_the_plans_choices_and_schedule_are_applied_and_exact(monkeypatch):
+def test_the_plans_choices_and_schedule_are_applied_and_exact(plan_choices):
     seen = {}
-    monkeypatch.setattr(planner, "plan_offload", _stub(["offload", "recompute_offload", "recompute", "keep"], seen))
+    plan_choices(["offload", "recompute_offload", "recompute", "keep"], seen)
     model = Stack(4)
     ref = copy.deepcopy(model)
     offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
@@ -66,10 +50,10 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_selective_layer_reruns_only_what_its_matrix_multiplies_do_not_give_and_is_exact(monkeypatch):
-    mms, plans = {}, [_stub([first] + ["keep"] * 3) for first in ("keep", "recompute", "selective")]
-    for first, stub in zip(("keep", "recompute", "selective"), plans):
-        monkeypatch.setattr(planner, "plan_offload", stub)
+def test_a_selective_layer_reruns_only_what_its_matrix_multiplies_do_not_give_and_is_exact(plan_choices):
+    mms = {}
+    for first in ("keep", "recompute", "selective"):
+        plan_choices([first] + ["keep"] * 3)
         torch.manual_seed(0)
         model, ref = Stack(4), Stack(4)
         ref.load_state_dict(model.state_dict())
@@ -82,8 +66,8 @@ def test_a_selective_layer_reruns_only_what_its_matrix_multiplies_do_not_give_an
     assert mms["recompute"] == mms["keep"] + 1 == mms["selective"] + 1  # the rerun stops after fc1's gelu
 
 
-def test_a_selective_offload_layer_moves_its_input_and_kept_outputs_and_is_exact(monkeypatch):
-    monkeypatch.setattr(planner, "plan_offload", _stub(["selective_offload", "selective", "keep", "keep"]))
+def test_a_selective_offload_layer_moves_its_input_and_kept_outputs_and_is_exact(plan_choices):
+    plan_choices(["selective_offload", "selective", "keep", "keep"])
     torch.manual_seed(0)
     model, ref = Stack(4), Stack(4)
     ref.load_state_dict(model.state_dict())
@@ -117,15 +101,12 @@ class _ChangedAfterUse(MLPBlock):
 
 
 @pytest.mark.parametrize("choice", ["selective", "selective_offload"])
-def test_a_kept_output_changed_in_place_is_computed_again_as_a_full_recompute_does(monkeypatch, choice):
-    # every layer recomputed: a kept layer of _ChangedAfterUse raises as the run without recompute does
-    stubs = {first: _stub([first] + [first.split("_")[0]] * 3) for first in (choice, "recompute")}
-
+def test_a_kept_output_changed_in_place_is_computed_again_as_a_full_recompute_does(plan_choices, choice):
     def step(block, first):
         torch.manual_seed(0)
         model = Stack(4, block=block)
-        if first != "plain":
-            monkeypatch.setattr(planner, "plan_offload", stubs[first])
+        if first != "plain":  # every layer recomputed: a kept _ChangedAfterUse raises as without recompute
+            plan_choices([first] + [first.split("_")[0]] * 3)
             offload_transform(model, memory_budget="1MiB", example_inputs=(X,), config=cfg())
         return run_step(model, X)
 
@@ -136,8 +117,8 @@ def test_a_kept_output_changed_in_place_is_computed_again_as_a_full_recompute_do
 
 
 @pytest.mark.parametrize("choice", ["recompute", "recompute_offload", "selective", "selective_offload"])
-def test_a_recomputed_layer_reruns_in_each_backward_of_a_retained_graph(monkeypatch, choice):
-    monkeypatch.setattr(planner, "plan_offload", _stub([choice, choice.split("_")[0], "keep", "keep"]))
+def test_a_recomputed_layer_reruns_in_each_backward_of_a_retained_graph(plan_choices, choice):
+    plan_choices([choice, choice.split("_")[0], "keep", "keep"])
     torch.manual_seed(0)
     model, ref = Stack(4), Stack(4)
     ref.load_state_dict(model.state_dict())
@@ -152,8 +133,8 @@ def test_a_recomputed_layer_reruns_in_each_backward_of_a_retained_graph(monkeypa
 
 
 @pytest.mark.parametrize("around", ["non_reentrant", "reentrant"])
-def test_a_selective_layer_inside_the_users_checkpoint_is_exact(monkeypatch, around):
-    monkeypatch.setattr(planner, "plan_offload", _stub(["selective"] * 4))
+def test_a_selective_layer_inside_the_users_checkpoint_is_exact(plan_choices, around):
+    plan_choices(["selective"] * 4)
     torch.manual_seed(0)
     model, ref = Stack(4, around=around), Stack(4, around=around)
     ref.load_state_dict(model.state_dict())
@@ -161,9 +142,9 @@ def test_a_selective_layer_inside_the_users_checkpoint_is_exact(monkeypatch, aro
     assert_same_step(run_step(model, X), run_step(ref, X))
 
 
-def test_declared_keep_layers_are_passed_to_the_planner(monkeypatch):
+def test_declared_keep_layers_are_passed_to_the_planner(plan_choices):
     seen = {}
-    monkeypatch.setattr(planner, "plan_offload", _stub(["keep", "recompute_offload", "keep", "keep"], seen))
+    plan_choices(["keep", "recompute_offload", "keep", "keep"], seen)
     model = Stack(4)
     offload_layer(offload=False)(model.layers[0])
     for blk in model.layers[1:]:
@@ -260,9 +241,9 @@ def test_a_budget_of_the_wrong_type_is_refused_before_measuring(monkeypatch):
     assert "offload_plan" not in model.__dict__
 
 
-def test_the_configs_budget_plans_too(monkeypatch):
+def test_the_configs_budget_plans_too(plan_choices):
     seen = {}
-    monkeypatch.setattr(planner, "plan_offload", _stub(["keep"] * 4, seen))
+    plan_choices(["keep"] * 4, seen)
     offload_transform(Stack(4), config=cfg(memory_budget="20GiB"), example_inputs=(X,))
     assert seen["budget"] == "20GiB"
 
@@ -287,8 +268,8 @@ def test_a_plain_num_layers_gets_the_overlap_schedule_and_te_s_context_keeps_te_
     assert (ctx.offload_synchronizer.release_lag, ctx.offload_synchronizer.prefetch_layers) == (2, 2)
 
 
-def test_a_deep_copy_of_a_planned_model_measures_itself(monkeypatch):
-    monkeypatch.setattr(planner, "plan_offload", _stub(["offload", "keep", "keep", "keep"]))
+def test_a_deep_copy_of_a_planned_model_measures_itself(plan_choices):
+    plan_choices(["offload", "keep", "keep", "keep"])
     model = Stack(4)
     offload_transform(model, memory_budget="1GiB", example_inputs=(X,), config=cfg())
     twin = copy.deepcopy(model)
@@ -297,11 +278,11 @@ def test_a_deep_copy_of_a_planned_model_measures_itself(monkeypatch):
     assert twin.offload_plan.measured is not None and model.offload_plan.measured is None
 
 
-def test_measuring_a_step_leaves_no_hook_and_no_reference_to_the_model(monkeypatch):
+def test_measuring_a_step_leaves_no_hook_and_no_reference_to_the_model(plan_choices):
     import gc
     import weakref
 
-    monkeypatch.setattr(planner, "plan_offload", _stub(["offload", "keep", "keep", "keep"]))
+    plan_choices(["offload", "keep", "keep", "keep"])
     model = Stack(4)
     offload_transform(model, memory_budget="1GiB", example_inputs=(X,), config=cfg())
     weight = next(model.layers[0].parameters())
@@ -342,7 +323,7 @@ def test_the_schedule_is_chosen_from_the_link_at_the_first_training_forward_on_c
     assert 0 <= lag <= 1 and 1 <= prefetch <= 1  # capped at TE's gap L - N - 1 = 1
 
 
-def test_a_planned_transform_leaves_no_reference_to_the_model(monkeypatch):
+def test_a_planned_transform_leaves_no_reference_to_the_model(plan_choices):
     import gc
     import weakref
 
@@ -350,7 +331,7 @@ def test_a_planned_transform_leaves_no_reference_to_the_model(monkeypatch):
 
     # a recomputed layer before kept ones whose ops save their outputs (rsqrt): the meta estimate's
     # graph is never run backward, so nothing it saves may keep the layers alive
-    monkeypatch.setattr(planner, "plan_offload", _stub(["recompute_offload", "recompute", "keep", "keep"]))
+    plan_choices(["recompute_offload", "recompute", "keep", "keep"])
     model = Llama(LlamaConfig.from_preset("llama-tiny"))
     weight = weakref.ref(model.layers[0].mlp.up_proj.weight)
     offload_transform(model, memory_budget="1MiB", example_inputs=(torch.randint(0, 256, (2, 16)),))

@@ -121,6 +121,24 @@ def test_offloaded_bytes_are_the_eligible_saved_activations_of_offloaded_layers(
     assert eager.offload_plan.runtime.stats.bytes_offloaded == report.offloaded_bytes + 8 * H * 4
 
 
+def test_a_compiled_selective_offload_layer_offloads_what_it_keeps_and_stays_exact(plan_choices):
+    """Traced, a selective layer runs under torch's selective checkpoint: the partitioned graph saves
+    block 0's first Linear output (8, 2H), kept for the rerun, which the pass offloads; the relu is
+    rerun from it. Block 0's input is the compiled function's input and stays."""
+    from annotate_offload.config import ModelConfig
+
+    x = torch.randn(8, H)
+    model = Stack()
+    ref = copy.deepcopy(model)
+    plan_choices(["selective_offload", "selective", "keep", "keep"])
+    offload_transform(model, memory_budget="1MiB", example_inputs=(x,),
+                      config=ModelConfig(cpu_offloading=True, min_offload_numel=16))
+    assert_same(step(model, torch.compile(model, backend="aot_eager"), (x,)), step(ref, ref, (x,)))
+    (report,) = compiled_offloads(model)
+    assert [(s.layer, s.shape) for s in _offloaded(report)] == [(0, (8, 2 * H))]
+    assert model.offload_plan.runtime.stats.bytes_offloaded_per_layer == {0: 8 * 2 * H * 4}
+
+
 def test_small_and_marked_activations_stay():
     x = torch.randn(8, H)
     model = Stack()
