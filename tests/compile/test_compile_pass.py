@@ -21,6 +21,7 @@ import torch
 from annotate_offload.annotate import offload_transform
 from annotate_offload.compile import compiled_offloads
 from annotate_offload.compile._pass import _tag
+from annotate_offload.config import ModelConfig
 from annotate_offload.models import GPTConfig, GPTStack
 
 from _compile_models import H, Stack, assert_same, gpt, hf_lora, llama, step  # noqa: E402
@@ -125,8 +126,6 @@ def test_a_compiled_selective_offload_layer_offloads_what_it_keeps_and_stays_exa
     """Traced, a selective layer runs under torch's selective checkpoint: the partitioned graph saves
     block 0's first Linear output (8, 2H), kept for the rerun, which the pass offloads; the relu is
     rerun from it. Block 0's input is the compiled function's input and stays."""
-    from annotate_offload.config import ModelConfig
-
     x = torch.randn(8, H)
     model = Stack()
     ref = copy.deepcopy(model)
