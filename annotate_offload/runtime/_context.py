@@ -28,12 +28,14 @@ replayed by the recompute with pass-through hooks (Note [Scopes inside a checkpo
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..errors import OffloadError
+from ._layer_state import _counter, _version_error
 from ._synchronizer import (DefaultOffloadSynchronizer, ManualOffloadSynchronizer, OffloadSynchronizer,
                             _active_synchronizer, _check_int, _identity, _recording)
 
@@ -52,7 +54,55 @@ def inside_checkpoint() -> bool:
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is None:
         return False
-    return getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+    return getattr(top[0], "__module__", "") == "torch.utils.checkpoint" or getattr(top[0], "func", None) is (
+        _checked_pack)
+
+
+class CheckedSaves:
+    """``inner`` inside saved-tensor hooks that version-check what a non-reentrant checkpoint's forward saves.
+
+    Note [Versions inside a checkpoint]: the checkpoint's forward saves placeholders and its recompute
+    in backward refills them, so autograd never compares a saved tensor's version with the one it had
+    when it was saved, and a forward that changed a saved tensor in place afterwards (``y =
+    sigmoid(h); y.mul_(h)``: the run without the checkpoint raises at backward) trains on silently, with
+    the gradients of the rerun. Entered as the checkpoint's forward context (inside its hooks), these
+    hooks pass each saved tensor to the checkpoint's own pack and record its version counter (an alias
+    of no storage) and version; their unpack raises autograd's error where the version moved, as the run
+    without the checkpoint does, then hands the checkpoint's placeholder back. The hooks are partials of
+    module functions over the checkpoint's: nothing they hold refers back to them, so a graph that is
+    never run backward is freed by reference counting, as with the checkpoint's own hooks.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __enter__(self) -> None:
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(_checked_pack, pack),
+                                                              functools.partial(_checked_unpack, unpack))
+        self.hooks.__enter__()
+        try:
+            self.inner.__enter__()
+        except BaseException:
+            self.hooks.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            self.hooks.__exit__(*exc)
+
+
+def _checked_pack(pack: Callable[[torch.Tensor], Any], t: torch.Tensor) -> tuple:
+    return pack(t), _counter(t), t._version
+
+
+def _checked_unpack(unpack: Callable[[Any], torch.Tensor], packed: tuple) -> torch.Tensor:
+    held, counter, version = packed
+    if counter._version != version:
+        raise _version_error(counter._version, version)
+    return unpack(held)
 
 
 def is_cpu_offload_enabled() -> bool:
