@@ -177,7 +177,8 @@ def plan_offload(
         TypeError: a budget that is neither a number nor a string; bad ``example_inputs`` or ``measurements``.
         ValueError: a budget that is not a size (``"abc"``), zero or negative (before measuring), or below
             what any plan needs (after measuring: the message gives the smallest feasible budget); no ``example_inputs`` and
-            no ``measurements``; ``layers`` and ``measurements`` of different lengths; a bad ``optimizer``.
+            no ``measurements``; ``layers`` and ``measurements`` of different lengths; a bad ``optimizer``; a
+            ``keep`` index that is not an int in ``[0, number of layers)``.
 
     Example::
 
@@ -189,6 +190,9 @@ def plan_offload(
     check_schedule("plan_offload", release_lag, prefetch_layers)  # before any profiling
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"plan_offload: optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}.")
+    keep = tuple(keep)
+    if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in keep):
+        raise ValueError(f"plan_offload: keep={list(keep)!r} must hold layer indices (ints >= 0).")
     if offload_fraction is not None and (optimizer != "hybrid" or isinstance(offload_fraction, bool) or not
                                          isinstance(offload_fraction, (int, float)) or not 0 <= offload_fraction <= 1):
         raise ValueError(f"plan_offload: offload_fraction={offload_fraction!r} with optimizer={optimizer!r}; pass a "
@@ -215,6 +219,9 @@ def plan_offload(
             raise ValueError(f"plan_offload: {len(layers)} layers but {len(measurements)} measurements; give one per layer.")
     if not measurements:
         raise ValueError("plan_offload: no layers to plan; pass layers= with the model's repeated blocks.")
+    if any(k >= len(measurements) for k in keep):
+        raise ValueError(f"plan_offload: keep={list(keep)!r} names a layer past the last of the {len(measurements)} "
+                         f"layers; pass indices in [0, {len(measurements)}).")
     step = StepMeasurement() if step is None else step
     if bandwidth is None:
         bandwidth = measure_bandwidth(next((p.device for p in model.parameters()), None) if model is not None else None)

@@ -117,6 +117,11 @@ def test_bad_arguments():
         plan_offload(None, memory_budget=GB, measurements=SAME, layers=[torch.nn.Linear(1, 1)], bandwidth=LINK)
     with pytest.raises(ValueError, match="optimizer must be one of"):
         plan(GB, optimizer="sgd")
+    with pytest.raises(ValueError, match=r"keep=\[6\] names a layer past the last of the 6 layers; pass .* \[0, 6\)"):
+        plan(GB, keep=[6])
+    for bad in ([-1], [True], ["0"]):
+        with pytest.raises(ValueError, match=r"keep=.* must hold layer indices"):
+            plan_offload(None, memory_budget=GB, keep=bad)  # refused before anything else is looked at
 
 
 def test_a_given_schedule_is_kept():
