@@ -44,7 +44,7 @@ __all__ = ["get_cpu_offload_context", "is_cpu_offload_enabled", "active_offload_
 
 def inside_checkpoint() -> bool:
     """True while the innermost saved-tensor hooks are a non-reentrant ``torch.utils.checkpoint``'s
-    (its forward or its recompute in backward).
+    (its forward or its recompute in backward), or :class:`CheckedSaves` over them.
 
     Note [A checkpoint around the layer]: such a checkpoint keeps only its inputs and recomputes the
     rest in backward. A layer scope opened inside it stays correct (Note [Scopes inside a
@@ -54,8 +54,8 @@ def inside_checkpoint() -> bool:
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is None:
         return False
-    return getattr(top[0], "__module__", "") == "torch.utils.checkpoint" or getattr(top[0], "func", None) is (
-        _checked_pack)
+    pack = top[0]
+    return getattr(pack, "__module__", "") == "torch.utils.checkpoint" or getattr(pack, "func", None) is _checked_pack
 
 
 class CheckedSaves:
