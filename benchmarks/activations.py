@@ -557,13 +557,14 @@ def make_plan(result) -> Callable:
     """A :class:`Runner` factory applying a ``PlannerResult`` as it prescribes: checkpoint around the
     recomputed layers, ``DefaultOffloadSynchronizer(**result.runtime_kwargs())`` for the offloaded ones."""
     from annotate_offload import DefaultOffloadSynchronizer
+    from annotate_offload.annotate._plan import SELECTIVE
 
     def make(model, x, n, numel) -> Runner:
         sync = DefaultOffloadSynchronizer(**result.runtime_kwargs(), **_numel(numel)) if result.offloaded_layers else None
         codes = " ".join({"keep": "K", "offload": "O", "recompute": "R", "recompute_offload": "RO", "selective": "S",
                           "selective_offload": "SO"}[c]
                          for c in result.choices)
-        selective = {i for i, c in enumerate(result.choices) if c.startswith("selective")}
+        selective = {i for i, c in enumerate(result.choices) if c in SELECTIVE}
         return Runner(_synchronized(model, sync, set(result.recomputed_layers), selective),
                       f"{codes}; release_lag={result.release_lag}, prefetch_layers={result.prefetch_layers}")
 

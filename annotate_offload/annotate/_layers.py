@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from annotate_offload.compile._ops import TAG, register as register_runtime
 from annotate_offload.errors import OffloadError
-from annotate_offload.runtime._context import CheckedSaves, inside_checkpoint
+from annotate_offload.runtime._context import checked_saves, inside_checkpoint
 from annotate_offload.runtime._layer_state import _counter
 from annotate_offload.runtime._marks import mark_ready
 from annotate_offload.runtime._synchronizer import _identity, _recording
@@ -410,10 +410,10 @@ def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selec
     else:
         def contexts() -> tuple:
             if not selective:
-                return CheckedSaves(contextlib.nullcontext()), _FreshBuffers(module, contextlib.nullcontext())
+                return checked_saves(contextlib.nullcontext()), _FreshBuffers(module, contextlib.nullcontext())
             kept: list = []
             hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) or (_identity, _identity)
-            return CheckedSaves(_KeepOutputs(kept, hooks[0])), _FreshBuffers(module, _ReuseOutputs(kept, hooks[1]))
+            return checked_saves(_KeepOutputs(kept, hooks[0])), _FreshBuffers(module, _ReuseOutputs(kept, hooks[1]))
 
     def run(*args: Any, **kwargs: Any) -> Any:  # the layer's keywords by closure: checkpoint takes some names
         return _ORIG_CHECKPOINT(lambda *a: fn(*a, **kwargs), *args, use_reentrant=False, context_fn=contexts)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -44,7 +44,7 @@ __all__ = ["get_cpu_offload_context", "is_cpu_offload_enabled", "active_offload_
 
 def inside_checkpoint() -> bool:
     """True while the innermost saved-tensor hooks are a non-reentrant ``torch.utils.checkpoint``'s
-    (its forward or its recompute in backward), or :class:`CheckedSaves` over them.
+    (its forward or its recompute in backward), or :func:`checked_saves` over them.
 
     Note [A checkpoint around the layer]: such a checkpoint keeps only its inputs and recomputes the
     rest in backward. A layer scope opened inside it stays correct (Note [Scopes inside a
@@ -58,7 +58,8 @@ def inside_checkpoint() -> bool:
     return getattr(pack, "__module__", "") == "torch.utils.checkpoint" or getattr(pack, "func", None) is _checked_pack
 
 
-class CheckedSaves:
+@contextlib.contextmanager
+def checked_saves(inner: Any) -> Iterator[None]:
     """``inner`` inside saved-tensor hooks that version-check what a non-reentrant checkpoint's forward saves.
 
     Note [Versions inside a checkpoint]: the checkpoint's forward saves placeholders and its recompute
@@ -72,26 +73,10 @@ class CheckedSaves:
     module functions over the checkpoint's: nothing they hold refers back to them, so a graph that is
     never run backward is freed by reference counting, as with the checkpoint's own hooks.
     """
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __enter__(self) -> None:
-        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(_checked_pack, pack),
-                                                              functools.partial(_checked_unpack, unpack))
-        self.hooks.__enter__()
-        try:
-            self.inner.__enter__()
-        except BaseException:
-            self.hooks.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self.inner.__exit__(*exc)
-        finally:
-            self.hooks.__exit__(*exc)
+    pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    with torch.autograd.graph.saved_tensors_hooks(functools.partial(_checked_pack, pack),
+                                                  functools.partial(_checked_unpack, unpack)), inner:
+        yield
 
 
 def _checked_pack(pack: Callable[[torch.Tensor], Any], t: torch.Tensor) -> tuple:
