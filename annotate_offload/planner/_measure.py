@@ -9,6 +9,12 @@ Backward uses ``torch.autograd.grad``, which returns gradients instead of accumu
 running statistics and ``num_batches_tracked``), every parameter's ``.grad`` object and the CPU and CUDA
 RNG states are saved before and restored after, also when profiling raises.
 
+Note [A busy device's clock]: a GPU held at its power cap by a step's sustained work runs at a lower clock
+than a phase timed alone between idle waits gets, so a matmul-bound phase is faster alone than in a step.
+The layers' forwards are therefore also timed inside one pass of the whole model, right after a warm-up
+pass, and every phase time is scaled by that pass's layer time over the sum of the forwards timed alone
+(never below one): a phase costs what it costs on a busy device.
+
 Note [No key/value cache while profiling]: a Hugging Face model whose ``use_cache`` is not passed reads
 ``config.use_cache`` (``True`` by default) and hands every decoder layer one shared key/value cache. Each
 layer is profiled several times on the inputs captured from one forward, so it would append to that
@@ -80,8 +86,8 @@ class _ModelState:
 
 
 def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kwargs: dict, device) -> tuple:
-    """Every layer's inputs from one forward without autograd, and the forward time outside the layers
-    (ms, from a second forward: the first one warms up)."""
+    """Every layer's inputs from one forward without autograd, and the forward time outside and inside the
+    layers (ms, from a second forward right after the first, which warms up)."""
     captured: list = [None] * len(layers)
     marks: list = []
 
@@ -120,7 +126,8 @@ def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, 
             f"plan_offload: layers {missing} were not called by model(*example_inputs); pass layers= with only the "
             "blocks the forward runs, or example_inputs that reach them."
         )
-    return captured, max(0.0, whole.ms() - sum(m.ms() for m in marks))
+    inside = sum(m.ms() for m in marks)
+    return captured, max(0.0, whole.ms() - inside), inside
 
 
 def _unique_storage_bytes(tensors, skip: set) -> int:
@@ -543,21 +550,25 @@ def measure(
     state = _ModelState(model)
     try:
         model.train()
-        captured, other_fwd_ms = _capture_inputs(model, [m for _, m in named], args, kwargs, device)
+        captured, other_fwd_ms, in_model_ms = _capture_inputs(model, [m for _, m in named], args, kwargs, device)
         grad_flags: list = [None] * len(named)
         head = _measure_head(model, [m for _, m in named], args, kwargs, device, param_ptrs,
                              [p for p in trainable if id(p) not in in_layers], grad_flags)
+        profiles = []
+        for (_, layer), inputs, flags in zip(named, captured, grad_flags):
+            dev, waits = _device_of(layer, inputs), {}  # waits: Note [Timing with the host ahead]
+            profiles.append([_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen, flags, waits)
+                             for _ in range(warmup + repeats)][warmup:])
+        # Note [A busy device's clock]
+        alone = sum(statistics.median(r[0] for r in runs) for runs in profiles)
+        clock = max(1.0, in_model_ms / alone) if alone > 0 else 1.0
         result = []
-        for (name, layer), inputs, flags in zip(named, captured, grad_flags):
-            dev = _device_of(layer, inputs)
-            waits: dict = {}  # Note [Timing with the host ahead]
-            runs = [_profile_layer(layer, inputs, param_ptrs, dev, min_offload_numel, frozen, flags, waits)
-                    for _ in range(warmup + repeats)][warmup:]
+        for (name, layer), runs in zip(named, profiles):
             backward_ms = statistics.median(r[1] for r in runs)  # no rerun is timed below the plain backward
             result.append(
                 LayerMeasurement(
-                    forward_ms=statistics.median(r[0] for r in runs),
-                    backward_ms=backward_ms,
+                    forward_ms=clock * statistics.median(r[0] for r in runs),
+                    backward_ms=clock * backward_ms,
                     saved_bytes=max(r[2] for r in runs),
                     checkpoint_input_bytes=runs[0][3],
                     unmoved_bytes=min(max(r[4] for r in runs), max(r[2] for r in runs)),
@@ -566,11 +577,11 @@ def measure(
                     backward_peak_bytes=max(r[7] for r in runs),
                     grad_bytes=_bytes(p for p in layer.parameters() if p.requires_grad),
                     cast_bytes=max(r[8] for r in runs),
-                    recompute_ms=max(statistics.median(r[9] for r in runs), backward_ms),
+                    recompute_ms=clock * max(statistics.median(r[9] for r in runs), backward_ms),
                     recompute_peak_bytes=max(r[10] for r in runs),
                     selective_bytes=max(r[11] for r in runs),
                     unmoved_selective_bytes=min(max(r[14] for r in runs), max(r[11] for r in runs)),
-                    selective_ms=max(statistics.median(r[12] for r in runs), backward_ms),
+                    selective_ms=clock * max(statistics.median(r[12] for r in runs), backward_ms),
                     selective_peak_bytes=max(r[13] for r in runs),
                     name=name,
                 )

@@ -94,6 +94,28 @@ def test_saved_bytes_count_unique_storages_without_parameters():
     assert small[0].unmoved_selective_bytes == act  # under the runtime's threshold it would stay
 
 
+def test_phases_are_scaled_to_the_layers_time_inside_one_pass_of_the_model(monkeypatch):
+    from annotate_offload.planner import _measure
+
+    capture = _measure._capture_inputs
+    inside = {}
+
+    def timed_inside(*args):
+        captured, other, _ = capture(*args)
+        return captured, other, inside["ms"]
+
+    monkeypatch.setattr(_measure, "_capture_inputs", timed_inside)
+    net, x = Net(16, depth=2), torch.randn(8, 16)
+    inside["ms"] = 1e6  # the layers ran far slower inside the pass (a throttled clock): every phase scales up
+    slow = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    assert sum(m.forward_ms for m in slow) == pytest.approx(1e6)
+    for m in slow:  # one factor for every phase (a CPU backward of this net takes well under a second)
+        assert m.backward_ms > 1e3 and m.recompute_ms >= m.backward_ms and m.selective_ms >= m.backward_ms
+    inside["ms"] = 0.0  # faster inside the pass than alone: never scaled down
+    fast = measure_layers(net, None, (x,), warmup=0, repeats=1)
+    assert sum(m.forward_ms for m in fast) < 1e3
+
+
 def test_the_step_measurement_counts_weights_gradients_peaks_and_the_optimizer(monkeypatch):
     monkeypatch.setattr(_bandwidth, "_ADAMW_CACHE", {"cpu": (100.0, 100.0)})
     width, batch = 16, 8
