@@ -11,10 +11,9 @@ RNG states are saved before and restored after, also when profiling raises.
 
 Note [A busy device's clock]: a GPU held at its power cap by a step's sustained work runs at a lower clock
 than a phase timed alone between idle waits gets, so a matmul-bound phase is faster alone than in a step.
-The layers' forwards are therefore also timed inside one pass of the whole model, and every phase time is
-scaled by that pass's layer time over the sum of the forwards timed alone (never below one): a phase costs
-what it costs on a busy device. The cap's controller lowers the clock over a few hundred milliseconds of
-load, so on CUDA the timed pass is the last of passes run back to back for about a second (at most 100).
+The layers' forwards are therefore also timed inside one pass of the whole model, right after a warm-up
+pass, and every phase time is scaled by that pass's layer time over the sum of the forwards timed alone
+(never below one): a phase costs what it costs on a busy device.
 
 Note [No key/value cache while profiling]: a Hugging Face model whose ``use_cache`` is not passed reads
 ``config.use_cache`` (``True`` by default) and hands every decoder layer one shared key/value cache. Each
@@ -86,12 +85,9 @@ class _ModelState:
             torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
-_BUSY_MS, _BUSY_PASSES = 1000.0, 100  # Note [A busy device's clock]
-
-
 def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, kwargs: dict, device) -> tuple:
     """Every layer's inputs from one forward without autograd, and the forward time outside and inside the
-    layers (ms, from the last of the forwards run back to back: Note [A busy device's clock])."""
+    layers (ms, from a second forward right after the first, which warms up)."""
     captured: list = [None] * len(layers)
     marks: list = []
 
@@ -108,12 +104,10 @@ def _capture_inputs(model: nn.Module, layers: Sequence[nn.Module], args: tuple, 
     handles += [layer.register_forward_hook(lambda *_: marks[-1].__exit__()) for layer in layers]
     try:
         with torch.no_grad():
-            busy = passes = 0
-            while passes < 2 or device.type == "cuda" and busy < _BUSY_MS and passes < _BUSY_PASSES:
+            for _ in range(2):
                 marks.clear()
                 with _Timer(device) as whole:
                     model(*args, **kwargs)
-                busy, passes = busy + whole.ms(), passes + 1
     except Exception as e:
         # a wrong shape or count surfaces as the model's own error, with no word of example_inputs;
         # the error keeps its type (it may be a real bug of the model) and gains a note (Python >= 3.11
