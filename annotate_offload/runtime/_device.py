@@ -19,34 +19,18 @@ allocated on a side stream is never reused by the compute stream's own allocatio
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 __all__: list[str] = []
 
 
-class _NullEvent:
-    """An event that is always complete (CPU backend)."""
-
-    __slots__ = ()
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return "_NullEvent()"
-
-
 class _NullStream:
-    """A stream whose work is always complete (CPU backend)."""
+    """A stream (and its events) whose work is always complete (CPU backend)."""
 
     __slots__ = ()
 
@@ -56,39 +40,22 @@ class _NullStream:
     def wait_stream(self, stream: Any) -> None:
         return None
 
-    def synchronize(self) -> None:
-        return None
-
     def __repr__(self) -> str:
         return "_NullStream()"
 
 
 _NULL_STREAM = _NullStream()
-_NULL_EVENT = _NullEvent()
 
 
 class _Backend:
-    """Interface shared by the CPU and CUDA backends."""
+    """What the CPU and CUDA backends share: ``device``, ``d2h_stream``/``h2d_stream``, ``current_stream()``,
+    ``stream_ctx(stream)``, ``record(stream)`` (a new event) and ``is_done(event)``."""
 
     device_type: str = "cpu"
     device: torch.device
 
-    def current_stream(self) -> Any:
-        raise NotImplementedError
-
-    def stream_ctx(self, stream: Any) -> contextlib.AbstractContextManager:
-        raise NotImplementedError
-
-    def record(self, stream: Any) -> Any:
-        """Record and return a new event on ``stream``."""
-        raise NotImplementedError
-
     def is_done(self, event: Any) -> bool:
         return bool(event.query())
-
-    @property
-    def copies_are_async(self) -> bool:
-        return False
 
 
 class _CpuBackend(_Backend):
@@ -108,7 +75,7 @@ class _CpuBackend(_Backend):
         return contextlib.nullcontext()
 
     def record(self, stream: Any) -> Any:
-        return _NULL_EVENT
+        return _NULL_STREAM
 
     def is_done(self, event: Any) -> bool:
         return True
@@ -124,20 +91,14 @@ class _CudaBackend(_Backend):
 
     def __init__(self, index: int) -> None:
         self.device = torch.device("cuda", index)
-        self._d2h: Optional[torch.cuda.Stream] = None
-        self._h2d: Optional[torch.cuda.Stream] = None
 
-    @property
+    @functools.cached_property
     def d2h_stream(self) -> torch.cuda.Stream:
-        if self._d2h is None:
-            self._d2h = torch.cuda.Stream(device=self.device)
-        return self._d2h
+        return torch.cuda.Stream(device=self.device)
 
-    @property
+    @functools.cached_property
     def h2d_stream(self) -> torch.cuda.Stream:
-        if self._h2d is None:
-            self._h2d = torch.cuda.Stream(device=self.device)
-        return self._h2d
+        return torch.cuda.Stream(device=self.device)
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -149,10 +110,6 @@ class _CudaBackend(_Backend):
         event = torch.cuda.Event()
         event.record(stream)
         return event
-
-    @property
-    def copies_are_async(self) -> bool:
-        return True
 
     def __repr__(self) -> str:
         return f"_CudaBackend({self.device})"
@@ -173,8 +130,6 @@ def get_backend(device: "str | torch.device | None" = None) -> _Backend:
     Raises:
         ValueError: for a device type other than ``cpu`` or ``cuda``, or ``cuda`` without CUDA.
     """
-    import os
-
     if device is None:
         env = os.environ.get("ANNOTATE_OFFLOAD_DEVICE")
         if env:
