@@ -9,25 +9,19 @@ layer's own code runs unchanged::
                                      (class or earlier        mark the layer boundary for backward)
                                      instance forward)
 
-Nothing above the layers is traced or replaced: the root forward, its arguments, every module's
-``training`` flag and Python flags are the user's. The index ``i`` is the layer's position among
-the declared layers, fixed per wrapper, so eval forwards, skipped layers and repeated forwards
-cannot desynchronise it. Outside a training forward (autograd off, or inside backward where a
-checkpoint recomputes the layer), and inside the layer's own open scope (a user forward set later
-that calls the earlier wrapper), the wrapper only calls the forward. The runtime binds its device
-from the tensors of each step (Note [Device binding] in ``runtime/_synchronizer.py``), so the
-transform and ``.to(device)`` may come in either order.
+Nothing above the layers is traced or replaced. The index ``i`` is fixed per wrapper, so eval forwards,
+skipped layers and repeated forwards cannot desynchronise it. Outside a training forward (autograd off,
+or a checkpoint's recompute in backward), and inside the layer's own open scope (a user forward set
+later that calls the earlier wrapper), the wrapper only calls the forward.
 
 Note [Traced layers]. Under ``torch.compile`` Dynamo traces the wrapper (no graph break): it runs
 the forward inside ``torch.fx.traceback.annotate`` with the tag ``(key, i)`` (``key``: the model's
 runtime, Note [Compiled offload ops] in ``compile/_ops.py``) and puts a ``layer`` marker op at the
-entry of layer ``i`` (and after the last layer) with the key and a checksum of the plan. AOTAutograd carries the tag onto every forward and
-backward node of the layer, and the fx pass in ``compile/_pass.py`` offloads the saved activations
-of the partitioned graph through the same runtime. No scope opens in traced code, so the adapter
-marks' hooks stand aside there. Dynamo guards on ``key``, the plan, the layer index and the grad
-mode, so a model transformed, removed or copied later gets its own graph. The same holds on every
-device: on CUDA the pass's ops drive the side streams, events and pinned pool of the eager runtime
-(Note [Compiled offload ops] in ``compile/_ops.py``).
+entry of layer ``i`` (and after the last layer) with the key and a checksum of the plan. AOTAutograd
+carries the tag onto every forward and backward node of the layer, and the fx pass in
+``compile/_pass.py`` offloads the saved activations of the partitioned graph through the same runtime.
+No scope opens in traced code, so the adapter marks' hooks stand aside there. Dynamo guards on ``key``, the plan, the layer index and the grad
+mode, so a model transformed, removed or copied later gets its own graph.
 
 The wrappers hold weak references to their layer and to the transform's state, which the model
 owns: a transformed model has no reference cycle and is freed when its last reference goes, like

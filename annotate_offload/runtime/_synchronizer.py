@@ -52,6 +52,7 @@ context's next entry takes that forward as abandoned, drops its step and counts 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -73,14 +74,12 @@ from ._tensor_group import _unit_range
 
 __all__ = ["OffloadSynchronizer", "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
 
-_TLS = threading.local()
+class _Scopes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list = []  # the synchronizers whose layer scope is open on this thread, innermost last
 
 
-def _active_stack() -> list:
-    stack = getattr(_TLS, "stack", None)
-    if stack is None:
-        stack = _TLS.stack = []
-    return stack
+_SCOPES = _Scopes()
 
 
 def _active_synchronizer() -> Optional["OffloadSynchronizer"]:
@@ -88,7 +87,7 @@ def _active_synchronizer() -> Optional["OffloadSynchronizer"]:
     ``torch.compile`` traces, which opens no scope (Note [Traced layers] in ``annotate/_layers.py``)."""
     if torch.compiler.is_compiling():
         return None
-    stack = _active_stack()
+    stack = _SCOPES.stack
     return stack[-1] if stack else None
 
 
@@ -507,7 +506,7 @@ class OffloadSynchronizer:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._scope = hooks
-        _active_stack().append(self)
+        _SCOPES.stack.append(self)
         return index
 
     def enter_layer(self, index: int) -> bool:
@@ -526,14 +525,18 @@ class OffloadSynchronizer:
 
     def exit_layer(self) -> None:
         """Close the open scope (if any) and end its layer's forward."""
+        if self._close_scope():
+            self._end()
+
+    def _close_scope(self) -> bool:
+        """Exit the open scope's hooks; ``False`` when no scope is open."""
         scope, self._scope = self._scope, None
         if scope is None:
-            return
-        stack = _active_stack()
-        if self in stack:
-            stack.remove(self)
+            return False
+        if self in _SCOPES.stack:
+            _SCOPES.stack.remove(self)
         scope.__exit__(None, None, None)
-        self._end()
+        return True
 
     def commit_layer(self, output: Any, index: int) -> Any:
         """Close layer ``index``'s scope and mark the layer boundary on ``output``.
@@ -568,15 +571,8 @@ class OffloadSynchronizer:
 
     def abort(self) -> None:
         """Recover from an exception: close the scope, release this step (Note [Errors leave nothing behind])."""
-        scope, self._scope = self._scope, None
-        if scope is not None:
-            stack = _active_stack()
-            if self in stack:
-                stack.remove(self)
-            try:
-                scope.__exit__(None, None, None)
-            except Exception:  # noqa: BLE001
-                pass
+        with contextlib.suppress(Exception):
+            self._close_scope()
         self._cur = self._cur_index = None
         step, self._step = self._step, None
         if step is not None:
