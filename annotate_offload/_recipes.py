@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .annotate._plan import _opt_bytes as _fmt_bytes
 from .config import Config, ModelConfig, OptimizerConfig, TrainConfig
 
 __all__ = ["Recipe", "RECIPES", "get_recipe", "check_runnable", "make_batches", "run", "compare", "plan_text"]
@@ -438,12 +439,6 @@ def strategies(planned, cfg: Config) -> dict[str, tuple | str]:
             warnings.simplefilter("ignore")  # a 0.0 fraction with optimizer offload on warns; run() uses AdamW then
             out[name] = (dataclasses.replace(cfg, model=model, optimizer=optimizer), r.prediction)
     return out
-
-
-def _fmt_bytes(n: Optional[int]) -> str:
-    from .planner._plan import format_bytes
-
-    return "-" if n is None else format_bytes(n)
 
 
 @dataclass

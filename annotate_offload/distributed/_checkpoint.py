@@ -16,10 +16,9 @@ metadata, lets DCP reshard into them, and hands the result to ``load_state_dict`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -32,19 +31,15 @@ __all__: list[str] = []
 _MODEL, _OPTIM = "model", "optim"
 
 
-def _no_dist() -> bool:
-    """No process group: DCP then reads/writes as one process (said explicitly, so it does not warn)."""
+def _dcp(op: Any, state_dict: dict, checkpoint_id: Any, process_group: Any) -> None:
+    """``dcp.save``/``dcp.load``; without a process group as one process, which DCP is told explicitly and
+    warns about even then (here that is the intent, so the warning is silenced)."""
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized())
-
-
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns on every single-process save/load even with ``no_dist=True``; here that is the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+        op(state_dict, checkpoint_id=checkpoint_id, process_group=process_group,
+           no_dist=not (dist.is_available() and dist.is_initialized()))
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -184,8 +179,7 @@ def save_checkpoint(model: nn.Module, optimizer: Any, checkpoint_id: Any, *, pro
     import torch.distributed.checkpoint as dcp
 
     sd = {_MODEL: _unwrap(model).state_dict(), _OPTIM: _optimizer_state_dict(model, optimizer, "save_checkpoint")}
-    with _quiet_single_process():
-        dcp.save(sd, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
+    _dcp(dcp.save, sd, checkpoint_id, process_group)
 
 
 def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: Any, *, process_group: Any = None) -> None:
@@ -230,11 +224,9 @@ def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: A
     if opt is not None:  # read and check the optimizer part before a weight changes
         fqns = _fqns(model, opt, "load_checkpoint")
         osd = _template(opt, fqns, md, _OPTIM)
-        with _quiet_single_process():
-            dcp.load({_OPTIM: osd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
+        _dcp(dcp.load, {_OPTIM: osd}, checkpoint_id, process_group)
         osd = _loadable(fqns, osd)
-    with _quiet_single_process():
-        dcp.load({_MODEL: msd}, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=_no_dist())
+    _dcp(dcp.load, {_MODEL: msd}, checkpoint_id, process_group)
     inner.load_state_dict(msd)
     if opt is not None:
         opt.reload_model_params()

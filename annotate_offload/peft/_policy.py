@@ -23,11 +23,8 @@ computed differently: outputs and gradients are bit-identical with and without o
 Frozen base weights are parameters (never offloaded), but autocast does not cache the casts of
 parameters that do not require grad, so each step the bf16 copy of a frozen weight is a fresh
 tensor that the runtime can only recognise by shape: it is registered with
-``OffloadSynchronizer.add_frozen_weights`` while a scope is open.
-
-Marks are attributes on tensor objects, set only while an offload scope is open
-(``is_cpu_offload_enabled()``); without offloading the adapters compute exactly what they
-compute with it.
+``OffloadSynchronizer.add_frozen_weights`` while a scope is open. Marks are set only while an
+offload scope is open (``is_cpu_offload_enabled()``).
 """
 
 from __future__ import annotations
@@ -53,9 +50,7 @@ __all__ = [
 ]
 
 
-def active_policy() -> Optional[str]:
-    """The selection policy of the offload scope open on this thread, or ``None`` when none is open."""
-    return active_offload_policy()
+active_policy = active_offload_policy  # the open scope's selection policy, or None
 
 
 _NOT_OFFLOAD = "_TE_do_not_offload"  # the attribute mark_not_offload sets (TE's name)
