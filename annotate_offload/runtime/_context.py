@@ -9,11 +9,9 @@ Port TE code by changing one import::
         x = sync(x)
     loss_fn(x).backward()
 
-Behaviour follows TransformerEngine's ``cpu_offload.get_cpu_offload_context``: same signature and
-positional order, same returns, same validation. Differences, all additive: the D2H copies start at
-save time, the schedule's look-ahead is one keyword (``prefetch_layers``), the selection policy and
-size threshold are keywords, and with grad disabled (``no_grad``, ``inference_mode``: eval passes)
-the context passes straight through.
+Same signature, positional order, returns and validation as TransformerEngine's; additions: the
+D2H copies start at save time, keyword-only ``prefetch_layers``, ``policy``, ``min_offload_numel`` and
+``device``, and with grad disabled (eval passes) the context passes straight through.
 
 Note [Nesting]. Several offload contexts may live in one process (a policy and a reference
 model): each has its own synchronizer and counters; they share the side streams and the host
@@ -62,16 +60,13 @@ def inside_checkpoint() -> bool:
 def checked_saves(inner: Any) -> Iterator[None]:
     """``inner`` inside saved-tensor hooks that version-check what a non-reentrant checkpoint's forward saves.
 
-    Note [Versions inside a checkpoint]: the checkpoint's forward saves placeholders and its recompute
-    in backward refills them, so autograd never compares a saved tensor's version with the one it had
-    when it was saved, and a forward that changed a saved tensor in place afterwards (``y =
-    sigmoid(h); y.mul_(h)``: the run without the checkpoint raises at backward) trains on silently, with
-    the gradients of the rerun. Entered as the checkpoint's forward context (inside its hooks), these
-    hooks pass each saved tensor to the checkpoint's own pack and record its version counter (an alias
-    of no storage) and version; their unpack raises autograd's error where the version moved, as the run
-    without the checkpoint does, then hands the checkpoint's placeholder back. The hooks are partials of
-    module functions over the checkpoint's: nothing they hold refers back to them, so a graph that is
-    never run backward is freed by reference counting, as with the checkpoint's own hooks.
+    Note [Versions inside a checkpoint]: the checkpoint's recompute refills placeholders, so autograd
+    never compares a saved tensor's version with the one it had at save, and a forward that changed a
+    saved tensor in place afterwards (``y = sigmoid(h); y.mul_(h)``) would train on silently where the
+    run without the checkpoint raises. These hooks, entered inside the checkpoint's, pass each tensor to
+    its pack and record its version counter (``_counter``) and version; their unpack raises autograd's
+    error where the version moved. They are partials of module functions, holding nothing that refers
+    back to them, so a graph never run backward is freed by reference counting.
     """
     pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
     with torch.autograd.graph.saved_tensors_hooks(functools.partial(_checked_pack, pack),
@@ -213,8 +208,8 @@ def get_cpu_offload_context(
     """Activation offloading context and sync function, drop-in for TransformerEngine's.
 
     Args:
-        enabled (bool): when ``False`` returns ``(nullcontext(), identity)`` (plus ``None`` in
-            manual mode) without validating anything else. Default: ``False``.
+        enabled (bool): ``False`` returns ``(nullcontext(), identity)`` (plus ``None`` in manual mode)
+            without validating anything else. Default: ``False``.
         num_layers (int): layers to offload, ``0 <= num_layers <= model_layers - 1`` (the first
             ``num_layers`` layers; ignored in manual mode). Default: ``1``.
         model_layers (int): layer scopes per forward (number of ``with ctx:`` entries).
@@ -226,10 +221,8 @@ def get_cpu_offload_context(
             / ``start_reload_layer``.
         retain_pinned_cpu_buffers (bool): see :class:`OffloadSynchronizer`.
         offload_stream: a CUDA stream for the copies; manual mode only (as in TE).
-        prefetch_layers (int): the schedule's look-ahead ``k >= 1``, in layers, both ways: layer
-            ``i``'s device bytes are released by the entry of layer ``i + 1 + k`` and reloaded when
-            backward reaches layer ``i + k`` (``release_lag`` and ``prefetch_layers`` of
-            :class:`DefaultOffloadSynchronizer`). ``None`` reproduces TE's schedule. Default: ``None``.
+        prefetch_layers (int): the schedule's look-ahead ``k >= 1`` both ways (``release_lag`` and
+            ``prefetch_layers`` of :class:`DefaultOffloadSynchronizer`); ``None``: TE's. Default: ``None``.
         policy (str): ``"opt_out"`` (default) or ``"opt_in"``; ``None`` follows
             ``NVTE_CPU_OFFLOAD_V1``.
         min_offload_numel (int): size threshold in logical elements. Default: 262144.

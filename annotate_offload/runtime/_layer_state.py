@@ -1,33 +1,27 @@
 """One layer's saved tensors in one step: storage units, their host copies and reloads.
 
-Note [Offload lifetime]. A layer state is owned by the step that created it (until the
-synchronizer releases the step) *and* by every pack handle autograd holds. Device memory is
-released explicitly by the schedule (forward bytes once their D2H is done; a unit's reload once
-each of its handles was unpacked, at the latest when its layer's backward is done); host buffers
-go back to the pool only when the layer state dies, i.e. when autograd has freed its saved tensors
-(after backward without ``retain_graph``, or when the graph is garbage-collected). So
-``retain_graph=True``, several backward passes per step and graphs whose backward never runs
-cannot corrupt the next step: a later unpack reloads from the host copy.
+Note [Offload lifetime]. A layer state is owned by the step that created it (until the synchronizer
+releases the step) *and* by every pack handle autograd holds. Device memory is released by the
+schedule (forward bytes once their D2H is done; a unit's reload once each of its handles was
+unpacked, at the latest when its layer's backward is done); host buffers go back to the pool only
+when the layer state dies, i.e. when autograd has freed its saved tensors. So ``retain_graph=True``,
+several backward passes per step and graphs whose backward never runs cannot corrupt the next step:
+a later unpack reloads from the host copy. Dropping a served reload frees nothing backward needs:
+each unpacked tensor is a view that keeps the buffer alive, and the compute stream already waited
+for its H2D. A handle unpacked again after the drop (``ctx.saved_tensors`` read twice) reloads its
+unit alone.
 
-Dropping a reload once each handle was served frees nothing backward still needs: each unpacked
-tensor is a view that keeps the buffer alive until autograd is done with it, and the compute
-stream already waited for the H2D at that unpack. A handle unpacked again after the drop (a
-custom ``backward`` reading ``ctx.saved_tensors`` twice) reloads its unit alone.
-
-Note [Version check]. Saved-tensor hooks switch off autograd's own check that a saved tensor was
-not modified in place before backward, so the runtime does it: each handle records the tensor's
-version at save, and each unit watches the version counters of the tensors saved from it. While a
-unit's device bytes are held it holds those tensors (it costs no memory: the bytes are the same);
-when it releases them it keeps, per tensor, a counter alias: a tensor of no storage that shares the
-tensor's version counter (``_counter``), so an in-place edit made after the release, even through a
-tensor object that has since died, is still seen. An unpack raises autograd's error if any watched
-version differs from the handle's. Nothing is read from a modified tensor. Handles and layers hold a
-saved tensor that has a ``grad_fn`` as a detached alias (same bytes, same version counter): the
-tensor's node holds its handle, so holding the tensor would close a cycle through autograd's C++
-nodes that the garbage collector cannot see, and a forward whose backward never runs would keep its
-graph and the model's parameters alive. A compiled graph's layers (``track=False``) watch nothing
-after the release: the graph reuses a released buffer for later values, and never edits a saved
-tensor in place.
+Note [Version check]. Saved-tensor hooks switch off autograd's check that a saved tensor was not
+modified in place, so the runtime does it: each handle records the tensor's version at save; each
+unit watches the tensors saved from it (held with its device bytes, at no cost) and, after their
+release, a counter alias of each (``_counter``: no storage, the same version counter), so an
+in-place edit after the release, even through a tensor object that has died, is seen. An unpack
+raises autograd's error if a watched version differs from the handle's. Handles and layers hold a
+saved tensor that has a ``grad_fn`` as a detached alias: the tensor's node holds its handle, so
+holding the tensor would close a cycle through autograd's C++ nodes that gc cannot see, keeping
+the graph (and the parameters) of a forward whose backward never runs alive. A compiled graph's
+layers (``track=False``) watch nothing after the release: the graph reuses released buffers for
+later values and never edits a saved tensor in place.
 """
 
 from __future__ import annotations

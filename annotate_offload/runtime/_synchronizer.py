@@ -201,12 +201,10 @@ class OffloadSynchronizer:
             if min_offload_numel is None
             else _check_int("min_offload_numel", min_offload_numel, 0)
         )
-        # Note [Device binding]: without a device (and no ANNOTATE_OFFLOAD_DEVICE), the backend is
-        # bound per step from the first CUDA tensor an offloaded layer saves, not here: a model that
-        # is transformed and then moved (.to("cuda"), Trainer, accelerate) offloads on the device it
-        # trains on. Each step starts on the CPU backend (no stream, no CUDA initialisation), and a
-        # CPU tensor saved first (the empty tensor non-reentrant checkpoint saves with its inputs,
-        # a CPU scalar) does not bind the step, or its CUDA tensors would all stay on the device.
+        # Note [Device binding]: without a device (and no ANNOTATE_OFFLOAD_DEVICE), each step starts on the
+        # CPU backend and is bound to the device of the first CUDA tensor an offloaded layer saves, so a
+        # model moved after the transform offloads on the device it trains on. A CPU tensor saved first
+        # (the empty tensor a non-reentrant checkpoint saves) does not bind the step.
         self._offload_stream = offload_stream
         self._lazy_device = device is None and not os.environ.get("ANNOTATE_OFFLOAD_DEVICE")
         self._bind(get_backend("cpu" if self._lazy_device else device))
@@ -274,13 +272,8 @@ class OffloadSynchronizer:
         return False
 
     def add_frozen_weights(self, params: Iterable[torch.Tensor]) -> None:
-        """Register frozen weights whose casts (autocast copies) must never be offloaded.
-
-        Autocast does not cache casts of parameters that do not require grad, so the bf16 copy of
-        a frozen weight is a fresh tensor without ``grad_fn``. A saved tensor that has no
-        ``grad_fn``, does not require grad and has the shape of a registered weight (or of its
-        transpose) is kept on the device, with reason ``parameter``.
-        """
+        """Register frozen weights whose autocast casts must never be offloaded: kept on the device with
+        reason ``parameter``, recognised by shape (``_is_frozen_weight_copy`` in ``_layer_state.py``)."""
         params = list(params)
         for p in params:
             if not isinstance(p, torch.Tensor):
@@ -359,10 +352,7 @@ class OffloadSynchronizer:
     def _unpack(self, handle: Any) -> torch.Tensor:
         return handle.unpack() if type(handle) is _Kept else self.pop_tensor(handle)
 
-    # -- compiled graphs (annotate_offload/compile, Note [Compiled offload ops]) --------------
-    # In a compiled graph the fx pass decided which saved activations move and where each layer's
-    # device copies are released; these calls feed them to the same storage units, host buffers,
-    # prefetch schedule and statistics as the hooks above.
+    # -- compiled graphs: the calls of the fx pass's ops (Note [Compiled offload ops]) -------
     def graph_begin(self, first: int, last: int) -> Any:
         """A compiled forward of layers ``first..last`` starts; returns its step: a new one unless the graph
         continues the current forward (``first`` past the last layer entered, as in :meth:`enter_layer`)."""
@@ -510,12 +500,9 @@ class OffloadSynchronizer:
         return index
 
     def enter_layer(self, index: int) -> bool:
-        """Open layer ``index``'s saved-tensor scope. Returns ``False`` (no-op) without grad, and
-        inside a backward (a checkpoint's recompute: pass-through hooks until the scope closes).
-
-        Entering a layer whose index is not larger than the last one entered starts a new step:
-        the previous step's device memory is released (its host copies stay available to a graph
-        that is still alive).
+        """Open layer ``index``'s saved-tensor scope; ``False`` (no-op) without grad. Inside a backward its
+        hooks pass through (Note [Scopes inside a checkpoint]). An index not above the last one entered
+        starts a new step.
 
         Raises:
             OffloadError: if a scope is already open (it is closed and the step dropped first).
