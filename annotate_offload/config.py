@@ -176,22 +176,19 @@ class ModelConfig:
         offload_policy (OffloadPolicy | str): ``"opt_out"`` or ``"opt_in"``. Default: ``"opt_out"``.
         min_offload_numel (int): tensors with fewer logical elements stay on the device.
             Default: ``262144`` (TE's 256K).
-        release_lag (int | None): runtime release schedule in layers (``>= 0``). ``None``:
-            ``offload_transform`` starts at 1 and tunes it from the link at the first CUDA training step
-            (Note [Default schedule from the link] in ``annotate/_transform.py``); with ``memory_budget``
-            the planner chooses it. Default: ``None``.
+        release_lag (int | None): runtime release schedule in layers (``>= 0``). ``None``: tuned from
+            the link (Note [Default schedule from the link] in ``annotate/_transform.py``), or chosen by
+            the planner with ``memory_budget``. Default: ``None``.
         prefetch_layers (int | None): reload look-ahead in layers (``>= 1``); ``None`` as for
             ``release_lag``. Default: ``None``.
         memory_budget (int | str | None): the training step's peak device memory
-            (``torch.cuda.max_memory_allocated``: weights, gradients, optimizer state on the device and
-            activations), bytes or a string such as ``"20GiB"`` (:func:`parse_memory_budget`). The planner
-            then chooses per layer keep, offload, recompute or both, the schedule and the optimizer's
-            ``offload_fraction``. An extension of Megatron Bridge's names; exclusive with
-            ``cpu_offloading_num_layers`` and ``recompute``. Default: ``None``.
-        recompute (bool): ``offload_transform`` runs every declared layer under
-            ``torch.utils.checkpoint`` (non-reentrant) inside its offload scope, so offloaded layers
-            move only the checkpoint's saved inputs. Unlike ``recompute_granularity`` (Megatron's
-            own recompute) it combines with ``cpu_offloading``. Default: ``False``.
+            (``torch.cuda.max_memory_allocated``), bytes or a string such as ``"20GiB"``
+            (:func:`parse_memory_budget`), which the planner fits (``offload_transform``). An extension
+            of Megatron Bridge's names; exclusive with ``cpu_offloading_num_layers`` and ``recompute``.
+            Default: ``None``.
+        recompute (bool): run every declared layer under non-reentrant ``torch.utils.checkpoint``
+            inside its offload scope (offloaded layers move the checkpoint's saved inputs); unlike
+            ``recompute_granularity`` it combines with ``cpu_offloading``. Default: ``False``.
         seq_length (int): tokens per sample (used by the CLI recipes). Default: ``128``.
         bf16 (bool): run forward/backward under ``torch.autocast(bfloat16)`` (CLI). Default: ``False``.
 

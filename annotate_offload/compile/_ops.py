@@ -15,32 +15,28 @@ side streams, events, pinned pool, prefetch schedule, statistics)::
 
 The forward returns the token (an empty tensor on ``x``'s device carrying the runtime's record as a
 Python attribute) in place of ``x``: the graph drops ``x`` after ``release``, and the runtime holds the
-host copy until autograd frees the token. ``keep`` holds the released activations themselves, so the
-compiler cannot reuse their buffers while a D2H may still read them, and tensors that exist only
-from the release point on, so it cannot run earlier. ``after`` does the same for the backward ops:
-``reach`` follows the gradients its layer's backward starts from; ``load`` follows the point where the
-runtime's schedule starts its layer's reload (``reach``, or for a paced one also the ``ready`` tokens up
-to half of the layer above, Note [Paced prefetch]), so the compiler counts the reload as alive from
-where the runtime allocates it; ``ready`` follows the gradients of its unit's first use, so it waits no
-earlier than that, and as it mutates the unit every read of the unit's views follows it. Data
-dependencies are the only ordering a compiler keeps, so every op has them.
+host copy until autograd frees the token. Data dependencies are the only ordering a compiler keeps,
+so every op has them: ``keep`` holds the released activations (their buffers are not reused while a
+D2H may read them) and tensors that exist only from the release point on (it cannot run earlier);
+``reach`` follows the gradients its layer's backward starts from; ``load`` follows the point where
+the runtime's schedule starts its layer's reload (``reach``, or for a paced one also the ``ready``
+tokens up to half of the layer above, Note [Paced prefetch]), so the compiler counts the reload as
+alive from where the runtime allocates it; ``ready`` follows the gradients of its unit's first use,
+and as it mutates the unit every read of the unit's views follows it.
 
-On CUDA the ops run where the compiled code calls them, on its stream: ``save`` records a ready event
-on the compute stream after the kernel that wrote ``x`` was launched and enqueues the D2H on the side
-stream behind it; ``release`` makes the compute stream wait for the layer's D2H before the graph may
-free ``x`` (no ``record_stream``: the allocator reuses ``x``'s block in compute-stream order, after the
-wait); ``load`` returns the reload the runtime allocated on the compute stream when it enqueued the H2D
-(on demand: now), and ``ready`` makes the compute stream wait for that H2D and counts the unit as used
-(Note [Paced prefetch]). No kernel reads the unit before its ``ready`` and the graph frees it no
-earlier, so its block is reused in compute-stream order after the wait; the host buffer returns to
-the pool with the H2D's event. ``load`` returns one storage unit (Note [Storage units]) whole, and the
-graph takes its tensors as views: a load per tensor would have to copy each tensor of a shared unit
-out of the reload, since what an op returns is 16-byte aligned and owned by the graph alone (inductor
-may write its outputs into it), and the copy of q in a fused qkv buffer spans nearly the whole buffer. Tokens live on the device:
-inductor takes a CPU input of a CUDA graph for unaligned memory, and the outputs of an op with an
-unaligned input for unaligned too, so the kernels that read the reloads would lose their vectorised
-loads. Each op but the markers does host work per call, so none may be captured in a CUDA graph
-(``cudagraph_unsafe``).
+On CUDA the ops run on the compiled code's stream: ``save`` records a ready event on the compute
+stream and enqueues the D2H on the side stream behind it; ``release`` makes the compute stream wait
+for the layer's D2H before the graph may free ``x`` (no ``record_stream``: the allocator reuses the
+block in compute-stream order, after the wait); ``load`` returns the reload the runtime allocated on
+the compute stream when it enqueued the H2D (on demand: now), and ``ready`` makes the compute stream
+wait for that H2D and counts the unit as used (no kernel reads the unit before it, so its block too is
+reused in compute-stream order; the host buffer returns to the pool with the H2D's event). ``load``
+returns one storage unit (Note [Storage units]) whole and the graph takes its tensors as views: what
+an op returns is 16-byte aligned and owned by the graph (inductor may write into it), so a load per
+tensor would copy each tensor of a shared unit (q of a fused qkv buffer spans nearly all of it).
+Tokens live on the device: inductor treats a CPU input of a CUDA graph, and the outputs of an op with
+one, as unaligned, losing vectorised loads. Each op but the markers does host work per call, so none
+may be captured in a CUDA graph (``cudagraph_unsafe``).
 
 ``key`` names the runtime of one transformed model: a process-wide counter, so the same script gets
 the same keys and a graph that a compile cache stored refers to the same model in a later run. It

@@ -32,15 +32,12 @@ __all__ = ["OffloadCallback"]
 class OffloadCallback(pl.Callback):
     """Offload activations (and wire ``HybridDeviceOptimizer``) in a Lightning ``Trainer``.
 
-    At fit start, after Lightning moved the model, wrapped it and called ``configure_optimizers``, for
-    each ``HybridDeviceOptimizer`` it returned: refuses the modes the run would silently break;
-    under ``bf16-mixed`` (no ``GradScaler``) clears its ``_step_supports_amp_scaling``, with which
-    Lightning refuses ``gradient_clip_val`` (under ``16-mixed`` the flag stays: GradScaler hands it the
-    scale, Note [GradScaler]); under the DDP strategy attaches it with
-    ``attach_optimizer(ddp, optimizer, shard_host_step=False)``, so every rank steps every host chunk and
-    ``optimizer.state_dict()`` needs no collective (Lightning's checkpoints save and resume it). Then,
-    once per model, transforms the ``LightningModule`` with ``offload_transform`` and, after the first
-    optimizer step, logs the plan on rank zero.
+    At fit start, for each ``HybridDeviceOptimizer`` ``configure_optimizers`` returned: refuses the modes
+    the run would silently break; under ``bf16-mixed`` (no ``GradScaler``) clears its
+    ``_step_supports_amp_scaling``, with which Lightning refuses ``gradient_clip_val`` (Note
+    [GradScaler]); under DDP attaches it with ``shard_host_step=False``, so ``optimizer.state_dict()``
+    needs no collective. Then, once per model, transforms the ``LightningModule`` with
+    ``offload_transform`` and, after the first optimizer step, logs the plan on rank zero.
 
     Args:
         num_layers (int | None): offload the first ``N`` repeated layers (``0 <= N < L``). Required unless

@@ -39,14 +39,10 @@ _TRAINER_OWNS = (("learning_rate", "lr"), ("weight_decay", "weight_decay"), ("ma
 
 
 def optimizer_cls_and_kwargs(config: Any) -> tuple[type, dict[str, Any]]:
-    """``Trainer(optimizer_cls_and_kwargs=...)`` from a config's optimizer section (Megatron Bridge names).
-
-    ``optimizer_cpu_offload=True`` gives ``HybridDeviceOptimizer`` with ``offload_fraction``,
-    ``overlap_cpu_optimizer_d2h_h2d``, ``use_torch_optimizer_for_cpu_offload``, ``pin_cpu_grads`` and
-    ``pin_cpu_params``; ``False`` gives ``torch.optim.AdamW(fused=True)``. Both get ``lr``, ``betas``
-    (``adam_beta1``, ``adam_beta2``), ``eps`` and ``weight_decay``. Trainer sets each group's
-    ``weight_decay`` from ``TrainingArguments.weight_decay`` and clips with ``max_grad_norm``: an
-    :class:`OffloadCallback` built from the same config refuses TrainingArguments that disagree.
+    """``Trainer(optimizer_cls_and_kwargs=...)`` from a config's optimizer section (Megatron Bridge names):
+    ``HybridDeviceOptimizer`` with ``optimizer_cpu_offload=True``, else ``torch.optim.AdamW(fused=True)``.
+    Trainer applies its own ``weight_decay`` and ``max_grad_norm``: an :class:`OffloadCallback` built from
+    the same config refuses TrainingArguments that disagree.
 
     Args:
         config (Config | OptimizerConfig | Mapping): e.g. ``{"optimizer": {"optimizer_cpu_offload": True,
@@ -72,14 +68,10 @@ class OffloadCallback(TrainerCallback):
     """Offload activations (and check the optimizer) in Hugging Face ``Trainer`` and TRL's trainers.
 
     At train begin, once per model: refuses optimizer modes the run would silently break, transforms
-    ``trainer.model`` with ``offload_transform`` (the runtime binds its device at the first training
-    forward) and, after the first step, logs the plan (logger ``annotate_offload.integrations.transformers``,
-    level INFO, world process zero). Under ``torchrun`` (DDP) a ``HybridDeviceOptimizer`` is attached to
-    the ``DistributedDataParallel`` model Trainer built, at its first training forward, with
-    ``attach_optimizer(ddp, optimizer, shard_host_step=False)``: every rank steps every host chunk, so
-    ``optimizer.state_dict()`` needs no collective and Trainer's checkpoints save and resume it. Trainer
-    builds DDP with ``gradient_as_bucket_view=False``, so host-stepped gradients are copied at ``step()``
-    rather than during backward.
+    ``trainer.model`` with ``offload_transform`` and, after the first step, logs the plan (INFO, world
+    process zero). Under ``torchrun`` (DDP) a ``HybridDeviceOptimizer`` is attached to Trainer's
+    ``DistributedDataParallel`` model at its first training forward with ``shard_host_step=False``, so
+    ``optimizer.state_dict()`` needs no collective and Trainer's checkpoints save and resume it.
 
     Args:
         num_layers (int | None): offload the first ``N`` decoder layers (``0 <= N < L``). Required unless
@@ -88,8 +80,7 @@ class OffloadCallback(TrainerCallback):
             chooses per layer at train begin, measuring the first training batch (taken without
             advancing the data order) under the run's bf16/fp16 autocast, for the optimizer Trainer built (a
             ``HybridDeviceOptimizer``'s ``offload_fraction``, else on the device); ``None``: no budget.
-        config (Config | ModelConfig | Mapping | None): Megatron Bridge names (``model.cpu_offloading``,
-            ``cpu_offloading_num_layers``, ``min_offload_numel``, ...); see :meth:`from_config`.
+        config (Config | ModelConfig | Mapping | None): Megatron Bridge names; see :meth:`from_config`.
         **fields: ``offload_transform``'s keyword fields: ``min_offload_numel``, ``release_lag``,
             ``prefetch_layers``, ``recompute``, ``offload_policy``.
 

@@ -301,22 +301,15 @@ _AUTO = "auto"
 def apply_offload_marks(
     model: nn.Module, *, lm_head: Union[str, nn.Module, None] = _AUTO, warn: bool = True
 ) -> OffloadMarks:
-    """Install the PEFT offload marks on ``model`` (a peft ``PeftModel``, a model with :class:`LoRALinear`, any model).
-
-    * peft LoRA layers get the marks :class:`LoRALinear` sets itself (Note [Adapter marks] in
-      ``annotate_offload/peft/_policy.py``): opt-in tags the adapter input and rank-``r`` hidden
-      ``activation_offloading = True``; opt-out marks the hidden and the adapter weights
-      ``mark_not_offload``;
-    * the language-model head's input is never offloaded;
-    * frozen weights are registered with the synchronizer (``add_frozen_weights``), so their
-      autocast casts are never offloaded as activations.
+    """Install the PEFT offload marks on ``model`` (a peft ``PeftModel``, a model with :class:`LoRALinear`, any model):
+    the adapter marks of peft LoRA layers, the language-model head's input kept on the device, frozen weights
+    registered with the synchronizer (module docstring).
 
     ``offload_transform`` calls it, and refreshes the marks when modules are registered later
     (``get_peft_model`` after the transform), so calling it yourself is needed only for
-    ``get_cpu_offload_context`` users or to name the head. The hooks act only while an offload
-    scope is open (``is_cpu_offload_enabled()``); outputs and gradients are bit-identical with and
-    without them. Calling it again on the same model (or on a wrapper of it: marks live on the
-    innermost model, unwrapped through DDP, ``PeftModel`` and peft's tuner) returns the same handle.
+    ``get_cpu_offload_context`` users or to name the head. Calling it again on the same model (or on a
+    wrapper of it: marks live on the innermost model, unwrapped through DDP, ``PeftModel`` and peft's
+    tuner) returns the same handle.
 
     Args:
         model (nn.Module): the model, e.g. ``peft.get_peft_model(model, LoraConfig(...))``.

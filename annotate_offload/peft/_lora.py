@@ -46,13 +46,9 @@ class LoRALinear(nn.Module):
 
     The base layer's parameters are frozen (``requires_grad=False``) in place; ``lora_A``
     (``in_features -> r``) and ``lora_B`` (``r -> out_features``) are bias-free ``nn.Linear``
-    layers on the base weight's device and dtype. While an offload scope is open
-    (:func:`annotate_offload.is_cpu_offload_enabled`) the forward marks its tensors for the
-    active selection policy (Note [Adapter marks] in ``annotate_offload/peft/_policy.py``):
-    opt-in tags the adapter input and the rank-``r`` hidden ``activation_offloading = True``;
-    opt-out marks the hidden and the adapter weights ``mark_not_offload``; both register the frozen
-    base weights with the synchronizer so their autocast casts are never offloaded. The output is
-    bit-identical with and without offloading.
+    layers on the base weight's device and dtype. While an offload scope is open the forward marks
+    its tensors for the active selection policy and registers the frozen base weights (Note [Adapter
+    marks] in ``_policy.py``); the output is bit-identical with and without offloading.
 
     Args:
         base (nn.Linear): the layer to adapt (kept as ``self.base``; same object).
