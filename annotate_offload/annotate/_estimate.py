@@ -1,30 +1,22 @@
 """Estimate the bytes each layer moves per step by running the example inputs on the meta device.
 
-The model's forward itself runs (its layer forwards included), with the runtime swapped for a counter that applies the
-runtime's selection rules (see ``runtime/_stats.py`` KEEP_REASONS) to what autograd saves in each
-offloaded layer's scope. Nothing is computed and no device memory is touched: parameters, buffers
-and inputs are replaced by meta tensors of the same shapes.
+The model's forward itself runs (its layer forwards included) on meta tensors of the parameters',
+buffers' and inputs' shapes, with the runtime swapped for a counter that applies the runtime's
+selection rules to what autograd saves in each offloaded layer's scope.
 
 Note [Attention on meta]: on the meta device ``F.scaled_dot_product_attention`` can only take the
 math path, which saves the ``B x H x S x S`` attention probabilities; the fused kernels training
-actually runs (flash / memory-efficient on CUDA, flash on CPU) save ``q, k, v, out`` and a
-``B x H x S`` logsumexp; counting the math path over-estimates a long-sequence layer many times
-over. :func:`fused_sdpa_on_meta` routes meta SDPA calls to the CPU
-flash kernel's meta function, whose saved set is the fused kernels'.
+runs save ``q, k, v, out`` and a ``B x H x S`` logsumexp. :func:`fused_sdpa_on_meta` routes meta
+SDPA calls to the CPU flash kernel's meta function, whose saved set is the fused kernels'.
 
-Note [Autocast on meta]: ``torch.autocast`` has no meta device, so without help an estimate of a
-model trained under bf16 autocast counts fp32 activations where bf16 ones are saved.
-:class:`autocast_on_meta`
-applies autocast's casting rule at the torch-function level, on meta tensors only: the matmul
-family, convolutions and SDPA get their floating inputs (fp64 excepted) cast to the autocast dtype,
-the ops CUDA autocast runs in fp32 (norms, softmax, exp/log/pow/rsqrt, sum, losses) get theirs cast
-to fp32, everything else runs in the dtypes it is given (type promotion). The lists are CUDA
-autocast's (torch.amp docs, "CUDA Ops that can autocast to float16 / float32"), the device the
-recipes train on; each ``.to()`` is a real cast node, so a parameter's cast is recognised and not
-counted, as in the runtime (a frozen weight's cast by its shape, as the runtime does). Not emulated:
-casts inside ``torch.autocast(enabled=False)`` regions of the model (they are cast anyway), and
-matmuls that library code runs below the torch-function level (``torch.einsum``,
-``nn.MultiheadAttention``'s fused path): those stay in their input dtype, as without autocast.
+Note [Autocast on meta]: ``torch.autocast`` has no meta device. :class:`autocast_on_meta` applies
+CUDA autocast's casting rule (torch.amp docs, "CUDA Ops that can autocast to float16 / float32") at
+the torch-function level, on meta tensors only: the matmul family, convolutions and SDPA get their
+floating inputs (fp64 excepted) cast to the autocast dtype, the fp32 ops (norms, softmax,
+exp/log/pow/rsqrt, sum, losses) to fp32, everything else runs in the dtypes it is given. Each
+``.to()`` is a real cast node, so a parameter's cast is recognised and not counted, as in the
+runtime. Not emulated: ``torch.autocast(enabled=False)`` regions, and matmuls that library code runs
+below the torch-function level (``torch.einsum``, ``nn.MultiheadAttention``'s fused path).
 """
 
 from __future__ import annotations

@@ -391,12 +391,10 @@ def _checkpointed(fn: Callable[..., Any], module: nn.Module | None = None, selec
     :func:`saved_ops` (Note [Selective recompute]); its recompute in backward writes into copies of
     ``module``'s buffers.
 
-    Note [Buffers in a recompute]: a forward that updates buffers (BatchNorm's running statistics and
-    ``num_batches_tracked``) would update them a second time when the checkpoint reruns it in backward,
-    so a recomputed layer's buffers, and later its eval outputs, would differ from the run without it.
-    The rerun gets clones of the buffers, dropped after it: the buffers are written once, by the forward.
-    The rerun reads them as the forward left them; BatchNorm's training output does not read them. The
-    clones are made by the checkpoint's recompute context before the rerun starts.
+    Note [Buffers in a recompute]: a forward that updates buffers (BatchNorm's running statistics) would
+    update them again when the checkpoint reruns it, so the buffers would differ from the run without it.
+    The checkpoint's recompute context gives the rerun clones of the buffers, dropped after it: the
+    buffers are written once, by the forward (BatchNorm's training output does not read them).
     """
     if module is None:  # traced (Note [Traced layers]): Dynamo takes torch's own contexts only
         contexts = (functools.partial(_cp.create_selective_checkpoint_contexts, selective_policy) if selective
@@ -503,17 +501,12 @@ def saved_ops() -> frozenset:
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> _cp.CheckpointPolicy:
     """Note [Selective recompute]: a layer recomputed selectively keeps, besides its input, the outputs of
-    :func:`saved_ops` (the ops that hold most of its time) and reruns the rest (norms, activations, rotary
-    embeddings, casts; most of its saved bytes, little of its time) in backward. The rerun gets the kept
-    outputs back in place of those ops, so its other ops see the same inputs and the results are those of
-    a plain checkpoint.
-
-    The kept outputs are saved as the checkpoint's input is: through the saved-tensor hooks around the
-    checkpoint (in an offloaded layer, the runtime's: they are offloaded with it, ``selective_offload``),
-    or, with none, held. An output the forward changed in place after it was kept (``h = fc(x);
-    h.mul_(2)``, which saves nothing) is not handed back: its op runs again in the rerun, so the layer
-    computes what a full recompute computes (without the check, its rerun would start from the changed
-    value). In eager code :class:`_KeepOutputs` and :class:`_ReuseOutputs` do this (torch's own
-    selective checkpoint holds its cache where no hook sees it); traced code (Note [Traced layers]) takes
-    torch's with this policy, and the compile pass offloads what it saves."""
+    :func:`saved_ops` (most of its time) and reruns the rest (norms, activations, rotary embeddings, casts:
+    most of its saved bytes) in backward, where the kept outputs replace those ops, so the results are a
+    plain checkpoint's. The kept outputs are saved as the checkpoint's input is, through the saved-tensor
+    hooks around it (in an offloaded layer they are offloaded, ``selective_offload``). An output changed in
+    place after it was kept (``h = fc(x); h.mul_(2)``) is not handed back: its op runs again, as in a full
+    recompute. In eager code :class:`_KeepOutputs` and :class:`_ReuseOutputs` do this (torch's selective
+    checkpoint holds its cache where no hook sees it); traced code (Note [Traced layers]) takes torch's with
+    this policy, and the compile pass offloads what it saves."""
     return _cp.CheckpointPolicy.MUST_SAVE if op in saved_ops() else _cp.CheckpointPolicy.PREFER_RECOMPUTE

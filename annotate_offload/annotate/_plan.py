@@ -107,12 +107,9 @@ class OffloadPlan:
         return self.planner.optimizer_kwargs() if self.planner is not None else {"offload_fraction": 0.0}
 
     def measure(self, step: Callable[[], Any]) -> dict:
-        """Run ``step()`` (one training step: forward, backward, optimizer) once with timing and memory
-        hooks at the layers' boundaries, remove them, and keep the figures in :attr:`measured` (shown
-        beside the prediction by ``repr``).
-
-        On CUDA, times come from CUDA events and memory from the allocator's peak between boundaries
-        (``torch.cuda.reset_peak_memory_stats`` at each); on a CPU, times only. A layer's backward runs
+        """Run ``step()`` (one training step) once with timing and memory hooks at the layers' boundaries
+        and keep the figures in :attr:`measured` (shown beside the prediction by ``repr``). On CUDA: CUDA
+        events and the allocator's peak between boundaries; on a CPU, times only. A layer's backward runs
         from its output's gradient to its inputs' and parameters' gradients.
 
         Returns:

@@ -350,13 +350,11 @@ class _NoCacheWhileRecomputing:
 
 class _TuneSchedule:
     """Note [Default schedule from the link]. With ``num_layers=N`` and no schedule in the config, the
-    runtime starts with the overlap schedule (``release_lag = prefetch_layers = 1``: a layer's copies
-    hide behind the next layer's compute). At the first training forward on CUDA the link is measured
-    (once per process), and the layers' forward times and the bytes each offloaded layer saved in that
-    forward are read at its end; then the cost model (Note [Planner time model], backward taken as twice
-    the forward) picks, of the schedules up to TransformerEngine's gap ``L - N - 1`` (at least 1), the
-    fastest one, the smallest on ties. One-off: this root forward pre-hook removes itself at the first
-    training forward (on a CPU without measuring), and its layer hooks at the end of that forward."""
+    runtime starts with ``release_lag = prefetch_layers = 1``. At the first training forward on CUDA the
+    link (once per process), the layers' forward times and each offloaded layer's bytes are measured,
+    and the cost model (Note [Planner time model], backward taken as twice the forward) picks the fastest
+    schedule up to TransformerEngine's gap ``L - N - 1`` (at least 1), the smallest on ties. This root
+    pre-hook removes itself at the first training forward (on a CPU without measuring)."""
 
     __reduce_ex__ = _refuse_pickle
 

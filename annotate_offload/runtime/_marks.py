@@ -3,17 +3,10 @@
 Marks are plain Python attributes on the tensor object, as in TransformerEngine: a different alias
 of the same storage (``detach()``, a view) does not inherit them.
 
-* ``mark_not_offload(*t)`` sets ``_TE_do_not_offload = True`` (TE's attribute, so tensors marked
-  by TE modules or Megatron are honoured too). Megatron's ``_do_not_offload`` is honoured as well.
-* ``mark_activation_offload(*t)`` sets ``activation_offloading = True``: the opt-in mark of TE's
-  legacy (V1) runtime, Megatron's tensor-parallel layers and Megatron Bridge's PEFT adapters.
-* ``start_offload(*t, offload_base_tensor=False)`` says "this tensor is final": it records a ready
-  event on the current stream (attribute ``start_reload_event``, TE's name) and, inside an offload
-  scope, starts the D2H copy at once.
-
-Selection policy: ``"opt_out"`` (default: every eligible tensor unless marked not to) or ``"opt_in"``
-(only tensors marked ``activation_offloading=True``). ``NVTE_CPU_OFFLOAD_V1=1`` in the environment
-selects opt-in for the whole process; like TE it is read once, at import.
+``mark_not_offload`` sets TE's ``_TE_do_not_offload`` (Megatron's ``_do_not_offload`` is honoured
+too), ``mark_activation_offload`` the opt-in mark ``activation_offloading``, and ``start_offload``
+TE's ready event ``start_reload_event``. ``NVTE_CPU_OFFLOAD_V1=1`` selects the opt-in policy for the
+whole process; like TE it is read once, at import.
 """
 
 from __future__ import annotations
@@ -33,7 +26,6 @@ __all__ = [
 
 Policy = Literal["opt_out", "opt_in"]
 
-# Read once at import time, as TransformerEngine does: the choice is fixed for the process.
 _NVTE_CPU_OFFLOAD_V1: bool = os.environ.get("NVTE_CPU_OFFLOAD_V1", "0") == "1"
 
 _POLICIES = ("opt_out", "opt_in")

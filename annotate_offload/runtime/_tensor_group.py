@@ -99,14 +99,9 @@ class TensorGroup:
 
 
 class TensorGroupProcessor:
-    """Shrink a group to storage units before offload and rebuild it after reload (TE's API).
-
-    The runtime groups every layer's saved tensors with the same methods: a layer's
-    ``fwd_gpu_tensor_group`` is a unit group as returned by :meth:`tensor_group_process_before_offload`
-    (one flat ``uint8`` tensor per unit, its ready event, and in ``aux`` how each saved tensor is
-    rebuilt), filled one save at a time; each unpack is :meth:`tensor_group_process_after_reload`'s
-    rebuild of one tensor. See Note [Storage units].
-    """
+    """Shrink a group to storage units before offload and rebuild it after reload (TE's API;
+    Note [Storage units]). A layer's ``fwd_gpu_tensor_group`` in the runtime is such a unit group,
+    filled one save at a time by the same helpers."""
 
     @staticmethod
     def tensor_group_process_before_offload(group: TensorGroup) -> tuple[TensorGroup, dict]:
