@@ -1,10 +1,9 @@
 """``example_inputs`` of ``offload_transform`` and the planner: one training step's inputs (private).
 
-The meta-device estimate and the planner's profiling run ``model(*args, **kwargs)`` with them
-(profiling without a key/value cache: Note [No key/value cache while profiling] in
-``planner/_measure.py``). The meta estimate runs the forward once, with the model's own settings: a
-cache there is empty and the saved shapes are a training step's (and Llama's mask code without a cache
-calls ``.item()``, which meta tensors refuse).
+The meta-device estimate and the planner's profiling run ``model(*args, **kwargs)`` with them: the
+profiling without a key/value cache (Note [No key/value cache while profiling] in
+``planner/_measure.py``), the estimate once in the model's own settings (a cache there is empty, and
+without one Llama's mask code calls ``.item()``, which meta tensors refuse).
 """
 
 from __future__ import annotations

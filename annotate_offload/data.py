@@ -1,13 +1,9 @@
 """Training text and byte-level batches for the CLI recipes.
 
-The default corpus is real English text that ships with every CPython installation: the
-documentation topics of ``pydoc_data.topics.topics`` (the text behind ``help("if")``; about
-0.45 MB in CPython 3.11), joined in sorted-key order so it is the same on every run.
-``--data PATH`` replaces it with a user's file.
-
-Tokens are bytes (vocabulary 256): no tokenizer to download. :class:`ByteBatches` cuts
-deterministic random windows: batch ``i`` depends only on ``(seed, i)``, so an offloaded run and
-its baseline see exactly the same data in the same order.
+The default corpus ships with every CPython: the documentation topics of ``pydoc_data.topics``
+(the text behind ``help("if")``, about 0.45 MB), joined in sorted-key order. Tokens are bytes
+(vocabulary 256), and batch ``i`` depends only on ``(seed, i)``, so an offloaded run and its
+baseline see the same data in the same order.
 """
 
 from __future__ import annotations
@@ -36,12 +32,8 @@ def load_text(path: Optional[Union[str, os.PathLike]] = None) -> bytes:
         path (str | os.PathLike | None): a text file (any encoding: bytes are the tokens).
             ``None``: the CPython documentation topics (``pydoc_data.topics``). Default: ``None``.
 
-    Returns:
-        bytes: the corpus.
-
     Raises:
-        ValueError: ``path`` does not exist, is not a regular file, cannot be read, or is empty
-            (the message names the path and the fix).
+        ValueError: ``path`` does not exist, is not a regular file, cannot be read, or is empty.
     """
     if path is None:
         return _builtin_text()

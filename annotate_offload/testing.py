@@ -22,13 +22,10 @@ __all__ = ["bit_reproducible"]
 def bit_reproducible() -> Iterator[None]:
     """Pin a bit-reproducible SDPA backend and deterministic algorithms for the block.
 
-    On CUDA: ``SDPBackend.EFFICIENT_ATTENTION`` (``MATH`` for inputs it does not support, such as
-    grouped-query attention with ``enable_gqa=True``; both are reproducible) plus ``torch.use_deterministic_algorithms(True)``
-    (``warn_only=False``: the efficient backward only switches to its deterministic kernel then,
-    and an op without a deterministic implementation raises instead of silently differing), and
-    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset (cuBLAS reads it when a workspace is created). The
-    previous settings are restored on exit. On CPU the kernels are deterministic already and the
-    block runs unchanged. Speed benchmarks should not use this: it selects slower kernels.
+    On CUDA: ``SDPBackend.EFFICIENT_ATTENTION`` (``MATH`` where it does not apply, e.g. ``enable_gqa=True``),
+    ``torch.use_deterministic_algorithms(True, warn_only=False)`` (an op without a deterministic kernel
+    raises) and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` if unset; the previous settings are restored on exit.
+    On CPU the block runs unchanged. Speed benchmarks should not use this: it selects slower kernels.
     """
     if not torch.cuda.is_available():
         yield

@@ -14,14 +14,15 @@ skipped layers and repeated forwards cannot desynchronise it. Outside a training
 or a checkpoint's recompute in backward), and inside the layer's own open scope (a user forward set
 later that calls the earlier wrapper), the wrapper only calls the forward.
 
-Note [Traced layers]. Under ``torch.compile`` Dynamo traces the wrapper (no graph break): it runs
-the forward inside ``torch.fx.traceback.annotate`` with the tag ``(key, i)`` (``key``: the model's
+Note [Traced layers]. Under ``torch.compile`` Dynamo traces the wrapper (no graph break): it runs the
+forward inside ``torch.fx.traceback.annotate`` with the tag ``(key, i)`` (``key``: the model's
 runtime, Note [Compiled offload ops] in ``compile/_ops.py``) and puts a ``layer`` marker op at the
 entry of layer ``i`` (and after the last layer) with the key and a checksum of the plan. AOTAutograd
 carries the tag onto every forward and backward node of the layer, and the fx pass in
 ``compile/_pass.py`` offloads the saved activations of the partitioned graph through the same runtime.
-No scope opens in traced code, so the adapter marks' hooks stand aside there. Dynamo guards on ``key``, the plan, the layer index and the grad
-mode, so a model transformed, removed or copied later gets its own graph.
+No scope opens in traced code, so the adapter marks' hooks stand aside there. Dynamo guards on
+``key``, the plan, the layer index and the grad mode, so a model transformed, removed or copied later
+gets its own graph.
 
 The wrappers hold weak references to their layer and to the transform's state, which the model
 owns: a transformed model has no reference cycle and is freed when its last reference goes, like

@@ -36,13 +36,12 @@ class _SeenVersion:
 class ShardedAttachment:
     """What :func:`attach_optimizer` installed on an FSDP2 (or plain) model.
 
-    Note [DTensor gradient versions]: the optimizer skips the copy at ``step()`` of a gradient it
-    already copied in backward when the local tensor's version is unchanged. For a DTensor
-    gradient that signal is blind: in-place ops on a DTensor bump only the wrapper's version (the
-    local tensor's never moves), and ``torch._foreach_*`` ops (``torch.nn.utils.clip_grad_norm_``,
-    ``GradScaler.unscale_``) bump neither. The attachment records the wrapper's version when the
-    gradient lands and makes ``step()`` copy again when it moved; for foreach transforms use
-    :func:`clip_grad_norm_` of this package or call :meth:`mark_gradients_changed` after them.
+    Note [DTensor gradient versions]: the optimizer skips the copy at ``step()`` of a gradient it copied
+    in backward whose local tensor's version is unchanged. In-place ops on a DTensor bump only the
+    wrapper's version, and ``torch._foreach_*`` ops (``clip_grad_norm_``, ``GradScaler.unscale_``)
+    bump neither. The attachment records the wrapper's version when the gradient lands and makes
+    ``step()`` copy again when it moved; after foreach transforms use this package's
+    :func:`clip_grad_norm_` or call :meth:`mark_gradients_changed`.
 
     Attributes:
         sharded (bool): some parameters are DTensors (each rank steps its local shard).
@@ -104,10 +103,8 @@ def _refuse_local_clip(*_: Any, **__: Any) -> torch.Tensor:
 
 
 def attach_optimizer(model: nn.Module, optimizer: Any, *, shard_host_step: bool = True) -> "OffloadCommHook | ShardedAttachment":
-    """Wire a ``HybridDeviceOptimizer`` to a model trained with torch.distributed, one process per device.
-
-    Call once, after wrapping the model and building the optimizer on its parameters, before the
-    first backward.
+    """Wire a ``HybridDeviceOptimizer`` to a model trained with torch.distributed, one process per device;
+    call once, after wrapping the model and building the optimizer on its parameters, before the first backward.
 
     * ``DistributedDataParallel``: the optimizer's gradient hooks are replaced by a comm hook that
       all-reduces each bucket and then starts the D2H of its host-stepped gradients (Note [DDP and

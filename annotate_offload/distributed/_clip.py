@@ -20,11 +20,8 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     optimizer: Optional[Any] = None,
 ) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for DTensor (FSDP2) or plain gradients, visible to the host step.
-
-    Same norm and coefficient as torch's utility (over all ranks' shards for DTensor gradients),
-    applied with one in-place multiply per gradient so that the version bump makes an attached
-    optimizer re-copy the clipped gradient (Note [DTensor gradient versions] in ``_attach.py``).
+    """``torch.nn.utils.clip_grad_norm_`` for DTensor (FSDP2) or plain gradients, with one in-place multiply
+    per gradient so that an attached optimizer re-copies it (Note [DTensor gradient versions] in ``_attach.py``).
 
     Args:
         parameters (Iterable[torch.Tensor]): parameters whose ``.grad`` is clipped (``None`` grads skipped).

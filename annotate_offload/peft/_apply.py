@@ -49,10 +49,6 @@ _STATE = "_annotate_offload_peft_marks"
 _HEAD_NAMES = ("lm_head", "output", "output_layer", "head")
 
 
-def _from_peft(module: nn.Module) -> bool:
-    return type(module).__module__.split(".")[0] == "peft"
-
-
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The model inside ``DistributedDataParallel``/``DataParallel``, ``PeftModel`` and peft's tuner.
 
@@ -66,7 +62,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         inner = None
         if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             inner = m.module
-        elif _from_peft(m):
+        elif type(m).__module__.split(".")[0] == "peft":
             # registered children only: peft's and HF's __getattr__ fall through to the wrapped
             # model (HF's own `base_model` property is the decoder body, one level too deep)
             inner = m._modules.get("base_model")

@@ -244,7 +244,9 @@ class _LayerState:
         if borrowed is not None:
             self.stats.tensors_deduplicated += 1
             return borrowed
-        unit = TensorGroupProcessor._add_unit(group, t, rng, self._ready_now() if ready is None else ready)
+        if ready is None:
+            ready = self.backend.record(self.backend.current_stream())  # the compute stream's position now
+        unit = TensorGroupProcessor._add_unit(group, t, rng, ready)
         for per_unit in (self.cpu_tensor_group.tensor_list, self.bwd_gpu_tensor_group.tensor_list,
                          self.bwd_gpu_tensor_group.events, self.pending):
             per_unit.append(None)
@@ -282,9 +284,6 @@ class _LayerState:
                 owner._watch(unit, t)
                 return owner, unit
         return None
-
-    def _ready_now(self) -> Any:
-        return self.backend.record(self.backend.current_stream())
 
     def _d2h(self, unit: int) -> None:
         group, backend = self.fwd_gpu_tensor_group, self.backend

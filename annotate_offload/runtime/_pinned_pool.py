@@ -1,15 +1,11 @@
 """A pool of host buffers for offloaded activations, reused across steps.
 
-Note [Pinned pool]: pinning is expensive the first time it happens and cheap once the memory is
-pinned, and torch's caching host allocator rounds every block up to a power of two (a 1.13 GiB
-activation would pin 2 GiB). The pool therefore allocates each buffer at its exact size
-(page-aligned pageable memory registered with ``cudaHostRegister``), keeps freed buffers keyed by
-size, and hands the same buffers out again on the next step. When registration is unavailable it
-falls back to torch's pinned allocator, and when pinning fails altogether to pageable memory with a
-warning (copies then run synchronously, but results stay correct).
-
-A buffer comes back with the event of the last copy that used it; whoever takes it next makes its
-D2H stream wait for that event before overwriting it.
+Note [Pinned pool]: pinning is expensive the first time and torch's caching host allocator rounds
+every block up to a power of two, so the pool allocates each buffer at its exact size (page-aligned
+pageable memory registered with ``cudaHostRegister``) and reuses freed buffers of that size on the
+next step. Without registration it falls back to torch's pinned allocator, and when pinning fails to
+pageable memory with a warning. A buffer comes back with the event of the last copy that used it;
+whoever takes it next makes its D2H stream wait for that event before overwriting it.
 """
 
 from __future__ import annotations
