@@ -155,14 +155,11 @@ def make_batches(cfg: Config, data_path: Optional[str]):
 
 
 # --------------------------------------------------------------------------- running a recipe
-# Note [CPU memory accounting]: without a GPU there is no device allocator to ask, so "device
-# memory" is the runtime's own accounting: parameters + gradients + device-side Adam moments, plus
-# saved activations. Saved tensors outside the runtime's layer scopes are counted live by an outer
-# saved_tensors_hooks pair (inside layers the runtime's hooks are innermost and hide them); inside
-# layers the runtime reports what it kept (``OffloadStats.kept_bytes``, parameters excluded) and what
-# it still holds of offloaded layers (``resident_bytes``, peak ``peak_resident_bytes``). The peak adds
-# the peak of each part, which need not coincide, so it is an upper bound of the live curve that
-# ``--plot`` draws; the table says so.
+# Note [CPU memory accounting]: without a GPU, "device memory" is parameters + gradients + device-side
+# Adam moments, plus saved activations: outside the layer scopes counted live by an outer
+# saved_tensors_hooks pair, inside them what the runtime kept (``OffloadStats.kept_bytes``, parameters
+# excluded) and still holds of offloaded layers (``resident_bytes``). The peak adds the peaks of these
+# parts, which need not coincide: an upper bound of the live curve ``--plot`` draws.
 
 _MiB = 1 << 20
 
@@ -298,10 +295,9 @@ def run(recipe: Recipe, cfg: Config, device: torch.device, batches, *, offload: 
         progress: bool = False, sdpa_backend: str = "efficient") -> RunResult:
     """Train ``cfg.train.train_iters`` steps of ``recipe``, with (``offload=True``) or without offloading.
 
-    With ``model.memory_budget`` the transform plans on the first batch, in the step's autocast and
-    attention settings, and the optimizer takes the plan's ``offload_fraction``; the last step is then
-    measured per layer (``OffloadPlan.measure``). An out-of-memory error ends the run and is recorded
-    in :attr:`RunResult.failure`.
+    With ``model.memory_budget`` the transform plans on the first batch and the optimizer takes the plan's
+    ``offload_fraction``; the last step is measured per layer. Out of memory ends the run
+    (:attr:`RunResult.failure`).
     """
     res = RunResult(label or ("offload" if offload else "baseline"))
     cuda, iters = device.type == "cuda", cfg.train.train_iters
@@ -619,13 +615,10 @@ def compare(recipe: Recipe, cfg: Config, device: torch.device, batches, *, basel
 
 
 def plan_text(recipe: Recipe, cfg: Config, device: torch.device) -> str:
-    """What ``annotate-offload plan`` prints: the offload plan, its bytes per layer estimated on the meta
-    device from one micro-batch, and the predicted device memory of parameters, gradients and optimizer
-    state with and without offloading. Nothing is trained. With ``model.memory_budget`` the planner
-    measures the layers on ``device`` and the plan shows its predicted step time and peak per layer.
-
-    A CUDA-only recipe is planned elsewhere from a meta-device model given uninitialised storage
-    (``nn.Module.to_empty``): shapes and dtypes only, so no memory budget (it needs measured layers)."""
+    """What ``annotate-offload plan`` prints, training nothing: the offload plan with its bytes per layer
+    estimated on the meta device from one micro-batch (with ``model.memory_budget``, planned on ``device``),
+    and the predicted device memory of parameters, gradients and optimizer state with and without offload.
+    A CUDA-only recipe is planned elsewhere with uninitialised weights, and without a memory budget."""
     lines = [f"annotate-offload plan: recipe {recipe.name} on {device.type} ({recipe.summary})"]
     elsewhere = recipe.needs_cuda and device.type != "cuda"
     if elsewhere:

@@ -1,16 +1,10 @@
 """``annotate-offload train | plan``: the command users install this package for.
 
-``train --recipe NAME [section.field=value ...]`` trains a real architecture on real text with
-offloading, then (by default) the same steps without it, from the same seed and data, and prints
-a table: loss per step for both runs, max ``|Δloss|``, peak device memory, step time and bytes
-offloaded per step, and with ``model.memory_budget`` the planner's predictions and plan per layer.
-Parity (exit status 1 when it fails): with activation offload only, the losses must be identical;
-with optimizer offload, ``|Δloss| < 0.001`` (Megatron Bridge's criterion). A baseline that runs out
-of memory is reported in the table, not raised.
-
-Bad input (unknown recipe, override key or value, missing or empty data file, a recipe that
-cannot run here) prints one line saying what is wrong and what is valid, and exits with status 2
-before anything runs or is written.
+``train --recipe NAME [section.field=value ...]`` trains with offloading, then (by default) the same
+steps without it, and prints losses, max ``|Δloss|``, peak memory, step time and bytes offloaded.
+Parity (exit status 1 when it fails): identical losses with activation offload only,
+``|Δloss| < 0.001`` with optimizer offload (Megatron Bridge's criterion). Bad input prints one line
+saying what is wrong and what is valid, and exits with status 2 before anything runs or is written.
 """
 
 from __future__ import annotations

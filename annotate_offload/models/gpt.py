@@ -5,10 +5,8 @@ Each :class:`GPTBlock` is pre-LayerNorm attention then a pre-LayerNorm MLP::
     x = x + proj(causal_sdpa(qkv(ln1(x))))
     x = x + fc2(gelu(fc1(ln2(x))))          # fc1: hidden -> 4*hidden
 
-:class:`GPTStack` holds the blocks in ``self.layers`` (an ``nn.ModuleList``) and its forward
-is a plain loop over them, so ``torch.fx`` with the blocks as leaves gives one
-``call_module`` node per layer (``layers.0`` ... ``layers.{L-1}``). The blocks trace too
-(no Python control flow on tensor values), for passes that look inside them.
+:class:`GPTStack` holds the blocks in ``self.layers`` and its forward is a plain loop over them,
+so ``torch.fx`` traces it with the blocks as leaves (and the blocks too).
 """
 
 from __future__ import annotations

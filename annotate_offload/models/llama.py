@@ -5,14 +5,10 @@ The shape follows Meta's Llama (and Hugging Face's ``LlamaForCausalLM``): pre-RM
     h = x + o_proj(sdpa_causal(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
     y = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))
 
-with ``num_key_value_heads <= num_attention_heads`` key/value heads shared by groups of query
-heads (GQA). The decoder layers live in ``model.layers`` (an ``nn.ModuleList``) and the forward
-is a plain loop over them without data-dependent Python control flow, so ``torch.fx`` traces it
-with the layers as leaves (one ``call_module`` node per layer), and module hooks work as well.
-
-Weights are initialised from an explicit seed through a CPU ``torch.Generator`` (normal with
-``init_std``, output projections scaled by ``1/sqrt(2L)`` as in GPT-2/Megatron), so the same seed
-gives the same weights on every device. No pretrained weights are involved.
+with ``num_key_value_heads`` key/value heads shared by groups of query heads (GQA). The decoder
+layers live in ``model.layers`` and the forward is a plain loop over them, so ``torch.fx`` traces it
+with the layers as leaves. Weights come from an explicit seed through a CPU ``torch.Generator``, so
+the same seed gives the same weights on every device.
 """
 
 from __future__ import annotations
@@ -48,8 +44,7 @@ class LlamaConfig:
         init_std (float): std of the normal init. Default: ``0.02``.
 
     Raises:
-        ValueError: a non-positive size or an inconsistent head layout (the message names the
-            field, its value and a valid choice).
+        ValueError: a non-positive size or an inconsistent head layout.
     """
 
     hidden_size: int

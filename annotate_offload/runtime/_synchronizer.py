@@ -5,23 +5,20 @@ Note [Default schedule]. With ``L`` model layers of which the set ``O`` is offlo
 
 * forward: every eligible tensor saved in an offloaded layer starts its D2H copy *at save time*,
   on the D2H stream, behind its ready event (from :func:`start_offload`, or the compute stream's
-  position at save). The copy stream never idles while the layer computes.
+  position at save).
 * release: layer ``i``'s device bytes are dropped (after the compute stream waits for its D2H) at
-  the entry of layer ``i + 1 + lag`` at the latest, or at the end of forward when that layer does
-  not exist. ``release_lag=None`` is TransformerEngine's bound ``lag = L - N - 1`` (release at the
-  entry of ``L - N + i``). At every layer entry, layers whose D2H has already finished are released
-  early without any wait.
+  the entry of layer ``i + 1 + lag`` at the latest, or at the end of forward. ``release_lag=None``
+  is TransformerEngine's bound ``lag = L - N - 1``. At every layer entry, layers whose D2H has
+  already finished are released early without any wait.
 * prefetch: when backward reaches layer ``m``, the reloads of offloaded layers ``m - k .. m`` start
-  on the H2D stream (``prefetch_layers=None`` is TE's distance ``k = L - N - 1``; a given
-  ``k >= 1`` keeps a reload in flight behind compute even at ``N = L - 1``, where TE serialises).
-  With ``k = 1`` the reload of ``m - 1`` waits for half of layer ``m`` (Note [Paced prefetch]).
-* a unit's reload is dropped by the runtime once each of its handles has been unpacked
-  (Note [Offload lifetime]): autograd frees it after its last use, so a layer's reloads shrink
-  while its backward runs.
-* when backward reaches layer ``m``, the layers above ``m`` that backward has passed are released;
-  the end of a backward pass releases the layers it passed. A layer it did not reach (another
-  output's graph, in manual mode the reloads the user started for it) keeps its state until its
-  own backward, or until the next forward starts a new step.
+  on the H2D stream (``prefetch_layers=None`` is TE's ``k = L - N - 1``; a given ``k >= 1`` keeps a
+  reload in flight even at ``N = L - 1``, where TE serialises). With ``k = 1`` the reload of
+  ``m - 1`` waits for half of layer ``m`` (Note [Paced prefetch]).
+* a unit's reload is dropped once each of its handles has been unpacked (Note [Offload lifetime]),
+  so a layer's reloads shrink while its backward runs.
+* when backward reaches layer ``m``, the layers above ``m`` that it passed are released, and the end
+  of a backward pass releases the layers it passed. A layer it did not reach (another output's
+  graph, manual reloads) keeps its state until its own backward, or until the next step.
 
 Peak offloaded activations on the device: ``lag + 1`` offloaded layers in forward (plus the kept
 layers), at most ``k + 1`` in backward (about 1.5 with ``k = 1``).
@@ -29,11 +26,9 @@ layers), at most ``k + 1`` in backward (about 1.5 with ``k = 1``).
 Note [Paced prefetch]. With a look-ahead of one layer, the reload of layer ``m - 1`` starts once
 half of the bytes layer ``m`` holds for backward have been used: its reloaded units (counted when
 each is dropped; in a compiled graph at its ``ready``) or, for a kept layer ``m`` above an offloaded
-one (the last layer at ``N = L - 1``), its saved activations (counted at their first unpack). Starting
-it at ``m``'s first backward node would hold both layers whole on the device; starting it at the half
-keeps about 1.5 layers there while the H2D stream still runs ahead of compute (``m``'s second half is
-left to consume). If the half is never reached, the pre-hook of ``m - 1`` (or its first unpack)
-starts the reload; reaching another layer disarms the pending start.
+one, its saved activations (counted at their first unpack). That keeps about 1.5 layers on the
+device instead of two while the H2D still runs ahead of compute. If the half is never reached, the
+pre-hook of ``m - 1`` (or its first unpack) starts the reload; reaching another layer disarms it.
 
 Note [Scopes inside a checkpoint]. A layer scope opened while autograd runs a backward is the
 recompute of a ``torch.utils.checkpoint`` around it (or a forward run by a backward hook). The
@@ -777,16 +772,10 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
 
 
 class ManualOffloadSynchronizer(OffloadSynchronizer):
-    """The user drives the copies by layer index (TransformerEngine's manual mode).
-
-    Every eligible tensor of every layer is recorded and held on the device until the user calls,
-    in this order per layer: :meth:`start_offload_layer` (enqueue D2H),
-    :meth:`release_activation_forward_gpu_memory` (compute waits for the D2H, device bytes are
-    dropped), :meth:`start_reload_layer` (enqueue H2D; unpack waits per tensor). A layer never
-    offloaded keeps its tensors on the device. Any other order raises ``RuntimeError``
-    (:class:`OffloadError`). Each backward pass releases only the layers it reached, so one
-    backward per output in the same step works as in TransformerEngine.
-    """
+    """The user drives the copies by layer index (TransformerEngine's manual mode), in this order per
+    layer: :meth:`start_offload_layer`, :meth:`release_activation_forward_gpu_memory`,
+    :meth:`start_reload_layer`; any other order raises :class:`OffloadError`. A layer never offloaded
+    keeps its tensors on the device; each backward pass releases only the layers it reached."""
 
     _manual = True
 
