@@ -3,15 +3,13 @@ touches torch's private compile APIs.
 
 Note [Compiled offload pass].
 
-*Where.* After AOTAutograd has partitioned a joint graph into forward and backward, both partitioners
-(the min-cut one that inductor and ``aot_eager`` use, and the default one) hand the two graphs to
-``torch._functorch._activation_offloading.activation_offloading.enable_activation_offloading`` when
+*Where.* After AOTAutograd has partitioned a joint graph, both partitioners hand forward and backward
+to ``torch._functorch._activation_offloading.activation_offloading.enable_activation_offloading`` when
 ``torch._functorch.config.enable_activation_offloading`` is set (torch 2.11 and 2.13 alike).
-:func:`install` wraps that function and sets the flag the first time a graph with this package's
-``layer`` op is traced. Torch's own offloading runs after the pass and acts only on nodes its
-``should_offload`` policy marked. Every graph passes through here: one without ``layer`` ops is
-returned unchanged. Partitioning is done, so what the forward saves is known: the forward outputs
-after the first ``num_fwd_outputs``, each a backward input of the same name.
+:func:`install` wraps that function and sets the flag the first time a graph with a ``layer`` op is
+traced (torch's own offloading runs after the pass, on the nodes its policy marked). A graph without
+``layer`` ops is returned unchanged. What the forward saves is its outputs after the first
+``num_fwd_outputs``, each a backward input of the same name.
 
 *What.* A saved activation belongs to layer ``i`` of runtime ``key`` when its first use in the
 backward carries the tag ``(key, i)`` (Note [Traced layers] in ``annotate/_layers.py``): the op
@@ -69,10 +67,8 @@ class SavedActivation:
         layer (int | None): the layer it belongs to (``None``: saved outside the layers).
         shape (tuple[int, ...]), dtype (torch.dtype): the tensor's.
         nbytes (int): its logical size in bytes (``numel * element_size``).
-        kept (str | None): why it stays on the device, or ``None`` if it is offloaded: ``"input"``
-            (a graph input, e.g. a parameter, or a view or cast of one), ``"output"``, and the
-            runtime's reasons ``"layer_not_offloaded"``, ``"marked"``, ``"not_selected"``,
-            ``"not_on_device"``, ``"too_small"``, ``"unsupported"``; ``"dynamic_shape"``.
+        kept (str | None): why it stays on the device (``"input"``, ``"output"``, ``"dynamic_shape"`` or
+            one of the runtime's ``KEEP_REASONS``), or ``None`` if it is offloaded.
     """
 
     name: str
@@ -108,8 +104,7 @@ def compiled_offloads(model: Any) -> list:
 
     Returns:
         list[GraphOffloads]: one entry per forward/backward pair AOTAutograd partitioned, in compile
-        order. Empty before the first compile; a graph served from torch's compile caches was
-        partitioned in an earlier run and has no entry.
+        order (a graph served from torch's compile caches has none).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.

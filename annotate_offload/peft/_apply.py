@@ -1,28 +1,20 @@
 """``apply_offload_marks``: the adapter marks for Hugging Face peft models, the head's input, frozen weights.
 
-Hugging Face peft's LoRA layers (``peft.tuners.lora.Linear`` and friends: a ``base_layer`` plus
-``lora_A``/``lora_B``/``lora_dropout`` ``ModuleDict``s keyed by adapter name) cannot be edited, so
-the marks :class:`LoRALinear` sets itself (Note [Adapter marks] in ``_policy.py``) come from
-forward hooks: a pre-hook on the LoRA layer (opt-in: tag its input; opt-out: mark the adapter
-weights), and pre/post hooks that run each ``lora_A[name]`` and ``lora_B[name]`` inside
-``marked_saves`` (which marks exactly the tensors autograd saves: views and autocast casts
-included) and mark ``lora_A``'s output, the rank-``r`` hidden.
+Hugging Face peft's LoRA layers (a ``base_layer`` plus ``lora_A``/``lora_B`` ``ModuleDict``s keyed by
+adapter name) cannot be edited, so the marks :class:`LoRALinear` sets itself (Note [Adapter marks] in
+``_policy.py``) come from forward hooks: a pre-hook on the LoRA layer (opt-in: tag its input; opt-out:
+mark the adapter weights), and pre/post hooks that run each ``lora_A[name]`` and ``lora_B[name]``
+inside ``marked_saves`` and mark ``lora_A``'s output, the rank-``r`` hidden. Two model-wide marks
+complete them:
 
-Two model-wide marks complete them:
+* The language-model head's input is never offloaded: a small GEMM over a huge vocabulary hides no
+  copy, and backward needs the input right away. Hooks mark it ``mark_not_offload`` and run the head
+  inside ``keep_saves``, so whatever it saves stays on the device. The head module is hooked (with
+  tied embeddings its weight is the embedding matrix), found through DDP and peft's wrappers.
+* Frozen weights: a pre-hook on every module that owns frozen parameters registers all of the
+  model's with the open scope's synchronizer (``add_frozen_weights``), once per synchronizer.
 
-* The language-model head's input is never offloaded: a small GEMM over a huge vocabulary hides
-  no copy, and backward needs the input right away (torchtune/TRL keep the output projection out
-  of their offloading for the same reason). Hooks mark the head's input ``mark_not_offload`` and
-  run the head inside ``keep_saves``, so whatever it saves (the ``(B*T, H)`` view of its input,
-  the autocast cast, a LoRA-adapted head's tensors) stays on the device. The head is found
-  through ``DistributedDataParallel``, ``PeftModel`` and peft's tuner wrappers, and with tied
-  embeddings (the head module is hooked, not its weight, which is the embedding matrix).
-* Frozen weights: a pre-hook on every module that owns frozen parameters registers all frozen
-  parameters of the model with the open scope's synchronizer (``add_frozen_weights``), once per
-  synchronizer, so autocast casts of frozen weights are never offloaded.
-
-Every hook returns at once when no offload scope is open, so a model with marks computes exactly
-what it computes without them.
+Every hook returns at once when no offload scope is open.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """``LoRALinear`` (a frozen ``nn.Linear`` plus a trainable low-rank update) and ``apply_lora``.
 
-The adapter follows the usual LoRA formulation (Hu et al. 2021, "LoRA: Low-Rank Adaptation of
-Large Language Models", arXiv:2106.09685) and Hugging Face peft's defaults: ``A`` Kaiming-uniform
-(``a = sqrt(5)``), ``B`` zero, so a fresh adapter leaves the model's output unchanged;
-``scaling = alpha / r``. While an offload scope is open, its forward marks its own tensors for
-the runtime's selection policy (see Note [Adapter marks] in ``_policy.py``).
+LoRA as in Hu et al. 2021 (arXiv:2106.09685) with Hugging Face peft's defaults: ``A``
+Kaiming-uniform, ``B`` zero (a fresh adapter changes nothing), ``scaling = alpha / r``.
 """
 
 from __future__ import annotations
@@ -162,9 +159,7 @@ def apply_lora(
     weights (as ``peft.get_peft_model`` does). ``state_dict`` keys of a replaced layer move under
     ``<name>.base.`` and gain ``<name>.lora_A.weight``/``<name>.lora_B.weight``. With
     ``"all-linear"`` the language-model head (see :func:`find_lm_head`) is left alone, as in peft.
-
-    For offloading, call :func:`apply_offload_marks` (or ``offload_transform``) afterwards: it also
-    registers the *other* frozen weights and keeps the head's input on the device.
+    For offloading, :func:`apply_offload_marks` (or ``offload_transform``) adds the model-wide marks.
 
     Args:
         model (nn.Module): the model.

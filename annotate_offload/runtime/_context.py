@@ -13,14 +13,11 @@ Same signature, positional order, returns and validation as TransformerEngine's;
 D2H copies start at save time, keyword-only ``prefetch_layers``, ``policy``, ``min_offload_numel`` and
 ``device``, and with grad disabled (eval passes) the context passes straight through.
 
-Note [Nesting]. Several offload contexts may live in one process (a policy and a reference
-model): each has its own synchronizer and counters; they share the side streams and the host
-buffer pool. Only the innermost ``saved_tensors_hooks`` pair is active (PyTorch semantics): a
-user's own hooks entered *inside* a layer's scope see every tensor saved there and nothing is
-offloaded; hooks entered *around* the context see only what is saved outside the layer scopes.
-``torch.utils.checkpoint`` inside a layer saves its inputs through the runtime's hooks (they are
-offloaded) and recomputes the rest in backward; a layer scope inside a checkpointed function is
-replayed by the recompute with pass-through hooks (Note [Scopes inside a checkpoint]).
+Note [Nesting]. Several offload contexts may live in one process, each with its own synchronizer,
+sharing the side streams and the host buffer pool. Only the innermost ``saved_tensors_hooks`` pair
+is active: a user's own hooks entered *inside* a layer's scope see every tensor saved there (nothing
+is offloaded); hooks entered *around* the context see only what is saved outside the layer scopes.
+A ``torch.utils.checkpoint`` inside a layer saves its inputs through the runtime's hooks.
 """
 
 from __future__ import annotations
