@@ -159,17 +159,9 @@ class LayerForward:
 
 class OffloadState:
     """What ``offload_transform`` applied to one model (``model.__dict__["_annotate_offload_state"]``):
-    the runtime, the plan, the layers and their forwards, and the open scope.
-
-    Args:
-        model (nn.Module): the transformed model (held weakly: the model holds this state).
-        fqns (list[str]): the layers' qualified names; layer ``i`` is ``fqns[i]``.
-        layers (list[nn.Module]): the layer modules.
-        sync: the ``DefaultOffloadSynchronizer`` the layers drive.
-        plan (OffloadPlan): the plan attached as ``model.offload_plan``.
-        recompute (dict[int, bool]): layers run under ``torch.utils.checkpoint`` (non-reentrant); ``True``:
-            selectively (Note [Selective recompute]).
-    """
+    the model (weakly: it holds this state), the layers' names and modules, the runtime ``sync``, the
+    ``plan``, and ``recompute``: the checkpointed layers, ``True`` where selective (Note [Selective
+    recompute])."""
 
     __reduce_ex__ = _refuse_pickle
 

@@ -24,17 +24,14 @@ class LayerPlan:
     """One layer of the plan.
 
     Attributes:
-        index (int): the layer's position among the declared layers (module registration order,
-            which must be the order they run in); the runtime's layer id.
+        index (int): the layer's position among the declared layers; the runtime's layer id.
         fqn (str): the module's fully qualified name in the model.
         module_type (str): the module's class name.
-        choice (str): ``"keep"``, ``"offload"``, ``"recompute"``, ``"recompute_offload"``, ``"selective"`` or
-            ``"selective_offload"`` (Note [Selective recompute] in ``_layers.py``: what it keeps is offloaded).
+        choice (str): a :data:`Choice` (Note [Selective recompute] in ``_layers.py`` for ``"selective*"``).
         declared_keep (bool): ``@offload_layer(offload=False)`` keeps it on the GPU whatever ``num_layers`` says.
         bytes_per_step (int | None): bytes of saved activations this layer moves to host per
-            training step (``0`` for a kept or recompute-only layer). ``None`` until known.
-        estimated_bytes (int | None): the meta-device estimate of ``bytes_per_step`` made from
-            ``example_inputs`` (kept after the measurement replaces it, for comparison).
+            training step (``0`` when it offloads nothing). ``None`` until known.
+        estimated_bytes (int | None): the meta-device estimate of ``bytes_per_step`` (kept for comparison).
     """
 
     index: int
@@ -59,12 +56,10 @@ class OffloadPlan:
     Attributes:
         layers (tuple[LayerPlan, ...]): every declared layer, in registration (and run) order.
         layer_source (str): how the layers were found (marks, ``layer_types=``, discovery).
-        bytes_source (str): where ``bytes_per_step`` comes from: ``"measured"`` (runtime stats of
-            the first training forward, which replace any estimate), ``"estimate"`` (meta-device
-            run of ``example_inputs``, until the first training step) or ``"pending"``.
+        bytes_source (str): ``"measured"`` (the first training forward), ``"estimate"`` (meta-device run
+            of ``example_inputs``) or ``"pending"``.
         notes (tuple[str, ...]): warnings given while planning, for the record.
-        runtime (DefaultOffloadSynchronizer): the runtime engine the layers' forwards drive
-            (``plan.stats`` is its ``OffloadStats``).
+        runtime (DefaultOffloadSynchronizer): the runtime the layers drive (``plan.stats``: its stats).
         planner (PlannerResult | None): the planner's result for ``memory_budget=`` (``None`` otherwise).
         measured (dict | None): from :meth:`measure`: ``step_ms``, ``peak_bytes`` (``None`` on a CPU),
             ``layer_ms`` and ``layer_peak_bytes`` (per layer: forward plus backward ms, the peak during either).

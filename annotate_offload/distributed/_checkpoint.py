@@ -183,18 +183,10 @@ def save_checkpoint(model: nn.Module, optimizer: Any, checkpoint_id: Any, *, pro
 
 
 def load_checkpoint(model: nn.Module, optimizer: Optional[Any], checkpoint_id: Any, *, process_group: Any = None) -> None:
-    """Load a checkpoint of :func:`save_checkpoint` into ``model`` (in place) and ``optimizer``.
-
-    The checkpoint is checked (keys, shapes, param groups) and its optimizer part read first; then the weights
-    are written in place (the optimizer's local shards stay valid), the masters re-seeded from them, and the
-    optimizer state loaded in its own layout (Note [DCP layout]). A refused load changes nothing.
-
-    Args:
-        model (nn.Module): DDP-wrapped, ``fully_shard``-ed or plain, with the saved architecture.
-        optimizer (HybridDeviceOptimizer | None): built on ``model``'s parameters; ``None`` loads
-            the weights only.
-        checkpoint_id (str | os.PathLike): checkpoint directory.
-        process_group: DCP's process group. Default: the default group (none: single process).
+    """Load a checkpoint of :func:`save_checkpoint` into ``model`` (in place) and ``optimizer`` (``None``:
+    weights only), with the arguments of :func:`save_checkpoint`. The checkpoint is checked and its
+    optimizer part read first; then the weights are written in place, the masters re-seeded from them,
+    and the optimizer state loaded in its own layout (Note [DCP layout]). A refused load changes nothing.
 
     Raises:
         OffloadError: the checkpoint has no optimizer part (``optimizer`` given).

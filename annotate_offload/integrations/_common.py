@@ -20,16 +20,8 @@ __all__: list[str] = []
 
 
 class Offload:
-    """A callback's offload arguments, checked at construction, and the transform they ask for.
-
-    Args:
-        who (str): the callback's name, for messages.
-        num_layers, memory_budget, config, fields: as the callbacks take them.
-        inputs (str): what a budget needs besides (Lightning's ``example_inputs=``), for hints.
-
-    Raises:
-        TypeError, ValueError: ``offload_transform``'s checks of the arguments; an invalid config.
-    """
+    """A callback's offload arguments, checked at construction (``offload_transform``'s checks, with ``who``
+    naming the callback and ``inputs`` what a budget needs besides), and the transform they ask for."""
 
     def __init__(self, who: str, num_layers: Any, memory_budget: Any, config: Any, fields: dict[str, Any],
                  inputs: str = " with example_inputs=") -> None:

@@ -230,14 +230,7 @@ class Llama(nn.Module):
         dtype (torch.dtype | None): parameter dtype (init happens in fp32, then casts).
             Default: ``torch.float32``.
 
-    Forward:
-        ``input_ids`` ``(B, T)`` int64 with ``T <= config.max_seq_len`` → logits
-        ``(B, T, vocab_size)`` in the parameter (or autocast) dtype.
-
-    Example::
-
-        model = Llama(LlamaConfig.from_preset("llama-tiny"), seed=0)
-        logits = model(torch.randint(0, 256, (2, 16)))
+    Forward: ``input_ids`` ``(B, T)`` int64, ``T <= config.max_seq_len`` → logits ``(B, T, vocab_size)``.
     """
 
     def __init__(self, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None) -> None:

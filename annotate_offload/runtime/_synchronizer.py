@@ -151,21 +151,17 @@ class _StreamOverride:
 class OffloadSynchronizer:
     """Base class: saved-tensor hooks, layer scopes, steps and eligibility.
 
-    Two ways to drive it. TransformerEngine's: :meth:`fwd_step` per layer (counted modulo
-    ``num_layers``), :meth:`push_tensor` / :meth:`pop_tensor` (or the context of
-    :func:`get_cpu_offload_context`, which installs them as saved-tensor hooks), :meth:`bwd_step`
-    and :meth:`finish_part_of_bwd`, inside or outside a backward pass. And by layer index, as the
-    layer wrappers do: :meth:`enter_layer`, :meth:`commit_layer` (or :meth:`exit_layer`),
-    :meth:`abort` after an exception.
+    Driven TransformerEngine's way (:meth:`fwd_step` per layer, counted modulo ``num_layers``,
+    :meth:`push_tensor` / :meth:`pop_tensor`, :meth:`bwd_step`, :meth:`finish_part_of_bwd`) or by
+    layer index, as the layer wrappers do (:meth:`enter_layer`, :meth:`commit_layer`, :meth:`abort`).
 
     Args:
         num_layers (int): model layers, i.e. layer scopes per forward (TE's ``model_layers``).
-        retain_pinned_cpu_buffers (bool): accepted for TransformerEngine compatibility. Host
-            buffers are always kept in an exact-size pool and reused across steps (TE reuses
-            them only with this flag); :meth:`release_pinned_buffers` gives the unused ones
-            back. Default: ``False``.
-        offload_stream: a CUDA stream to use for both D2H and H2D instead of the runtime's shared
-            side streams (TE's manual-mode option). Default: ``None``.
+        retain_pinned_cpu_buffers (bool): accepted for TransformerEngine compatibility: host buffers
+            are always pooled and reused across steps (:meth:`release_pinned_buffers` frees the unused
+            ones). Default: ``False``.
+        offload_stream: a CUDA stream for both D2H and H2D instead of the shared side streams (TE's
+            manual-mode option). Default: ``None``.
         policy (str): ``"opt_out"`` or ``"opt_in"``; ``None`` uses ``NVTE_CPU_OFFLOAD_V1``.
         min_offload_numel (int): tensors with fewer logical elements stay on the device.
             Default: 262144 (256K, TransformerEngine's threshold).
@@ -686,15 +682,12 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         num_layers (int): model layers ``L``.
         num_offloaded_layers (int): ``N``, offload layers ``0..N-1`` (``0 <= N <= L-1``).
             ``None``: ``L - 1``, unless ``offloaded_layers`` is given.
-        retain_pinned_cpu_buffers, offload_stream: see :class:`OffloadSynchronizer`.
         offloaded_layers (Iterable[int]): explicit layer indices to offload instead of a prefix;
             the last layer cannot be offloaded (its backward runs first).
-        release_lag (int): release layer ``i`` by the entry of layer ``i + 1 + release_lag``.
-            ``None``: TransformerEngine's bound, ``L - N - 1``. Default: ``None``.
-        prefetch_layers (int): reload layer ``j`` when backward reaches layer ``j + k``, ``k >= 1``;
-            with ``k = 1`` once half of layer ``j + 1`` is used (Note [Paced prefetch]).
-            ``None``: TransformerEngine's distance ``L - N - 1``. Default: ``None``.
-        policy, min_offload_numel, device: see :class:`OffloadSynchronizer`.
+        release_lag (int), prefetch_layers (int): the schedule's ``lag >= 0`` and ``k >= 1`` (Note
+            [Default schedule]); ``None``: TransformerEngine's ``L - N - 1``. Default: ``None``.
+        retain_pinned_cpu_buffers, offload_stream, policy, min_offload_numel, device: see
+            :class:`OffloadSynchronizer`.
 
     Raises:
         TypeError, ValueError: for arguments of the wrong type or out of range.
