@@ -46,8 +46,8 @@ class Recipe:
         name (str): what ``--recipe`` takes.
         summary (str): one line for ``--help`` and the report header.
         config (Config): defaults, before the user's overrides.
-        build (Callable[[Config, torch.device], nn.Module]): seeded model factory; the model maps
-            ``(B, T)`` int64 token ids to ``(B, T, 256)`` logits (or an object with ``.logits``).
+        build (Callable[[Config, torch.device], nn.Module]): seeded model factory: ``(B, T)`` token ids to
+            ``(B, T, 256)`` logits (or an object with ``.logits``).
         needs_cuda (bool): refuse to train on a CPU. Default: ``False``.
         needs_module (str | None): a package that must be importable. Default: ``None``.
     """

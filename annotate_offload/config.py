@@ -92,13 +92,8 @@ def _fail(original: str, field_name: str, value: Any, fix: str) -> ValueError:
 
 
 def check_offload_num_layers(cpu_offloading_num_layers: int, num_layers: Optional[int]) -> None:
-    """Megatron's layer-count rule: ``0 <= cpu_offloading_num_layers < num_layers``.
-
-    Exposed for callers that learn ``num_layers`` from the model (``offload_transform``).
-
-    Args:
-        cpu_offloading_num_layers (int): layers to offload, the first ``N`` of the model.
-        num_layers (int | None): layers of the model ``L``; ``None`` checks only ``N >= 0``.
+    """Megatron's layer-count rule ``0 <= cpu_offloading_num_layers < num_layers`` (``num_layers=None``:
+    only ``>= 0``), for callers that learn ``num_layers`` from the model.
 
     Raises:
         ValueError: ``N`` outside ``[0, L)``; the text starts with Megatron's

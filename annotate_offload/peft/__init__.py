@@ -1,13 +1,10 @@
 """PEFT adapters and offloading: a LoRA adapter that marks its own tensors, and Hugging Face peft interop.
 
 * :class:`LoRALinear` / :func:`apply_lora`: a frozen ``nn.Linear`` plus a trainable rank-``r``
-  update, whose forward marks its tensors for the runtime's selection policy while offloading is
-  active (opt-in: tag the adapter input and hidden for offload, as Megatron Bridge's adapters do;
-  opt-out: keep the rank-``r`` hidden and the adapter weights on the device).
+  update, whose forward marks its tensors for the runtime's selection policy (Note [Adapter marks]).
 * :func:`apply_offload_marks` / :func:`remove_offload_marks`: the same marks for a
-  ``peft.get_peft_model(...)`` model, plus the model-wide ones: the language-model head's input is
-  never offloaded, and frozen weights (and their autocast casts) are never offloaded as
-  activations. ``offload_transform`` applies them itself, before or after ``get_peft_model``.
+  ``peft.get_peft_model(...)`` model, plus the model-wide ones (the head's input, frozen weights);
+  ``offload_transform`` applies them itself, before or after ``get_peft_model``.
 
 No dependency on peft or transformers: peft's LoRA layers are recognised by their structure.
 Importing this package does not initialise CUDA.

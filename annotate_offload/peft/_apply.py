@@ -301,14 +301,12 @@ def apply_offload_marks(
 
     Args:
         model (nn.Module): the model, e.g. ``peft.get_peft_model(model, LoraConfig(...))``.
-        lm_head ("auto" | nn.Module | None): ``"auto"`` finds the head (``get_output_embeddings()``,
-            then ``lm_head``/``output``/``output_layer``/``head``) and warns when there is none; a
-            module names it; ``None`` installs no head hook. Default: ``"auto"``.
+        lm_head ("auto" | nn.Module | None): ``"auto"`` finds the head (:func:`find_lm_head`) and warns
+            when there is none; a module names it; ``None`` installs no head hook. Default: ``"auto"``.
         warn (bool): warn when ``"auto"`` finds no head. Default: ``True``.
 
     Returns:
-        OffloadMarks: the handle (``.remove()`` uninstalls the hooks, ``.refresh()`` re-installs
-        them on the model as it is now).
+        OffloadMarks: the handle.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``lm_head`` is not ``"auto"``, ``None`` or an
