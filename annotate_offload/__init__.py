@@ -1,16 +1,8 @@
 """annotate_offload: declarative activation and optimizer-state offloading for PyTorch training.
 
-Public surface, grouped:
-
-* runtime (drop-in for TransformerEngine's ``cpu_offload``): ``get_cpu_offload_context``,
-  ``is_cpu_offload_enabled``, ``mark_activation_offload``, ``mark_not_offload``, ``start_offload``
-  and the synchronizer classes in :mod:`annotate_offload.runtime`;
-* annotations: ``offload_layer``, ``offload_transform``, ``remove_offload``;
-* optimizer: ``HybridDeviceOptimizer`` (also in :mod:`annotate_offload.optim`);
-* config: ``OffloadError`` and the Megatron-Bridge-named config dataclasses in
-  :mod:`annotate_offload.config`.
-
-Importing the package does not initialise CUDA.
+The runtime is a drop-in for TransformerEngine's ``cpu_offload`` (:mod:`annotate_offload.runtime`); the
+Megatron-Bridge-named config dataclasses are in :mod:`annotate_offload.config`. Importing the package
+does not initialise CUDA.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CLI recipes: a named model builder plus its default :class:`~annotate_offload.config.Config`, and the
+"""CLI recipes (a seeded model builder and its default :class:`~annotate_offload.config.Config`) and the
 training loop of ``annotate-offload train`` and ``plan``.
 
 =============  =====================================================================  ========
@@ -9,8 +9,7 @@ recipe         model                                                            
 ``hf-llama``   ``transformers.LlamaForCausalLM`` from a small ``LlamaConfig``          any
 =============  =====================================================================  ========
 
-Every model is built from ``train.seed`` alone (no downloaded weights), so two builds are
-identical: that is what lets the CLI compare an offloaded run with a baseline step by step.
+Every model is built from ``train.seed`` alone, so an offloaded run and its baseline start identical.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Offload under torch.distributed, one process per device (DDP, FSDP2 ``fully_shard``), launched with torchrun.
 
-Optimizer wiring (:func:`attach_optimizer`, :func:`clip_grad_norm_`), per-rank host threads
-(:func:`local_thread_budget`, :func:`bind_to_budget`) and checkpoints loadable at any world size and
-offload fraction (:func:`save_checkpoint`, :func:`load_checkpoint`).
-
-Activation offload needs nothing extra: ``offload_transform`` works per rank, and FSDP2's unsharded
-parameters are parameters, which the runtime never offloads. Apply ``offload_transform`` *before*
-``fully_shard``.
+Activation offload needs nothing extra: ``offload_transform`` works per rank (apply it *before*
+``fully_shard``), and FSDP2's unsharded parameters are parameters, which the runtime never offloads.
 
 Usage (one process per GPU, under torchrun)::
 

@@ -30,19 +30,18 @@ one, its saved activations (counted at their first unpack). That keeps about 1.5
 device instead of two while the H2D still runs ahead of compute. If the half is never reached, the
 pre-hook of ``m - 1`` (or its first unpack) starts the reload; reaching another layer disarms it.
 
-Note [Scopes inside a checkpoint]. A layer scope opened while autograd runs a backward is the
-recompute of a ``torch.utils.checkpoint`` around it (or a forward run by a backward hook). The
-scope then installs pass-through saved-tensor hooks, so exactly the saves that went to the runtime
-in forward stay away from the checkpoint's hooks in the recompute, and the checkpoint pairs its
-saved tensors by position with the same ones. The runtime's state is not touched: the tensors the
-recompute saves inside the scope belong to a graph that is never run.
+Note [Scopes inside a checkpoint]. A layer scope opened while autograd runs a backward (the
+recompute of a ``torch.utils.checkpoint`` around it) installs pass-through saved-tensor hooks, so
+exactly the saves that went to the runtime in forward stay away from the checkpoint's hooks in the
+recompute, and the checkpoint pairs its saved tensors by position with the same ones. The runtime's
+state is not touched: what the recompute saves inside the scope belongs to a graph that is never
+run.
 
-Note [Errors leave nothing behind]. A layer scope is one ``saved_tensors_hooks`` entry plus the
-step's state. An exception inside a scope (the context's ``__exit__``), a refused entry, or an
-error while the runtime enters a layer closes the hooks and drops the step (host copies stay valid
-for a graph that is still alive, so dropping a step never changes a result). An exception the
-runtime does not see, between a layer and its ``sync_fn``, leaves a layer without its commit: the
-context's next entry takes that forward as abandoned, drops its step and counts from layer 0.
+Note [Errors leave nothing behind]. An exception inside a scope (the context's ``__exit__``), a
+refused entry, or an error while the runtime enters a layer closes the hooks and drops the step
+(host copies stay valid for a graph still alive, so this never changes a result). An exception
+between a layer and its ``sync_fn`` leaves the layer uncommitted: the context's next entry drops
+that step and counts from layer 0.
 """
 
 from __future__ import annotations
