@@ -71,11 +71,6 @@ class ByteBatches:
 
     Raises:
         ValueError: too few tokens for one window, or a non-positive size.
-
-    Example::
-
-        batches = ByteBatches(encode(load_text()), micro_batch_size=8, seq_length=128, seed=0)
-        x, y = batches[0]          # both (8, 128) int64; y[:, :-1] == x[:, 1:]
     """
 
     def __init__(self, tokens: torch.Tensor, *, micro_batch_size: int, seq_length: int, seed: int = 0) -> None:

@@ -6,11 +6,8 @@
 * ``annotate_offload.integrations.lightning`` (extra ``[lightning]``): ``OffloadCallback``, a Lightning
   ``Callback``.
 
-accelerate needs no integration: ``offload_transform`` may come before or after ``Accelerator.prepare``,
-and under DDP ``annotate_offload.distributed.attach_optimizer(ddp_model, optimizer, shard_host_step=False)``
-keeps ``optimizer.state_dict()`` free of collectives, so ``save_state``/``load_state`` work.
-
-Importing this package imports no framework and does not initialise CUDA.
+accelerate needs no integration (under DDP, ``attach_optimizer(ddp_model, optimizer, shard_host_step=False)``
+keeps ``save_state``/``load_state`` free of collectives). Importing this package imports no framework.
 """
 
 __all__: list[str] = []

@@ -10,14 +10,12 @@ Note [Storage units]. What crosses the link is never "a tensor" but a byte range
 * an expanded (stride-0) tensor moves its span, which is the un-expanded data: a
   ``(1, 4096)`` vector expanded to ``(64, 4096)`` moves 16 KiB, not 1 MiB.
 
-Every saved tensor is rebuilt with ``as_strided(size, stride, offset)`` on its unit's bytes, where
-``offset`` is the unit's own storage offset plus the tensor's offset inside the unit. The bytes may
-sit at byte ``lo`` of the original storage (served before release), or at byte 0 of a host copy or
-a reload: either way the consumer gets exactly the sizes, strides and values it saved.
-
-Units are deduplicated by storage identity, byte range and version (not by ``id(tensor)``, and
-not by data pointer alone, which conflates a tensor with its transpose): each byte crosses the
-link once per step, and an aliased unit waits for the latest ready event among its members.
+Every saved tensor is rebuilt with ``as_strided(size, stride, offset)`` on its unit's bytes,
+wherever they sit (the original storage, a host copy, a reload), with ``offset`` the unit's own
+(absolute) storage offset plus the tensor's offset inside the unit. Units are deduplicated by
+storage identity, byte range and version (a data pointer alone would conflate a tensor with its
+transpose): each byte crosses the link once per step, and an aliased unit waits for the latest ready
+event among its members.
 """
 
 from __future__ import annotations
