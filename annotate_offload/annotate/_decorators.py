@@ -1,8 +1,5 @@
-"""``@offload_layer``: declare the unit of offloading on a module class or instance.
-
-The decorator only writes a mark (a plain attribute); it never changes what the module does.
-``offload_transform`` reads the marks to decide which modules are layers.
-"""
+"""``@offload_layer``: declare the unit of offloading on a module class or instance (a plain attribute,
+read by ``offload_transform``; it never changes what the module does)."""
 
 from __future__ import annotations
 

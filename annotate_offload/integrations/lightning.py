@@ -72,16 +72,9 @@ class OffloadCallback(pl.Callback):
 
     @classmethod
     def from_config(cls, config: Any, example_inputs: Any = None) -> "OffloadCallback":
-        """The callback of a config with this package's Megatron Bridge names, as a YAML recipe carries it.
-
-        Args:
-            config (Config | ModelConfig | Mapping): e.g. ``{"model": {"cpu_offloading": True,
-                "cpu_offloading_num_layers": 8}}``.
-            example_inputs: as in the constructor (for a config with ``memory_budget``).
-
-        Raises:
-            TypeError, ValueError: an invalid config (unknown keys name the closest valid one).
-        """
+        """The callback of a config with this package's Megatron Bridge names, as a YAML recipe carries it
+        (e.g. ``{"model": {"cpu_offloading": True, "cpu_offloading_num_layers": 8}}``); ``TypeError`` or
+        ``ValueError`` for an invalid one (unknown keys name the closest valid one)."""
         return cls(config=config, example_inputs=example_inputs)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -103,16 +103,9 @@ class OffloadCallback(TrainerCallback):
 
     @classmethod
     def from_config(cls, config: Any) -> "OffloadCallback":
-        """The callback of a config with this package's Megatron Bridge names, as a YAML recipe carries it.
-
-        Args:
-            config (Config | ModelConfig | Mapping): e.g. ``{"model": {"cpu_offloading": True,
-                "cpu_offloading_num_layers": 8}, "optimizer": {"optimizer_cpu_offload": True}}``; its
-                optimizer section goes to :func:`optimizer_cls_and_kwargs`.
-
-        Raises:
-            TypeError, ValueError: an invalid config (unknown keys name the closest valid one).
-        """
+        """The callback of a config with this package's Megatron Bridge names, as a YAML recipe carries it
+        (e.g. ``{"model": {"cpu_offloading": True, "cpu_offloading_num_layers": 8}}``; its optimizer section
+        goes to :func:`optimizer_cls_and_kwargs`); ``TypeError`` or ``ValueError`` for an invalid one."""
         return cls(config=config)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,

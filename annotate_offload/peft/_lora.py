@@ -50,22 +50,12 @@ class LoRALinear(nn.Module):
     Args:
         base (nn.Linear): the layer to adapt (kept as ``self.base``; same object).
         r (int): adapter rank, ``>= 1``. Default: ``8``.
-        alpha (float): scale numerator, ``> 0``; the update is multiplied by ``alpha / r``.
-            Default: ``16``.
+        alpha (float): scale numerator, ``> 0`` (``scaling = alpha / r``). Default: ``16``.
         dropout (float): dropout probability on the adapter input, in ``[0, 1)``. Default: ``0.0``.
-
-    Shapes:
-        ``x``: ``(..., in_features)`` → ``(..., out_features)``, in the base layer's dtype (or the
-        autocast dtype).
 
     Raises:
         TypeError: ``base`` is not an ``nn.Linear``; ``r``/``alpha``/``dropout`` of the wrong type.
         ValueError: ``r < 1``, ``alpha <= 0``, ``dropout`` outside ``[0, 1)``.
-
-    Example::
-
-        layer = LoRALinear(nn.Linear(4096, 4096, bias=False), r=16, alpha=32)
-        y = layer(torch.randn(2, 128, 4096))
     """
 
     def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0) -> None:
