@@ -41,20 +41,29 @@ def offload_transform(
     keep / offload / recompute per layer to fit a ``memory_budget``, in place.
 
     Finds the layers (``@offload_layer`` marks, ``layer_types=``/``filter_fn=``, or the repeated
-    blocks of an ``nn.ModuleList``/``nn.Sequential``, numbered in registration order, which must be
-    the order they run in, once per forward) and wraps each layer's own ``forward`` on the instance
-    (Note [Layer forwards] in ``_layers.py``); the order relative to ``.to(device)``, ``peft`` and
-    framework wrapping does not matter. Outputs and gradients are bit-identical to the untransformed
-    model's; the object, its class, methods and ``state_dict`` keys stay the same.
+    blocks of an ``nn.ModuleList``/``nn.Sequential``) and wraps each layer's own ``forward`` on the
+    instance: the wrapper opens the layer's offload scope, runs the layer's forward unchanged and
+    commits its output (Note [Layer forwards] in ``_layers.py``). Nothing else of the model is
+    traced or replaced, so the root forward, its optional arguments, every module's ``training``
+    flag and instance-level forwards behave as without offload. The runtime binds its device at
+    the first training forward, so the transform may come before or after ``.to(device)``,
+    ``peft.get_peft_model`` (adapter marks follow the model) and framework wrapping (Trainer,
+    accelerate, Lightning). Outputs and gradients are bit-identical to the untransformed model's.
 
-    ``model.offload_plan`` (:class:`~annotate_offload.annotate._plan.OffloadPlan`) shows per layer the
-    choice and the bytes moved per step (with a budget also the predicted and, after
-    ``model.offload_plan.measure(step)``, the measured time and peak), and ``optimizer_kwargs()`` the
-    ``HybridDeviceOptimizer`` split it assumed.
-    ``remove_offload(model)`` undoes the transform; ``copy.deepcopy(model)`` is an independent
-    transformed model; ``torch.save(model)`` is refused (save the ``state_dict``). A
-    ``torch.utils.checkpoint`` inside a layer is supported (its saved inputs are offloaded); one around
-    an offloaded layer's call is refused (use ``recompute=True`` in the config instead).
+    The model object is changed in place, like torchao's ``quantize_``: same object, class,
+    methods (``generate``), parameters and ``state_dict`` keys. ``model.offload_plan``
+    (:class:`~annotate_offload.annotate._plan.OffloadPlan`) shows per layer the choice and the bytes
+    moved per step; with a budget also the predicted time and peak (and, after
+    ``model.offload_plan.measure(step)``, the measured ones), and
+    ``HybridDeviceOptimizer(model.parameters(), **model.offload_plan.optimizer_kwargs())`` takes the
+    optimizer split the plan assumed (a ``Config`` whose ``optimizer.optimizer_cpu_offload`` is
+    ``False`` keeps it on the device). ``remove_offload(model)`` undoes it; ``copy.deepcopy(model)`` is
+    an independent transformed model; ``torch.save(model)`` is refused (save the ``state_dict``).
+
+    Layers are numbered in module registration order and should run in that order once per
+    forward. ``torch.utils.checkpoint`` inside a layer (Hugging Face's gradient checkpointing) is
+    supported: the checkpoint's saved inputs are what is offloaded. A checkpoint around an offloaded
+    layer's call is refused (use ``recompute=True`` in the config instead).
 
     Args:
         model (nn.Module): the model, on any device (the runtime binds at the first training forward).
@@ -64,18 +73,25 @@ def offload_transform(
             sets ``release_lag``/``prefetch_layers``. ``"auto"`` (or ``None`` with a budget) plans
             for ``memory_budget``. Required unless a budget or ``cpu_offloading_num_layers`` is given.
         memory_budget (int | str | None): the training step's peak device memory
-            (``torch.cuda.max_memory_allocated``), bytes or a string such as ``"20GiB"``: ``plan_offload``
-            measures the layers on their device and picks the fastest predicted plan that fits (per layer
-            keep, offload, recompute or selective recompute, the schedule and the optimizer split); a model
-            that fits keeps everything (with a warning). Default: ``None`` (the config's ``memory_budget``).
+            (``torch.cuda.max_memory_allocated``: weights, gradients, optimizer state on the device,
+            activations), bytes or a string such as ``"20GiB"``. ``annotate_offload.planner.plan_offload``
+            measures the layers on their device and chooses per layer keep, offload, recompute (of the
+            whole layer or selective, each also with what it keeps offloaded), the schedule and the optimizer
+            split, the fastest predicted plan that fits; a model that fits keeps everything (with a one-line warning).
+            Default: ``None`` (the config's ``memory_budget``).
         example_inputs (Tensor | tuple | dict | None): one training step's inputs, to estimate bytes per layer on
             the meta device (and to profile with a budget, every ``config.use_cache`` off) and to refuse a layer
             that runs twice per forward; these forwards run the model's Python code, whose own state (a step
             counter) moves as in a step, while tensors, RNG and gradients are restored. Without them bytes are
             measured on the first training step. The estimate emulates bf16 autocast under ``bf16=True`` or
             ``torch.autocast`` (Note [Autocast on meta] in ``_estimate.py``). Default: ``None``.
-        config (ModelConfig | Config | None): the offload settings (:class:`~annotate_offload.config.ModelConfig`;
-            ``cpu_offloading=False`` returns the model unchanged). Without a config: the schedule from the
+        config (ModelConfig | Config | None): the offload settings, Megatron Bridge names:
+            ``cpu_offloading`` (``False`` returns the model unchanged), ``cpu_offloading_num_layers``,
+            ``memory_budget``, the schedule ``release_lag`` and ``prefetch_layers`` (``None``: chosen
+            from the link, or by the planner), ``offload_policy`` (``"opt_out"``/``"opt_in"``),
+            ``min_offload_numel`` (smaller saved tensors stay on the device) and ``recompute`` (run
+            every layer under non-reentrant ``torch.utils.checkpoint``; offloaded layers then move the
+            checkpoint's saved inputs; not with a budget). Without a config: the schedule from the
             link, the runtime's default policy, 256K elements, no recompute. Default: ``None``.
         layer_types (type | tuple[type, ...] | None): classes whose outermost instances are the layers.
         filter_fn (Callable[[nn.Module, str], bool] | None): ``filter_fn(module, fqn)`` picks the layers.
@@ -86,17 +102,23 @@ def offload_transform(
     Returns:
         nn.Module: ``model`` itself.
 
-    Raises (all before the model changes):
-        TypeError: an argument of the wrong type.
-        ValueError: ``num_layers`` missing, out of ``[0, L)`` or different from the config's; no layers
-            found; a budget without ``example_inputs``, with ``num_layers=N`` or ``recompute``, not a
-            positive size, or below what any plan needs (naming the smallest feasible one); a config rule.
-        OffloadError: the model was already transformed; a layer is registered at two positions, belongs
-            to another transformed model, or (with ``example_inputs``) runs twice in one forward.
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``num_layers`` not an int or ``"auto"``;
+            ``memory_budget`` not an int, float or str; a bad ``layer_types``/``filter_fn``/``config``;
+            ``example_inputs`` not a tensor, tuple/list or dict with str keys.
+        ValueError: ``num_layers`` missing, out of ``[0, L)``, or different from the config's;
+            no layers found; ``"auto"`` without ``memory_budget``; a budget without
+            ``example_inputs``, with ``num_layers=N`` or with ``config.recompute``; a budget that is
+            not a size (``"abc"``) or not positive (before anything else), or below what any plan needs
+            (after measuring, naming the smallest feasible budget); empty ``example_inputs``; a config rule.
+        OffloadError: the model was already transformed; a layer is registered at two positions
+            or belongs to another transformed model; with ``example_inputs``, a layer runs twice in
+            one forward. All raised before the model changes.
 
     Warns:
-        UserWarning: a model that fits its budget; ``cpu_offloading_weights``/
-            ``cpu_offloading_double_buffering`` (no effect); ``example_inputs`` that cannot run the forward.
+        UserWarning: a model that fits its budget (nothing planned);
+            ``cpu_offloading_weights``/``cpu_offloading_double_buffering`` (no effect);
+            ``example_inputs`` that cannot run the forward.
 
     Example::
 
