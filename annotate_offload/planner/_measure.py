@@ -497,11 +497,11 @@ def measure(
             in the :class:`StepMeasurement`). Default: ``True``.
 
     Returns:
-        (tuple[LayerMeasurement, ...], StepMeasurement): per layer, forward/backward ms (medians), saved
-        bytes (unique storages saved for backward, parameters and buffers excluded), checkpoint-input
-        bytes, peaks and gradient bytes; and the rest of the step (static bytes: on CUDA everything
-        allocated before or after profiling, whichever is more, but gradients; on a CPU the parameters
-        and buffers).
+        (tuple[LayerMeasurement, ...], StepMeasurement): per layer, forward/backward ms (medians, at a busy
+        device's clock: Note [A busy device's clock]), saved bytes (unique storages saved for backward,
+        parameters and buffers excluded), checkpoint-input bytes, peaks and gradient bytes; and the rest
+        of the step (static bytes: on CUDA everything allocated before or after profiling, whichever is
+        more, but gradients; on a CPU the parameters and buffers).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or bad ``example_inputs``.
