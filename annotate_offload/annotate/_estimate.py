@@ -217,7 +217,8 @@ def estimate_bytes(
     ``offload`` is the model's ``OffloadState``; its runtime is swapped for a counter during the run.
 
     Raises:
-        OffloadError: a layer ran twice in the forward (it cannot be one offload unit).
+        OffloadError: a layer ran twice in the forward (it cannot be one offload unit), or before a
+            layer registered ahead of it.
         Exception: whatever the model's forward raises on meta tensors (the caller records it).
     """
     state = {n: nn.Parameter(_to_meta(p.detach()), requires_grad=p.requires_grad) for n, p in model.named_parameters()}

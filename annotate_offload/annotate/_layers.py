@@ -286,6 +286,14 @@ class OffloadState:
                     "(found with example_inputs=); one layer must be one offload unit. Leave it out of the layers "
                     "(filter_fn=, layer_types=) or give each call its own module."
                 )
+            if self.estimating and index < (last := max(self.estimating)):
+                raise OffloadError(
+                    f"offload_transform: layer {index} ({self.fqns[index]}) runs after layer {last} "
+                    f"({self.fqns[last]}) in one forward (found with example_inputs=); layers are numbered in "
+                    "registration order, and the runtime schedules their copies in that order, so it must be the "
+                    "order they run. Register the blocks in the order the forward calls them, or pick layers that "
+                    "run in that order (filter_fn=, layer_types=)."
+                )
             self.estimating.add(index)
         elif index <= self.last_entered or self.last_entered < 0:
             self._follow_model()  # a new forward

@@ -113,7 +113,7 @@ def offload_transform(
             (after measuring, naming the smallest feasible budget); empty ``example_inputs``; a config rule.
         OffloadError: the model was already transformed; a layer is registered at two positions
             or belongs to another transformed model; with ``example_inputs``, a layer runs twice in
-            one forward. All raised before the model changes.
+            one forward or before one registered ahead of it. All raised before the model changes.
 
     Warns:
         UserWarning: a model that fits its budget (nothing planned);

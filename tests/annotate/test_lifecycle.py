@@ -136,6 +136,27 @@ def test_a_layer_called_twice_per_forward_is_refused_with_example_inputs_and_exa
         assert torch.equal(model(X), ref(X))
 
 
+class RunsLayersReversed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([MLPBlock() for _ in range(3)])
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = layer(x)
+        return x
+
+
+def test_layers_run_out_of_registration_order_are_refused_with_example_inputs_and_exact_without():
+    model = RunsLayersReversed()
+    ref = copy.deepcopy(model)
+    with pytest.raises(OffloadError, match=r"layer 1 \(layers\.1\) runs after layer 2 \(layers\.2\).*registration"):
+        _apply(model, 1, example_inputs=(X,))
+    assert "offload_plan" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.modules())
+    _apply(model, 1)
+    assert_same_step(run_step(model, X), run_step(ref, X))
+
+
 def test_a_replaced_layer_is_offloaded_from_the_next_forward_and_a_removed_one_is_refused():
     ref = Stack(3)
     model = _apply(copy.deepcopy(ref))
