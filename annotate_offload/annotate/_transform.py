@@ -114,6 +114,8 @@ def offload_transform(
         OffloadError: the model was already transformed; a layer is registered at two positions
             or belongs to another transformed model; with ``example_inputs``, a layer runs twice in
             one forward or before one registered ahead of it. All raised before the model changes.
+        Exception: with a budget, what ``model(*example_inputs)`` raises while profiling (its own type, a
+            model's bug may raise it too), with a note naming ``example_inputs``; the model is unchanged.
 
     Warns:
         UserWarning: a model that fits its budget (nothing planned);
