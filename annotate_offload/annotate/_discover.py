@@ -2,8 +2,7 @@
 
 Precedence: ``layer_types=`` or ``filter_fn=`` (the caller's word), then ``@offload_layer``
 marks, then discovery of repeated blocks: the children of an ``nn.ModuleList``/``nn.Sequential``
-that all share one class (the decoder layers of a Hugging Face model, the blocks of a GPT), from
-the largest such container and every other one of the same class (T5's encoder and decoder).
+that all share one class (the decoder layers of a Hugging Face model, the blocks of a GPT).
 In every case only the outermost match counts (a layer inside a layer is part of it).
 """
 
@@ -117,8 +116,7 @@ def _outermost(model: nn.Module, pred: FilterFn) -> list[LayerRef]:
 
 
 def _discover(model: nn.Module) -> tuple[list[LayerRef], str]:
-    """The children of the largest container (by parameter count) of >= 2 modules of one class, and of
-    every other container of that class (an encoder's and a decoder's blocks), in registration order."""
+    """The children of the largest container (by parameter count) of >= 2 modules of one class."""
     found: list[tuple[str, nn.Module]] = []
     for fqn, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -134,8 +132,8 @@ def _discover(model: nn.Module) -> tuple[list[LayerRef], str]:
     if not found:
         return [], "@offload_layer marks, then at least two nn.ModuleList/nn.Sequential children of one class"
     size = [sum(0 if nn.parameter.is_lazy(p) else p.numel() for p in c.parameters()) for _, c in found]
-    block = type(next(found[max(range(len(found)), key=lambda k: (size[k], -k))][1].children()))
-    chosen = [(fqn, c) for fqn, c in found if type(next(c.children())) is block]
-    refs = [_ref(f"{fqn}.{n}" if fqn else n, child) for fqn, c in chosen for n, child in c.named_children()]
-    how = f"discovered {', '.join(fqn or '<root>' for fqn, _ in chosen)}: {len(refs)} x {block.__name__}"
+    fqn, container = found[max(range(len(found)), key=lambda k: (size[k], -k))]
+    names = [name for name, _ in container.named_children()]
+    refs = [_ref(f"{fqn}.{n}" if fqn else n, getattr(container, n)) for n in names]
+    how = f"discovered {fqn or '<root>'}: {len(refs)} x {type(refs[0].module).__name__}"
     return refs, how

@@ -93,19 +93,6 @@ def test_discovery_prefers_the_largest_container_and_skips_nested():
     assert [r.fqn for r in refs] == ["body.0", "body.1"]
 
 
-def test_discovery_takes_every_container_of_the_chosen_block_class_in_registration_order():
-    class EncoderDecoder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.enc = nn.ModuleList([MLPBlock(16) for _ in range(2)])
-            self.heads = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])  # another class: not layers
-            self.dec = nn.ModuleList([MLPBlock(16) for _ in range(3)])
-
-    refs, how = find_layers(EncoderDecoder())
-    assert [r.fqn for r in refs] == ["enc.0", "enc.1", "dec.0", "dec.1", "dec.2"]
-    assert how == "discovered enc, dec: 5 x MLPBlock"
-
-
 def test_marks_take_precedence_over_discovery_and_outermost_wins():
     m = Stack(n=3)
     offload_layer(m.layers[1])
