@@ -135,5 +135,11 @@ def _discover(model: nn.Module) -> tuple[list[LayerRef], str]:
     fqn, container = found[max(range(len(found)), key=lambda k: (size[k], -k))]
     names = [name for name, _ in container.named_children()]
     refs = [_ref(f"{fqn}.{n}" if fqn else n, getattr(container, n)) for n in names]
-    how = f"discovered {fqn or '<root>'}: {len(refs)} x {type(refs[0].module).__name__}"
+    block = type(refs[0].module)
+    how = f"discovered {fqn or '<root>'}: {len(refs)} x {block.__name__}"
+    # Note [One discovered container]: the registration order of two stacks of one block class need not be the
+    # order they run (CLIP registers its text tower first and runs its vision tower first), which only a forward
+    # shows; the others are named so the caller can pass layer_types= where the order is right (T5's stacks).
+    if others := [f for f, c in found if f != fqn and type(next(c.children())) is block]:
+        how += f" (also {', '.join(others)}: layer_types={block.__name__} takes them too)"
     return refs, how

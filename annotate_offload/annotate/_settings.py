@@ -154,7 +154,8 @@ def resolve(num_layers: Any, config: Any, fields: dict[str, Any] | None = None, 
     return s
 
 
-def check_count(n: int, eligible: int, total: int) -> None:
+def check_count(n: int, eligible: int, total: int, how: str) -> None:
+    """``num_layers=n`` against the ``eligible`` offloadable of ``total`` layers, found as ``how`` says."""
     if n < 0 and eligible:
         raise ValueError(f"offload_transform: num_layers={n} is negative; pass 0 <= num_layers <= {eligible - 1} "
                          f"(the first N of the model's {eligible} offloadable layers are offloaded; 0 offloads none).")
@@ -164,5 +165,5 @@ def check_count(n: int, eligible: int, total: int) -> None:
                "are offloaded; the last one never is)") if eligible else "declare at least two offloadable layers"
         raise ValueError(
             f"offload_transform: CPU offloading can be done only for layers less than {eligible} (num_layers={n}). "
-            f"Fix: {fix}."
+            f"Fix: {fix}. Layers: {how}."
         )

@@ -164,7 +164,7 @@ def transform(model: nn.Module, num_layers: Any, memory_budget: Any, example_inp
         )
     auto = settings.num_layers == "auto"
     if not auto:
-        check_count(settings.num_layers, eligible, len(refs))  # type: ignore[arg-type]
+        check_count(settings.num_layers, eligible, len(refs), how)  # type: ignore[arg-type]
     elif example_inputs is None:
         raise ValueError(
             f"offload_transform: memory_budget={settings.memory_budget!r} needs example_inputs= (one training "

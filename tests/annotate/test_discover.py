@@ -93,6 +93,23 @@ def test_discovery_prefers_the_largest_container_and_skips_nested():
     assert [r.fqn for r in refs] == ["body.0", "body.1"]
 
 
+def test_discovery_names_the_other_containers_of_its_block_class():
+    from annotate_offload import offload_transform
+
+    class EncoderDecoder(nn.Module):  # which stack runs first only a forward shows: one is taken, the other named
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.ModuleList([MLPBlock(16) for _ in range(2)])
+            self.heads = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])  # another class
+            self.dec = nn.ModuleList([MLPBlock(16) for _ in range(3)])
+
+    refs, how = find_layers(EncoderDecoder())
+    assert [r.fqn for r in refs] == ["dec.0", "dec.1", "dec.2"]
+    assert how == "discovered dec: 3 x MLPBlock (also enc: layer_types=MLPBlock takes them too)"
+    with pytest.raises(ValueError, match=r"num_layers=4.*Layers: discovered dec.*also enc: layer_types=MLPBlock"):
+        offload_transform(EncoderDecoder(), num_layers=4)
+
+
 def test_marks_take_precedence_over_discovery_and_outermost_wins():
     m = Stack(n=3)
     offload_layer(m.layers[1])
