@@ -122,20 +122,6 @@ class CallsLayerTwice(nn.Module):
         return x
 
 
-def test_a_layer_called_twice_per_forward_is_refused_with_example_inputs_and_exact_without():
-    """With example_inputs the transform sees the forward and refuses, leaving the model untouched;
-    without them the repeated call starts a new runtime step (like a second forward): exact."""
-    model = CallsLayerTwice()
-    ref = copy.deepcopy(model)
-    with pytest.raises(OffloadError, match=r"layer 0 \(layers\.0\) runs more than once in one forward"):
-        _apply(model, 1, example_inputs=(X,))
-    assert "offload_plan" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.modules())
-    _apply(model, 1)
-    assert_same_step(run_step(model, X), run_step(ref, X))
-    with torch.no_grad():
-        assert torch.equal(model(X), ref(X))
-
-
 class RunsLayersReversed(nn.Module):
     def __init__(self):
         super().__init__()
@@ -147,14 +133,21 @@ class RunsLayersReversed(nn.Module):
         return x
 
 
-def test_layers_run_out_of_registration_order_are_refused_with_example_inputs_and_exact_without():
-    model = RunsLayersReversed()
+@pytest.mark.parametrize("make, error", [
+    (CallsLayerTwice, r"layer 0 \(layers\.0\) runs more than once in one forward"),
+    (RunsLayersReversed, r"layer 1 \(layers\.1\) runs after layer 2 \(layers\.2\).*registration order")])
+def test_layers_run_twice_or_out_of_order_are_refused_with_example_inputs_and_exact_without(make, error):
+    """With example_inputs the transform sees the forward and refuses, leaving the model untouched;
+    without them a repeated or earlier layer starts a new runtime step (like a second forward): exact."""
+    model = make()
     ref = copy.deepcopy(model)
-    with pytest.raises(OffloadError, match=r"layer 1 \(layers\.1\) runs after layer 2 \(layers\.2\).*registration"):
+    with pytest.raises(OffloadError, match=error):
         _apply(model, 1, example_inputs=(X,))
     assert "offload_plan" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.modules())
     _apply(model, 1)
     assert_same_step(run_step(model, X), run_step(ref, X))
+    with torch.no_grad():
+        assert torch.equal(model(X), ref(X))
 
 
 def test_a_replaced_layer_is_offloaded_from_the_next_forward_and_a_removed_one_is_refused():
