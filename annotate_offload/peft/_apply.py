@@ -295,9 +295,9 @@ def apply_offload_marks(
 
     ``offload_transform`` calls it, and refreshes the marks when modules are registered later
     (``get_peft_model`` after the transform), so calling it yourself is needed only for
-    ``get_cpu_offload_context`` users or to name the head. Calling it again on the same model (or on a
-    wrapper of it: marks live on the innermost model, unwrapped through DDP, ``PeftModel`` and peft's
-    tuner) returns the same handle.
+    ``get_cpu_offload_context`` users or to name the head. Outputs and gradients are bit-identical with
+    and without the hooks. Calling it again on the same model (or on a wrapper of it: marks live on the
+    innermost model, unwrapped through DDP, ``PeftModel`` and peft's tuner) returns the same handle.
 
     Args:
         model (nn.Module): the model, e.g. ``peft.get_peft_model(model, LoraConfig(...))``.
@@ -306,7 +306,8 @@ def apply_offload_marks(
         warn (bool): warn when ``"auto"`` finds no head. Default: ``True``.
 
     Returns:
-        OffloadMarks: the handle.
+        OffloadMarks: the handle (``.remove()`` uninstalls the hooks, ``.refresh()`` re-installs them
+        on the model as it is now).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``lm_head`` is not ``"auto"``, ``None`` or an
