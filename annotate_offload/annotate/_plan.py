@@ -13,6 +13,7 @@ from ._layers import _copied_ref
 
 __all__ = ["LayerPlan", "OffloadPlan"]
 
+# least intrusive first: the planner breaks ties in this order (planner/_cost_model.py, CHOICES)
 Choice = Literal["keep", "offload", "recompute", "recompute_offload", "selective", "selective_offload"]
 OFFLOADED = frozenset({"offload", "recompute_offload", "selective_offload"})  # through the runtime's copies
 RECOMPUTED = frozenset({"recompute", "recompute_offload", "selective", "selective_offload"})  # checkpointed

@@ -110,16 +110,16 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, get_args
 
-from annotate_offload.annotate._plan import OFFLOADED, RECOMPUTED, SELECTIVE
+from annotate_offload.annotate._plan import OFFLOADED, RECOMPUTED, SELECTIVE, Choice
 
 __all__ = ["CHOICES", "LayerMeasurement", "StepMeasurement", "LinkBandwidth", "Prediction", "allowed_choices",
            "predict"]
 
-#: The per-layer choices, in the order used for tie-breaking (least intrusive first).
-CHOICES: tuple[str, ...] = ("keep", "offload", "recompute", "recompute_offload", "selective", "selective_offload")
-ON_DEVICE: tuple[str, ...] = ("keep", "recompute", "selective")  # the choices without copies
+#: The per-layer choices, in the order used for tie-breaking (least intrusive first: ``Choice``'s order).
+CHOICES: tuple[str, ...] = get_args(Choice)
+ON_DEVICE: tuple[str, ...] = tuple(c for c in CHOICES if c not in OFFLOADED)  # the choices without copies
 
 
 def _check_number(owner: str, name: str, value: object, *, positive: bool = False, low: float = 0) -> None:
