@@ -263,4 +263,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Note [Exit without finalizing]: DDP and FSDP keep their gloo process group (and its worker
+    # threads) alive past destroy_process_group. A worker can drop the last reference to a finished
+    # collective's tensors after the interpreter began to finalize; it then cannot take the GIL and
+    # aborts the process (pytorch/pytorch#190489). os._exit leaves no finalization to race.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -100,6 +100,9 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: st
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # A failure above raised to the spawn wrapper; a success exits here, without finalizing
+    # (Note [Exit without finalizing] in benchmarks/distributed.py).
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, out_dir: "str | None" = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:

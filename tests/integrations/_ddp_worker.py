@@ -86,6 +86,8 @@ if __name__ == "__main__":
     results = {"hf": hf, "lightning": lightning}[framework](out)
     if int(os.environ["RANK"]) == 0:
         torch.save(results, os.path.join(out, "results.pt"))
-    if torch.distributed.is_initialized():  # gloo's threads torn down at interpreter exit may abort the process
-        torch.distributed.barrier()
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # Note [Exit without finalizing] in benchmarks/distributed.py
