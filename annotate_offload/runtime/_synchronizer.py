@@ -76,12 +76,17 @@ class _Scopes(threading.local):
 _SCOPES = _Scopes()
 
 
+def _active_stack() -> list:
+    """The synchronizers whose layer scope is open on this thread, innermost last."""
+    return _SCOPES.stack
+
+
 def _active_synchronizer() -> Optional["OffloadSynchronizer"]:
     """The synchronizer whose layer scope is open on this thread, if any. None in code that
     ``torch.compile`` traces, which opens no scope (Note [Traced layers] in ``annotate/_layers.py``)."""
     if torch.compiler.is_compiling():
         return None
-    stack = _SCOPES.stack
+    stack = _active_stack()
     return stack[-1] if stack else None
 
 
@@ -486,7 +491,7 @@ class OffloadSynchronizer:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._scope = hooks
-        _SCOPES.stack.append(self)
+        _active_stack().append(self)
         return index
 
     def enter_layer(self, index: int) -> bool:
@@ -510,8 +515,9 @@ class OffloadSynchronizer:
         scope, self._scope = self._scope, None
         if scope is None:
             return False
-        if self in _SCOPES.stack:
-            _SCOPES.stack.remove(self)
+        stack = _active_stack()
+        if self in stack:
+            stack.remove(self)
         scope.__exit__(None, None, None)
         return True
 
