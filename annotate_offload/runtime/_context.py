@@ -142,12 +142,12 @@ class _CpuOffloadContext(contextlib.ContextDecorator):
         """The layer-boundary commit: call on each layer's output, outside the context.
 
         Returns ``tensor`` itself. With grad disabled, and in a checkpoint's recompute, it returns
-        its input and does nothing.
+        its input and does nothing. An output without a ``grad_fn`` (a frozen layer's) ends the layer
+        with no backward to track: whatever it saved reloads when backward unpacks it.
 
         Raises:
             OffloadError: if called inside the context, or before any layer was entered.
             TypeError: if ``tensor`` is not a tensor.
-            ValueError: if ``tensor`` does not require grad (its backward could not be tracked).
         """
         if not _recording():
             return tensor
@@ -168,12 +168,6 @@ class _CpuOffloadContext(contextlib.ContextDecorator):
                 "torch.utils.checkpoint(use_reentrant=True) runs its function under no_grad, so "
                 "call sync_fn inside the checkpointed function too (nothing is offloaded there), "
                 "or use use_reentrant=False"
-            )
-        if not tensor.requires_grad:
-            raise ValueError(
-                "synchronization function: the tensor does not require grad, so the layer's "
-                "backward cannot be tracked; pass the layer's output (with requires_grad=True), "
-                "or run the pass under torch.no_grad() where the function is a no-op"
             )
         self.offload_synchronizer._mark_boundary(tensor, self.current_layer)
         self._uncommitted = False

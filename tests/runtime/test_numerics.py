@@ -52,6 +52,28 @@ def test_default_mode_bit_identical(n, knobs):
     assert stats.resident_bytes == 0
 
 
+@pytest.mark.parametrize("k", [None, 1])
+@pytest.mark.parametrize("frozen", [1, 2])
+def test_frozen_first_layers_end_without_a_backward_and_the_rest_stays_exact(frozen, k):
+    blocks = make_stack(L)
+    blocks[:frozen].requires_grad_(False)  # their outputs have no grad_fn: no backward reaches them
+    x = torch.randn(2, 16, 64)
+    ref = clone(blocks)
+    ref_out = run_plain(ref, x)
+    ref_out.square().mean().backward()
+    ctx, sync = ao.get_cpu_offload_context(True, L - 1, L, device="cpu", min_offload_numel=0, prefetch_layers=k)
+    for _ in range(2):
+        blocks.zero_grad(set_to_none=True)
+        out = run_offloaded(blocks, x, ctx, sync)
+        out.square().mean().backward()
+        assert torch.equal(out.detach(), ref_out.detach())
+        assert_bit_identical([p.grad for p in blocks.parameters() if p.requires_grad],
+                             [p.grad for p in ref.parameters() if p.requires_grad])
+    stats = ctx.offload_synchronizer.stats
+    assert set(stats.bytes_offloaded_per_layer) == set(range(frozen, L - 1))  # frozen layers save nothing
+    assert stats.bytes_reloaded == stats.bytes_offloaded > 0 and stats.resident_bytes == 0
+
+
 @pytest.mark.parametrize("n", [0, 1, L - 1])
 def test_manual_mode_bit_identical(n):
     blocks = make_stack(L)
