@@ -124,13 +124,13 @@ def _discover(model: nn.Module) -> tuple[list[LayerRef], str]:
         children = list(module.children())
         if len(children) < 2 or len({type(c) for c in children}) != 1:
             continue
-        if isinstance(children[0], (nn.ModuleList, nn.Sequential)):
-            continue
+        if isinstance(children[0], (nn.ModuleList, nn.ModuleDict)):
+            continue  # no forward of their own: not a block (an nn.Sequential block is one)
         if any(fqn.startswith(f + ".") for f, _ in found):
             continue  # nested in an earlier container's blocks
         found.append((fqn, module))
     if not found:
-        return [], "@offload_layer marks, then at least two nn.ModuleList/nn.Sequential children of one class"
+        return [], "@offload_layer marks, then an nn.ModuleList/nn.Sequential of at least two blocks of one class"
     size = [sum(0 if nn.parameter.is_lazy(p) else p.numel() for p in c.parameters()) for _, c in found]
     fqn, container = found[max(range(len(found)), key=lambda k: (size[k], -k))]
     names = [name for name, _ in container.named_children()]

@@ -63,6 +63,14 @@ def test_discovers_modulelist_blocks():
     assert "discovered layers: 3 x MLPBlock" in how
 
 
+def test_discovers_sequential_blocks_but_not_lists_of_lists():
+    refs, how = find_layers(nn.ModuleList([nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(3)]))
+    assert [r.fqn for r in refs] == ["0", "1", "2"] and how == "discovered <root>: 3 x Sequential"
+    stages = nn.ModuleList([nn.ModuleList([MLPBlock(16) for _ in range(k)]) for k in (2, 3)])  # no forward of its own
+    refs, how = find_layers(nn.Sequential(stages))
+    assert [r.fqn for r in refs] == ["0.1.0", "0.1.1", "0.1.2"], how
+
+
 def test_discovers_blocks_of_lazy_modules_before_they_are_materialised():
     refs, how = find_layers(nn.Sequential(nn.Linear(4, 4), nn.Sequential(*[nn.LazyLinear(8) for _ in range(3)])))
     assert [r.fqn for r in refs] == ["1.0", "1.1", "1.2"], how  # a parameter of unknown size counts as none
@@ -141,8 +149,8 @@ def test_selection_errors():
         find_layers(m, filter_fn=lambda mod: True)
     refs, _ = find_layers(m, filter_fn=lambda *a: a[1] == "layers.0")  # *args is fine
     assert [r.fqn for r in refs] == ["layers.0"]
-    with pytest.raises(ValueError, match=r"found no layers in Linear \(looked for @offload_layer marks, then at least "
-                                         r"two nn.ModuleList/nn.Sequential children of one class\); mark"):
+    with pytest.raises(ValueError, match=r"found no layers in Linear \(looked for @offload_layer marks, then an "
+                                         r"nn.ModuleList/nn.Sequential of at least two blocks of one class\); mark"):
         find_layers(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"found no layers in Stack \(looked for layer_types=\(Conv2d\)\)"):
         find_layers(m, layer_types=nn.Conv2d)

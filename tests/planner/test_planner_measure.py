@@ -66,7 +66,7 @@ def test_the_planner_plans_the_layers_the_transform_finds():
     assert [m.name for m in measure_layers(net, None, (x,), warmup=0, repeats=1)] == ["blocks.0", "blocks.1",
                                                                                          "blocks.2"]
     # two repeated containers: the one with more parameters (the transform's rule), not the one with more children
-    seq = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)),
+    seq = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), nn.ReLU(),
                         nn.Sequential(*(nn.Identity() for _ in range(3))))
     assert [m.name for m in measure_layers(seq, None, (x,), warmup=0, repeats=1)] == ["0.0", "0.1"]
     assert [ref.fqn for ref in find_layers(seq)[0]] == ["0.0", "0.1"]
