@@ -200,7 +200,7 @@ def get_cpu_offload_context(
 
     Args:
         enabled (bool): ``False`` returns ``(nullcontext(), identity)`` (plus ``None`` in manual mode)
-            without validating anything else. Default: ``False``.
+            without validating the other arguments. Default: ``False``.
         num_layers (int): layers to offload, ``0 <= num_layers <= model_layers - 1`` (the first
             ``num_layers`` layers; ignored in manual mode). Default: ``1``.
         model_layers (int): layer scopes per forward (number of ``with ctx:`` entries).
@@ -225,16 +225,24 @@ def get_cpu_offload_context(
     Raises:
         ValueError: nothing selected to offload; ``num_layers > model_layers - 1``;
             ``offload_stream`` without manual mode; values out of range.
-        TypeError: arguments of the wrong type.
+        TypeError: arguments of the wrong type (the flags must be ``bool``).
 
     Warns:
         UserWarning: ``num_layers == model_layers - 1`` (TE's schedule cannot overlap copies with
             compute then; pass ``prefetch_layers=1`` to overlap anyway).
         DeprecationWarning: ``offload_weights=True``.
     """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled={enabled!r}: expected a bool (True or False)")
     null = (contextlib.nullcontext(), _identity) + ((None,) if manual_synchronization else ())
     if not enabled:
         return null
+    flags = dict(offload_activations=offload_activations, offload_weights=offload_weights,
+                 double_buffering=double_buffering, manual_synchronization=manual_synchronization,
+                 retain_pinned_cpu_buffers=retain_pinned_cpu_buffers)
+    for name, value in flags.items():
+        if not isinstance(value, bool):  # a string such as "no" is truthy: it would do the opposite of what it says
+            raise TypeError(f"{name}={value!r}: expected a bool (True or False)")
     if not offload_activations and not offload_weights:
         raise ValueError(
             "CPU Offloading is enabled while it is not mentioned what to offload (weights/"

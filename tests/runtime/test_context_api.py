@@ -106,6 +106,10 @@ def test_offload_weights_is_deprecated_and_double_buffering_accepted():
         (dict(policy="everything"), ValueError, "policy='everything'"),
         (dict(min_offload_numel=-5), ValueError, "min_offload_numel=-5"),
         (dict(device="tpu"), ValueError, "device='tpu'"),
+        (dict(enabled="no"), TypeError, "enabled='no': expected a bool"),
+        (dict(offload_activations="no"), TypeError, "offload_activations='no': expected a bool"),
+        (dict(retain_pinned_cpu_buffers=1), TypeError, "retain_pinned_cpu_buffers=1: expected a bool"),
+        (dict(manual_synchronization=None), TypeError, "manual_synchronization=None: expected a bool"),
     ],
 )
 def test_bad_arguments_name_parameter_and_value(kwargs, exc, match):
