@@ -32,7 +32,7 @@ from annotate_offload.runtime import is_cpu_offload_enabled, mark_not_offload
 from annotate_offload.runtime._synchronizer import _active_synchronizer
 
 from ._lora import LoRALinear
-from ._policy import (active_policy, keep_saves, mark_adapter_hidden, mark_adapter_input, mark_adapter_weights,
+from ._policy import (active_policy, keep_saves, mark_adapter_hidden, mark_adapter_input,
                       marked_saves)
 
 __all__ = ["apply_offload_marks", "remove_offload_marks"]
@@ -103,13 +103,11 @@ def _is_peft_lora(module: nn.Module) -> bool:
 
 
 def _peft_layer_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Pre-hook of a peft LoRA layer: opt-in tags its input, opt-out marks its adapter weights."""
+    """Pre-hook of a peft LoRA layer: opt-in tags its input."""
     policy = active_policy()
     if policy == "opt_in":
         first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
         mark_adapter_input(policy, first)
-    elif policy == "opt_out":
-        mark_adapter_weights(policy, [p for d in (module.lora_A, module.lora_B) for p in d.parameters()])
 
 
 class _SaveScope:

@@ -13,7 +13,7 @@ from typing import Callable, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ._policy import (active_policy, mark_adapter_hidden, mark_adapter_input, mark_adapter_weights, marked_saves,
+from ._policy import (active_policy, mark_adapter_hidden, mark_adapter_input, marked_saves,
                       register_frozen)
 
 __all__ = ["LoRALinear", "apply_lora"]
@@ -98,7 +98,6 @@ class LoRALinear(nn.Module):
         policy = active_policy()
         if policy is not None:
             register_frozen(self.base.parameters())
-            mark_adapter_weights(policy, (self.lora_A.weight, self.lora_B.weight))
         out = self.base(x)
         h = self.lora_dropout(x)
         mark_adapter_input(policy, x, h)

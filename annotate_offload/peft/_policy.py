@@ -9,16 +9,19 @@ runtime should do with them depends on its selection policy:
   the adapter tags its input and its hidden ``activation_offloading = True``, as Megatron Bridge's
   ``ParallelLinearAdapter`` does.
 * ``"opt_out"`` (the default): everything eligible moves unless marked, so the adapter marks the
-  rank-``r`` hidden and its weights with ``mark_not_offload``: they are tiny, and a PCIe round trip
-  per adapter and step buys nothing. The large input (or its dropout output) is offloaded.
+  rank-``r`` hidden with ``mark_not_offload``: it is tiny, and a PCIe round trip per adapter and
+  step buys nothing. The large input (or its dropout output) is offloaded. The weights are
+  parameters, which the runtime never offloads: they get no mark, so the user's objects are left
+  as they were.
 
 Marks are attributes of tensor *objects*, and the object autograd saves is often not the one the
 module sees: ``F.linear`` on a ``(B, T, H)`` input saves the ``(B*T, H)`` view that ``matmul``
 folds it into, and under autocast it saves the cast. So besides marking the tensors themselves,
 the adapter runs ``lora_A`` (opt-in) and ``lora_B`` (both policies) inside :func:`marked_saves`,
-a ``saved_tensors_hooks`` scope that sets the mark on exactly what autograd saves and hands it to
-the open synchronizer's own pack/unpack hooks (``_pack``/``_unpack``). Nothing is
-computed differently: outputs and gradients are bit-identical with and without offloading.
+a ``saved_tensors_hooks`` scope that sets the mark on exactly what autograd saves (parameters
+aside) and hands it to the open synchronizer's own pack/unpack hooks (``_pack``/``_unpack``).
+Nothing is computed differently: outputs and gradients are bit-identical with and without
+offloading.
 
 Frozen base weights are parameters (never offloaded), but autocast does not cache the casts of
 parameters that do not require grad, so each step the bf16 copy of a frozen weight is a fresh
@@ -45,7 +48,6 @@ __all__ = [
     "keep_saves",
     "mark_adapter_input",
     "mark_adapter_hidden",
-    "mark_adapter_weights",
     "register_frozen",
 ]
 
@@ -90,7 +92,8 @@ class _MarkedSaves(torch.autograd.graph.saved_tensors_hooks):
         self.outer = None
 
     def _pack(self, t: torch.Tensor) -> Any:
-        setattr(t, self.attr, True)
+        if not isinstance(t, torch.nn.Parameter):  # a parameter is never offloaded; the user's object stays unmarked
+            setattr(t, self.attr, True)
         outer = self.outer
         return outer._pack(t) if outer is not None else self.sync._pack(t)
 
@@ -147,12 +150,6 @@ def mark_adapter_hidden(policy: Optional[str], hidden: torch.Tensor) -> None:
         mark_activation_offload(hidden)
     elif policy == "opt_out":
         mark_not_offload(hidden)
-
-
-def mark_adapter_weights(policy: Optional[str], weights: Iterable[torch.Tensor]) -> None:
-    """Opt-out: ``mark_not_offload`` on the adapter weights (they are parameters; belt and braces)."""
-    if policy == "opt_out":
-        mark_not_offload(*[w for w in weights if isinstance(w, torch.Tensor)])
 
 
 def register_frozen(params: Iterable[torch.Tensor]) -> None:

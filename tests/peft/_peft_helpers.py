@@ -95,6 +95,12 @@ class PackSpy:
         return [t for t in self.packed if tuple(t.shape) in shapes]
 
 
+def marked_parameters(model: nn.Module) -> list[str]:
+    """Names of parameters that carry an offload mark (the runtime never offloads a parameter)."""
+    marks = {"_TE_do_not_offload", "activation_offloading"}
+    return [n for n, p in model.named_parameters() if marks & p.__dict__.keys()]
+
+
 def adapter_weights(model: nn.Module) -> list[torch.Tensor]:
     """``lora_A``/``lora_B`` weights of LoRALinear and of Hugging Face peft LoRA layers."""
     out = []

@@ -16,7 +16,8 @@ from annotate_offload.config import ModelConfig  # noqa: E402
 from annotate_offload.peft import apply_offload_marks, remove_offload_marks  # noqa: E402
 from annotate_offload.peft._apply import find_lm_head, unwrap_model  # noqa: E402
 
-from _peft_helpers import HIDDEN, L, R, VOCAB, OneScope, PackSpy, adapter_weights, assert_same, ids, step, weight_shapes  # noqa: E402
+from _peft_helpers import (HIDDEN, L, R, VOCAB, OneScope, PackSpy, adapter_weights, assert_same, ids,  # noqa: E402
+                           marked_parameters, step, weight_shapes)
 
 
 def _llama(*, tie=False):
@@ -71,7 +72,7 @@ def test_head_found_through_wrappers_and_tied_embeddings():
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("policy", ["opt_out", "opt_in"])
-def test_peft_grads_bit_identical_and_marks(policy, dropout):
+def test_peft_grads_bit_identical_and_marks_on_no_parameter(policy, dropout):
     model = _hf(dropout=dropout)
     ref = copy.deepcopy(model)
     apply_offload_marks(model)
@@ -82,6 +83,7 @@ def test_peft_grads_bit_identical_and_marks(policy, dropout):
     assert spy.packed
     assert spy.packed_sharing_storage(adapter_weights(model)) == []
     assert spy.packed_with_shape(weight_shapes(adapter_weights(model))) == []
+    assert marked_parameters(model) == []
     bt = ids().numel()
     if policy == "opt_out":
         assert spy.packed_rank_r() == []

@@ -131,11 +131,12 @@ def _transformed(policy, **kw):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 @pytest.mark.parametrize("policy", ["opt_out", "opt_in"])
-def test_grads_bit_identical_with_offload(policy, dropout):
+def test_grads_bit_identical_with_offload_and_no_parameter_marked(policy, dropout):
     model, ref, spy = _transformed(policy, dropout=dropout)
     for s in range(2):
         assert_same(step(model, ids(), seed=s), step(ref, ids(), seed=s))
     assert spy.packed, "nothing was offloaded: the test would prove nothing"
+    assert h.marked_parameters(model) == []
 
 
 def test_opt_out_keeps_rank_r_and_adapter_weights():
