@@ -27,7 +27,8 @@ class OffloadStats:
 
     Attributes:
         step (int): step counter of the synchronizer (0-based).
-        tensors_offloaded (int): saved tensors served from host memory.
+        tensors_offloaded (int): saved tensors the runtime took over to serve from host memory (in
+            manual mode their bytes move only when ``start_offload_layer`` runs: see ``bytes_offloaded``).
         tensors_deduplicated (int): saved tensors that shared an already-copied storage unit.
         bytes_offloaded (int): bytes copied device-to-host (D2H), in bytes. Each storage unit once.
         bytes_reloaded (int): bytes copied host-to-device (H2D), in bytes.
