@@ -32,8 +32,7 @@ from annotate_offload.runtime import is_cpu_offload_enabled, mark_not_offload
 from annotate_offload.runtime._synchronizer import _active_synchronizer
 
 from ._lora import LoRALinear
-from ._policy import (active_policy, keep_saves, mark_adapter_hidden, mark_adapter_input,
-                      marked_saves)
+from ._policy import active_policy, keep_saves, mark_adapter_hidden, mark_adapter_input, marked_saves
 
 __all__ = ["apply_offload_marks", "remove_offload_marks"]
 

@@ -13,8 +13,7 @@ from typing import Callable, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ._policy import (active_policy, mark_adapter_hidden, mark_adapter_input, marked_saves,
-                      register_frozen)
+from ._policy import active_policy, mark_adapter_hidden, mark_adapter_input, marked_saves, register_frozen
 
 __all__ = ["LoRALinear", "apply_lora"]
 
