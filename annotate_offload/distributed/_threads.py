@@ -145,6 +145,10 @@ def local_thread_budget(
         rank_nodes (list[int] | None): NUMA node of each local rank's GPU. Default: read from /sys
             when this process sees ``local_world_size`` GPUs (rank ``r`` drives ``cuda:r``).
 
+    Returns:
+        ThreadBudget: ``threads`` for ``HybridDeviceOptimizer(cpu_threads=...)``, the CPU share and
+        its NUMA node.
+
     Raises:
         TypeError: ``local_rank`` or ``local_world_size`` not an int.
         ValueError: ``local_world_size < 1``, ``local_rank`` outside ``[0, local_world_size)``, a

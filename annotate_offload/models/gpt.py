@@ -132,8 +132,8 @@ class GPTStack(nn.Module):
         config (GPTConfig): sizes.
         device, dtype: forwarded to every parameter (e.g. ``device="cuda", dtype=torch.bfloat16``).
 
-    Forward: hidden states ``(B, S, H)`` → ``(B, S, H)``, or with ``config.vocab`` token ids ``(B, S)``
-    (``S <= max_seq``) → logits ``(B, S, vocab)``.
+    Forward: hidden states ``(B, S, H)`` (float) → ``(B, S, H)``, or with ``config.vocab`` token ids
+    ``(B, S)`` (int64, ``S <= max_seq``) → logits ``(B, S, vocab)``.
     """
 
     def __init__(self, config: GPTConfig, *, device=None, dtype=None) -> None:

@@ -2,9 +2,9 @@
 
 Hugging Face peft's LoRA layers (a ``base_layer`` plus ``lora_A``/``lora_B`` ``ModuleDict``s keyed by
 adapter name) cannot be edited, so the marks :class:`LoRALinear` sets itself (Note [Adapter marks] in
-``_policy.py``) come from forward hooks: a pre-hook on the LoRA layer (opt-in: tag its input; opt-out:
-mark the adapter weights), and pre/post hooks that run each ``lora_A[name]`` and ``lora_B[name]``
-inside ``marked_saves`` and mark ``lora_A``'s output, the rank-``r`` hidden. Two model-wide marks
+``_policy.py``) come from forward hooks: a pre-hook on the LoRA layer (opt-in: tag its input), and pre/post hooks
+that run each ``lora_A[name]`` and ``lora_B[name]`` inside ``marked_saves`` and mark ``lora_A``'s
+output, the rank-``r`` hidden. Two model-wide marks
 complete them:
 
 * The language-model head's input is never offloaded: a small GEMM over a huge vocabulary hides no

@@ -52,6 +52,10 @@ class LoRALinear(nn.Module):
         alpha (float): scale numerator, ``> 0`` (``scaling = alpha / r``). Default: ``16``.
         dropout (float): dropout probability on the adapter input, in ``[0, 1)``. Default: ``0.0``.
 
+    Shapes:
+        ``x``: ``(..., in_features)`` → ``(..., out_features)``, in the base layer's dtype (or the
+        autocast dtype).
+
     Raises:
         TypeError: ``base`` is not an ``nn.Linear``; ``r``/``alpha``/``dropout`` of the wrong type.
         ValueError: ``r < 1``, ``alpha <= 0``, ``dropout`` outside ``[0, 1)``.

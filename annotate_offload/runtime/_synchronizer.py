@@ -68,6 +68,7 @@ from ._tensor_group import _unit_range
 
 __all__ = ["OffloadSynchronizer", "DefaultOffloadSynchronizer", "ManualOffloadSynchronizer"]
 
+
 class _Scopes(threading.local):
     def __init__(self) -> None:
         self.stack: list = []  # the synchronizers whose layer scope is open on this thread, innermost last
